@@ -1,0 +1,232 @@
+/*
+ * Colibri: a low-latency CPU runtime for Mixture-of-Experts layers.
+ *
+ * Plain C ABI. The caller decides the routing (top-k expert ids and weights
+ * per token); Colibri runs each chosen expert's SwiGLU feed-forward network
+ * and writes the weighted sum.
+ *
+ * Conventions
+ *  - Every entry point that can fail returns a colibri_status_t (0 = success).
+ *    On failure, colibri_last_error() returns a message for the calling thread
+ *    that names the file, field or line at fault. The library never aborts,
+ *    exits or writes to stdout.
+ *  - Handles are opaque. Option structs are filled by *_default() first, so
+ *    fields added later get sane values.
+ *  - Thread safety is stated per function below.
+ */
+#ifndef COLIBRI_H
+#define COLIBRI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define COLIBRI_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define COLIBRI_API __attribute__((visibility("default")))
+#else
+#define COLIBRI_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define COLIBRI_VERSION_MAJOR 0
+#define COLIBRI_VERSION_MINOR 1
+#define COLIBRI_VERSION_PATCH 0
+
+typedef enum colibri_status {
+  COLIBRI_OK = 0,
+  COLIBRI_ERR_INVALID_ARGUMENT = 1, /* NULL pointer, bad size, out-of-range index */
+  COLIBRI_ERR_IO = 2,               /* file missing, unreadable, unwritable */
+  COLIBRI_ERR_FORMAT = 3,           /* malformed manifest, routing or weight file */
+  COLIBRI_ERR_CHECKSUM = 4,         /* checksum mismatch */
+  COLIBRI_ERR_OUT_OF_MEMORY = 5,
+  COLIBRI_ERR_UNSUPPORTED = 6, /* valid but not supported by this build */
+  COLIBRI_ERR_INTERNAL = 7
+} colibri_status_t;
+
+typedef enum colibri_dtype {
+  COLIBRI_DTYPE_F32 = 0,
+  COLIBRI_DTYPE_F16 = 1,
+  COLIBRI_DTYPE_BF16 = 2
+} colibri_dtype_t;
+
+/* Kind of huge pages backing the packed weights. */
+typedef enum colibri_huge_page_kind {
+  COLIBRI_HUGE_PAGES_NONE = 0,        /* normal 4 KiB pages */
+  COLIBRI_HUGE_PAGES_TRANSPARENT = 1, /* THP via madvise(MADV_HUGEPAGE) */
+  COLIBRI_HUGE_PAGES_HUGETLBFS = 2    /* explicit MAP_HUGETLB pages */
+} colibri_huge_page_kind_t;
+
+typedef struct colibri_model colibri_model_t;
+
+/* ---------------------------------------------------------------- errors */
+
+/* Message of the last failure on the calling thread ("" if none). The
+ * pointer stays valid until the next Colibri call on this thread. */
+COLIBRI_API const char* colibri_last_error(void);
+
+/* Non-fatal notices from the last colibri_open on this thread (e.g. "mlock
+ * refused: ..."), "" if none. Same lifetime rule as colibri_last_error. */
+COLIBRI_API const char* colibri_last_warning(void);
+
+COLIBRI_API const char* colibri_status_name(colibri_status_t status);
+COLIBRI_API const char* colibri_dtype_name(colibri_dtype_t dtype);
+COLIBRI_API const char* colibri_version(void);
+
+/* ------------------------------------------------------------ open/close */
+
+typedef struct colibri_open_options_s {
+  int32_t n_threads;        /* worker threads incl. caller; 0 = one per online core */
+  int32_t lock_memory;      /* 1 = mlock packed weights (best effort), 0 = don't */
+  int32_t huge_pages;       /* 1 = try hugetlbfs, then THP, then normal pages */
+  int32_t verify_checksums; /* 1 = verify manifest checksums at open */
+  int32_t pin_threads;      /* 1 = pin worker i to core i */
+} colibri_open_options_t;
+
+/* Defaults: n_threads 0, lock_memory 1, huge_pages 1, verify_checksums 1,
+ * pin_threads 0. */
+COLIBRI_API void colibri_open_options_default(colibri_open_options_t* options);
+
+/* Opens the model directory `path` (holding colibri.json). On success
+ * *out_model owns every resource; release it with colibri_free. On failure
+ * *out_model is NULL and nothing is leaked. Thread-safe. */
+COLIBRI_API colibri_status_t colibri_open(const char* path, const colibri_open_options_t* options,
+                                          colibri_model_t** out_model);
+
+/* The seed's entry point: colibri_open with default options; NULL on failure
+ * (see colibri_last_error). */
+COLIBRI_API colibri_model_t* colibri_init(const char* path);
+
+/* Unlocks and unmaps everything. NULL is a no-op. Must not race with other
+ * calls on the same model. */
+COLIBRI_API void colibri_free(colibri_model_t* model);
+
+/* ------------------------------------------------------------ inference */
+
+typedef struct colibri_infer_s {
+  int32_t layer;    /* 0 .. n_layers-1 */
+  int32_t n_tokens; /* T; 0 is a no-op */
+  const float* input; /* [T][d_model] float32, row-major */
+  float* output;      /* [T][d_model] float32, overwritten; must not alias input */
+
+  /* Routing, either explicit arrays ... */
+  int32_t top_k;          /* k */
+  const int32_t* expert_ids; /* [T][k]; -1 = no expert in this slot */
+  const float* expert_weights; /* [T][k]; applied as given (no renormalisation) */
+
+  /* ... or a compiled routing blob (routing.bin bytes); used when
+   * routing_blob != NULL, in which case top_k/expert_ids/expert_weights are
+   * ignored and n_tokens must equal the blob's token count. */
+  const void* routing_blob;
+  size_t routing_blob_size;
+
+  int32_t n_threads; /* 0 = the model's thread count; otherwise at most that */
+} colibri_infer_t;
+
+/* Zeroes *infer (n_threads 0, no routing). */
+COLIBRI_API void colibri_infer_default(colibri_infer_t* infer);
+
+/* y[t] = sum_j w[t][j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t][j].
+ * Safe to call concurrently from several threads on one model (calls are
+ * serialised on the model's thread pool; each call gets its own scratch).
+ * On error the output is left untouched. */
+COLIBRI_API colibri_status_t colibri_infer(colibri_model_t* model, const colibri_infer_t* infer);
+
+/* ----------------------------------------------------------- inspection */
+
+typedef struct colibri_model_info_s {
+  int32_t n_layers;
+  int32_t n_experts;
+  int32_t d_model;
+  int32_t d_ff;
+  colibri_dtype_t dtype;
+  int32_t n_threads;
+  int32_t format_version;
+} colibri_model_info_t;
+
+typedef struct colibri_stats_s {
+  uint64_t bytes_mapped;     /* bytes of packed weights the kernels read */
+  uint64_t bytes_locked;     /* of which mlock succeeded */
+  uint64_t bytes_huge_pages; /* of which backed by huge pages (see kind) */
+  colibri_huge_page_kind_t huge_page_kind;
+  uint64_t bytes_files;     /* bytes of weight files read at open */
+  double load_seconds;      /* wall time of colibri_open */
+  double verify_seconds;    /* of which spent verifying checksums */
+  uint64_t infer_calls;     /* successful colibri_infer calls so far */
+} colibri_stats_t;
+
+/* Both thread-safe. */
+COLIBRI_API colibri_status_t colibri_model_info(const colibri_model_t* model,
+                                                colibri_model_info_t* out_info);
+COLIBRI_API colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* out_stats);
+
+/* Re-hashes every weight file named in the manifest's checksums and checks
+ * sizes, independent of open. Thread-safe (reads files only). */
+COLIBRI_API colibri_status_t colibri_verify_dir(const char* path);
+
+/* --------------------------------------------------------------- routing */
+
+typedef enum colibri_route_weight_encoding {
+  COLIBRI_ROUTE_WEIGHTS_F32 = 1, /* exact (default) */
+  COLIBRI_ROUTE_WEIGHTS_F16 = 2  /* half the bytes; ~3 significant digits */
+} colibri_route_weight_encoding_t;
+
+typedef struct colibri_route_compile_options_s {
+  int32_t n_experts;  /* required: ids must lie in [0, n_experts) */
+  int32_t compact;    /* 1 = seed's 1 byte/token mode (needs n_experts <= 4, k = 2) */
+  int32_t q4_weights; /* 1 = weights in the text are 4-bit codes q, weight q/15 */
+  colibri_route_weight_encoding_t weight_encoding; /* general mode only */
+} colibri_route_compile_options_t;
+
+/* Defaults: n_experts 0 (must be set), compact 0, q4_weights 0, F32. */
+COLIBRI_API void colibri_route_compile_options_default(colibri_route_compile_options_t* options);
+
+/* Compiles `.route` text to routing.bin bytes. `source_name` is used in
+ * error messages (e.g. the file name; may be NULL). On success *out_blob is
+ * allocated by the library: release with colibri_buffer_free. Thread-safe. */
+COLIBRI_API colibri_status_t colibri_route_compile(const char* text, size_t text_size,
+                                                   const char* source_name,
+                                                   const colibri_route_compile_options_t* options,
+                                                   void** out_blob, size_t* out_blob_size);
+
+/* Reads a `.route` file and writes routing.bin to out_path (written to a
+ * temporary file and renamed, so a failure never leaves a partial file). */
+COLIBRI_API colibri_status_t colibri_route_compile_file(
+    const char* route_path, const char* out_path, const colibri_route_compile_options_t* options);
+
+COLIBRI_API void colibri_buffer_free(void* buffer);
+
+/* Decoded routing: ids and weights as flat [T][k] arrays. */
+typedef struct colibri_routing colibri_routing_t;
+
+/* Decodes and fully validates routing.bin bytes. If n_experts > 0, ids must
+ * also lie below it. `source_name` is used in messages. Thread-safe. */
+COLIBRI_API colibri_status_t colibri_routing_decode(const void* blob, size_t blob_size,
+                                                    int32_t n_experts, const char* source_name,
+                                                    colibri_routing_t** out_routing);
+
+/* Loads a routing file: routing.bin (recognised by its magic) or `.route`
+ * text (then n_experts is required, and q4_weights applies). */
+COLIBRI_API colibri_status_t colibri_routing_load(const char* path, int32_t n_experts,
+                                                  int32_t q4_weights,
+                                                  colibri_routing_t** out_routing);
+
+COLIBRI_API int32_t colibri_routing_n_tokens(const colibri_routing_t* routing);
+COLIBRI_API int32_t colibri_routing_n_experts(const colibri_routing_t* routing);
+COLIBRI_API int32_t colibri_routing_top_k(const colibri_routing_t* routing);
+/* Encoding of the source: 1 = compact, 0 = general; weight encoding below. */
+COLIBRI_API int32_t colibri_routing_is_compact(const colibri_routing_t* routing);
+COLIBRI_API colibri_route_weight_encoding_t colibri_routing_weight_encoding(
+    const colibri_routing_t* routing);
+COLIBRI_API const int32_t* colibri_routing_expert_ids(const colibri_routing_t* routing);
+COLIBRI_API const float* colibri_routing_expert_weights(const colibri_routing_t* routing);
+COLIBRI_API void colibri_routing_free(colibri_routing_t* routing);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* COLIBRI_H */

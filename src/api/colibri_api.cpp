@@ -1,0 +1,342 @@
+// The C ABI boundary: argument checks, exception-to-status translation and
+// the thread-local error/warning strings. Nothing below this file knows
+// about C handles; nothing above it sees a C++ exception.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "colibri.h"
+#include "io/manifest.h"
+#include "io/mapped_file.h"
+#include "io/verify.h"
+#include "moe/model.h"
+#include "moe/routing.h"
+#include "util/error.h"
+
+struct colibri_model {
+  colibri::Model impl;
+  colibri_model(const std::string& dir, const colibri_open_options_t& o, std::string* warnings)
+      : impl(dir, o, warnings) {}
+};
+
+struct colibri_routing {
+  colibri::Routing impl;
+};
+
+namespace {
+
+thread_local std::string t_last_error;
+thread_local std::string t_last_warning;
+
+colibri_status_t set_error(colibri_status_t status, std::string message) {
+  t_last_error = std::move(message);
+  return status;
+}
+
+// Runs body; maps every exception to a status and message. body returns a
+// status itself for the rare non-throwing failure.
+template <typename Body>
+colibri_status_t guarded(const char* function, Body&& body) {
+  try {
+    t_last_error.clear();
+    return body();
+  } catch (const colibri::Error& e) {
+    return set_error(e.status(), e.what());
+  } catch (const std::bad_alloc&) {
+    return set_error(COLIBRI_ERR_OUT_OF_MEMORY, std::string(function) + ": out of memory");
+  } catch (const std::exception& e) {
+    return set_error(COLIBRI_ERR_INTERNAL, std::string(function) + ": " + e.what());
+  } catch (...) {
+    return set_error(COLIBRI_ERR_INTERNAL, std::string(function) + ": unknown error");
+  }
+}
+
+colibri_status_t null_argument(const char* function, const char* name) {
+  return set_error(COLIBRI_ERR_INVALID_ARGUMENT, std::string(function) + ": " + name + " is NULL");
+}
+
+constexpr size_t kMaxRouteTextBytes = size_t{1} << 32;  // 4 GiB
+
+}  // namespace
+
+extern "C" {
+
+const char* colibri_last_error(void) { return t_last_error.c_str(); }
+const char* colibri_last_warning(void) { return t_last_warning.c_str(); }
+
+const char* colibri_status_name(colibri_status_t status) {
+  switch (status) {
+    case COLIBRI_OK: return "ok";
+    case COLIBRI_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case COLIBRI_ERR_IO: return "I/O error";
+    case COLIBRI_ERR_FORMAT: return "format error";
+    case COLIBRI_ERR_CHECKSUM: return "checksum mismatch";
+    case COLIBRI_ERR_OUT_OF_MEMORY: return "out of memory";
+    case COLIBRI_ERR_UNSUPPORTED: return "unsupported";
+    case COLIBRI_ERR_INTERNAL: return "internal error";
+  }
+  return "unknown status";
+}
+
+const char* colibri_dtype_name(colibri_dtype_t dtype) {
+  switch (dtype) {
+    case COLIBRI_DTYPE_F32: return "f32";
+    case COLIBRI_DTYPE_F16: return "f16";
+    case COLIBRI_DTYPE_BF16: return "bf16";
+  }
+  return "unknown";
+}
+
+const char* colibri_version(void) { return "0.1.0"; }
+
+void colibri_open_options_default(colibri_open_options_t* o) {
+  if (o == nullptr) return;
+  std::memset(o, 0, sizeof *o);
+  o->n_threads = 0;
+  o->lock_memory = 1;
+  o->huge_pages = 1;
+  o->verify_checksums = 1;
+  o->pin_threads = 0;
+}
+
+colibri_status_t colibri_open(const char* path, const colibri_open_options_t* options,
+                              colibri_model_t** out_model) {
+  if (out_model == nullptr) return null_argument("colibri_open", "out_model");
+  *out_model = nullptr;
+  if (path == nullptr) return null_argument("colibri_open", "path");
+  colibri_open_options_t defaults;
+  colibri_open_options_default(&defaults);
+  const colibri_open_options_t& o = options != nullptr ? *options : defaults;
+  t_last_warning.clear();
+  return guarded("colibri_open", [&] {
+    std::string warnings;
+    auto* model = new colibri_model(path, o, &warnings);
+    t_last_warning = std::move(warnings);
+    *out_model = model;
+    return COLIBRI_OK;
+  });
+}
+
+colibri_model_t* colibri_init(const char* path) {
+  colibri_model_t* model = nullptr;
+  colibri_open(path, nullptr, &model);
+  return model;
+}
+
+void colibri_free(colibri_model_t* model) { delete model; }
+
+void colibri_infer_default(colibri_infer_t* infer) {
+  if (infer != nullptr) std::memset(infer, 0, sizeof *infer);
+}
+
+colibri_status_t colibri_infer(colibri_model_t* model, const colibri_infer_t* infer) {
+  if (model == nullptr) return null_argument("colibri_infer", "model");
+  if (infer == nullptr) return null_argument("colibri_infer", "infer");
+  const colibri_infer_t& in = *infer;
+  if (in.n_tokens < 0) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT,
+                     "colibri_infer: n_tokens must be >= 0, got " + std::to_string(in.n_tokens));
+  }
+  if (in.n_threads < 0) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT,
+                     "colibri_infer: n_threads must be >= 0, got " + std::to_string(in.n_threads));
+  }
+  const colibri::Manifest& m = model->impl.manifest();
+  if (in.n_tokens > 0) {
+    if (in.input == nullptr) return null_argument("colibri_infer", "infer->input");
+    if (in.output == nullptr) return null_argument("colibri_infer", "infer->output");
+    const size_t bytes = static_cast<size_t>(in.n_tokens) * static_cast<size_t>(m.d_model) * sizeof(float);
+    const auto* ib = reinterpret_cast<const char*>(in.input);
+    const auto* ob = reinterpret_cast<const char*>(in.output);
+    if (ib < ob + bytes && ob < ib + bytes) {
+      return set_error(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_infer: output overlaps input");
+    }
+  }
+  colibri::InferArgs a;
+  a.layer = in.layer;
+  a.n_tokens = in.n_tokens;
+  a.input = in.input;
+  a.output = in.output;
+  a.threads = in.n_threads;
+  colibri_status_t status = guarded("colibri_infer", [&] {
+    if (in.routing_blob != nullptr) {
+      model->impl.engine().infer_blob(a, in.routing_blob, in.routing_blob_size);
+      return COLIBRI_OK;
+    }
+    if (in.top_k < 1 || in.top_k > m.n_experts) {
+      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_infer: top_k " + std::to_string(in.top_k) +
+                                                      " is out of range [1, " +
+                                                      std::to_string(m.n_experts) + "]");
+    }
+    if (in.n_tokens > 0 && in.expert_ids == nullptr) {
+      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_infer: infer->expert_ids is NULL (and no routing_blob)");
+    }
+    if (in.n_tokens > 0 && in.expert_weights == nullptr) {
+      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_infer: infer->expert_weights is NULL");
+    }
+    a.top_k = in.top_k;
+    a.expert_ids = in.expert_ids;
+    a.expert_weights = in.expert_weights;
+    model->impl.engine().infer(a);
+    return COLIBRI_OK;
+  });
+  if (status == COLIBRI_OK) model->impl.infer_calls().fetch_add(1, std::memory_order_relaxed);
+  return status;
+}
+
+colibri_status_t colibri_model_info(const colibri_model_t* model, colibri_model_info_t* out) {
+  if (model == nullptr) return null_argument("colibri_model_info", "model");
+  if (out == nullptr) return null_argument("colibri_model_info", "out_info");
+  const colibri::Manifest& m = model->impl.manifest();
+  out->n_layers = m.n_layers;
+  out->n_experts = m.n_experts;
+  out->d_model = m.d_model;
+  out->d_ff = m.d_ff;
+  out->dtype = m.dtype;
+  out->n_threads = model->impl.threads();
+  out->format_version = m.version;
+  t_last_error.clear();
+  return COLIBRI_OK;
+}
+
+colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* out) {
+  if (model == nullptr) return null_argument("colibri_stats", "model");
+  if (out == nullptr) return null_argument("colibri_stats", "out_stats");
+  const colibri::ExpertStore& store = model->impl.store();
+  std::memset(out, 0, sizeof *out);
+  out->bytes_mapped = store.region().size();
+  out->bytes_locked = store.stats().bytes_locked;
+  out->bytes_huge_pages = store.stats().bytes_huge_pages;
+  out->huge_page_kind = out->bytes_huge_pages > 0 ? store.region().huge_page_kind() : COLIBRI_HUGE_PAGES_NONE;
+  out->bytes_files = store.stats().bytes_files;
+  out->load_seconds = model->impl.load_seconds();
+  out->verify_seconds = store.stats().verify_seconds;
+  out->infer_calls = model->impl.infer_calls_count();
+  t_last_error.clear();
+  return COLIBRI_OK;
+}
+
+colibri_status_t colibri_verify_dir(const char* path) {
+  if (path == nullptr) return null_argument("colibri_verify_dir", "path");
+  return guarded("colibri_verify_dir", [&] {
+    colibri::verify_model_dir(path, nullptr);
+    return COLIBRI_OK;
+  });
+}
+
+void colibri_route_compile_options_default(colibri_route_compile_options_t* o) {
+  if (o == nullptr) return;
+  std::memset(o, 0, sizeof *o);
+  o->weight_encoding = COLIBRI_ROUTE_WEIGHTS_F32;
+}
+
+namespace {
+
+colibri::WeightEncoding general_encoding(colibri_route_weight_encoding_t e) {
+  if (e == COLIBRI_ROUTE_WEIGHTS_F16) return colibri::WeightEncoding::kF16;
+  if (e == COLIBRI_ROUTE_WEIGHTS_F32) return colibri::WeightEncoding::kF32;
+  colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT,
+                "weight_encoding " + std::to_string(static_cast<int>(e)) + " is not F32 (1) or F16 (2)");
+}
+
+std::vector<uint8_t> compile_text(const char* text, size_t size, const std::string& source,
+                                  const colibri_route_compile_options_t& o) {
+  colibri::Routing r = colibri::parse_route_text(std::string_view(text, size), source,
+                                                 o.n_experts, o.q4_weights != 0);
+  return colibri::encode_routing(r, o.compact != 0, general_encoding(o.weight_encoding), source);
+}
+
+}  // namespace
+
+colibri_status_t colibri_route_compile(const char* text, size_t text_size, const char* source_name,
+                                       const colibri_route_compile_options_t* options,
+                                       void** out_blob, size_t* out_blob_size) {
+  if (out_blob == nullptr) return null_argument("colibri_route_compile", "out_blob");
+  *out_blob = nullptr;
+  if (out_blob_size == nullptr) return null_argument("colibri_route_compile", "out_blob_size");
+  *out_blob_size = 0;
+  if (text == nullptr && text_size != 0) return null_argument("colibri_route_compile", "text");
+  if (options == nullptr) return null_argument("colibri_route_compile", "options");
+  return guarded("colibri_route_compile", [&] {
+    const std::string source = source_name != nullptr ? source_name : "<route text>";
+    std::vector<uint8_t> blob = compile_text(text != nullptr ? text : "", text_size, source, *options);
+    void* buffer = std::malloc(blob.empty() ? 1 : blob.size());
+    if (buffer == nullptr) throw std::bad_alloc();
+    std::memcpy(buffer, blob.data(), blob.size());
+    *out_blob = buffer;
+    *out_blob_size = blob.size();
+    return COLIBRI_OK;
+  });
+}
+
+colibri_status_t colibri_route_compile_file(const char* route_path, const char* out_path,
+                                            const colibri_route_compile_options_t* options) {
+  if (route_path == nullptr) return null_argument("colibri_route_compile_file", "route_path");
+  if (out_path == nullptr) return null_argument("colibri_route_compile_file", "out_path");
+  if (options == nullptr) return null_argument("colibri_route_compile_file", "options");
+  return guarded("colibri_route_compile_file", [&] {
+    const std::string text = colibri::read_small_file(route_path, kMaxRouteTextBytes);
+    const std::vector<uint8_t> blob = compile_text(text.data(), text.size(), route_path, *options);
+    colibri::write_file_atomic(out_path, blob.data(), blob.size());
+    return COLIBRI_OK;
+  });
+}
+
+void colibri_buffer_free(void* buffer) { std::free(buffer); }
+
+colibri_status_t colibri_routing_decode(const void* blob, size_t blob_size, int32_t n_experts,
+                                        const char* source_name, colibri_routing_t** out) {
+  if (out == nullptr) return null_argument("colibri_routing_decode", "out_routing");
+  *out = nullptr;
+  if (blob == nullptr) return null_argument("colibri_routing_decode", "blob");
+  return guarded("colibri_routing_decode", [&] {
+    const std::string source = source_name != nullptr ? source_name : "<routing blob>";
+    auto* r = new colibri_routing{colibri::decode_routing(blob, blob_size, n_experts, source)};
+    *out = r;
+    return COLIBRI_OK;
+  });
+}
+
+colibri_status_t colibri_routing_load(const char* path, int32_t n_experts, int32_t q4_weights,
+                                      colibri_routing_t** out) {
+  if (out == nullptr) return null_argument("colibri_routing_load", "out_routing");
+  *out = nullptr;
+  if (path == nullptr) return null_argument("colibri_routing_load", "path");
+  return guarded("colibri_routing_load", [&] {
+    const std::string data = colibri::read_small_file(path, kMaxRouteTextBytes);
+    colibri::Routing routing;
+    if (colibri::has_routing_magic(data.data(), data.size())) {
+      routing = colibri::decode_routing(data.data(), data.size(), n_experts, path);
+    } else {
+      if (n_experts <= 0) {
+        colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT,
+                      std::string(path) + ": a .route text file needs the model's expert count");
+      }
+      routing = colibri::parse_route_text(data, path, n_experts, q4_weights != 0);
+    }
+    *out = new colibri_routing{std::move(routing)};
+    return COLIBRI_OK;
+  });
+}
+
+int32_t colibri_routing_n_tokens(const colibri_routing_t* r) { return r ? r->impl.n_tokens : 0; }
+int32_t colibri_routing_n_experts(const colibri_routing_t* r) { return r ? r->impl.n_experts : 0; }
+int32_t colibri_routing_top_k(const colibri_routing_t* r) { return r ? r->impl.top_k : 0; }
+int32_t colibri_routing_is_compact(const colibri_routing_t* r) {
+  return r && r->impl.id_encoding == colibri::IdEncoding::kCompact ? 1 : 0;
+}
+colibri_route_weight_encoding_t colibri_routing_weight_encoding(const colibri_routing_t* r) {
+  return r && r->impl.weight_encoding == colibri::WeightEncoding::kF16 ? COLIBRI_ROUTE_WEIGHTS_F16
+                                                                       : COLIBRI_ROUTE_WEIGHTS_F32;
+}
+const int32_t* colibri_routing_expert_ids(const colibri_routing_t* r) {
+  return r ? r->impl.ids.data() : nullptr;
+}
+const float* colibri_routing_expert_weights(const colibri_routing_t* r) {
+  return r ? r->impl.weights.data() : nullptr;
+}
+void colibri_routing_free(colibri_routing_t* r) { delete r; }
+
+}  // extern "C"

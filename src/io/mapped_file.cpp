@@ -1,0 +1,123 @@
+#include "io/mapped_file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+#include "util/error.h"
+
+namespace colibri {
+
+namespace {
+
+// Closes a descriptor on scope exit, whatever path leaves the scope.
+struct FdCloser {
+  int fd;
+  ~FdCloser() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+MappedFile::MappedFile(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open", errno));
+  FdCloser closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", errno));
+  if (!S_ISREG(st.st_mode)) fail(COLIBRI_ERR_IO, path + ": not a regular file");
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ == 0) return;  // mmap of length 0 is invalid; an empty view is enough
+  void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  if (p == MAP_FAILED) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot map", errno));
+  ::madvise(p, size_, MADV_SEQUENTIAL);
+  data_ = static_cast<const uint8_t*>(p);
+}
+
+MappedFile::~MappedFile() { reset(); }
+
+MappedFile::MappedFile(MappedFile&& other) noexcept
+    : path_(std::move(other.path_)), data_(other.data_), size_(other.size_) {
+  other.data_ = nullptr;
+  other.size_ = 0;
+}
+
+MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
+  if (this != &other) {
+    reset();
+    path_ = std::move(other.path_);
+    data_ = other.data_;
+    size_ = other.size_;
+    other.data_ = nullptr;
+    other.size_ = 0;
+  }
+  return *this;
+}
+
+void MappedFile::reset() noexcept {
+  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+  data_ = nullptr;
+  size_ = 0;
+}
+
+std::string read_small_file(const std::string& path, size_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open", errno));
+  FdCloser closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", errno));
+  if (!S_ISREG(st.st_mode)) fail(COLIBRI_ERR_IO, path + ": not a regular file");
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    fail(COLIBRI_ERR_FORMAT, path + ": file too large (" + std::to_string(st.st_size) +
+                                 " bytes, limit " + std::to_string(max_bytes) + ")");
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = ::read(fd, out.data() + done, out.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail(COLIBRI_ERR_IO, errno_message(path + ": read failed", errno));
+    }
+    if (n == 0) break;  // file shrank while reading
+    done += static_cast<size_t>(n);
+  }
+  out.resize(done);
+  return out;
+}
+
+void write_file_atomic(const std::string& path, const void* data, size_t size) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot create", errno));
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::write(fd, bytes + done, size - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      fail(COLIBRI_ERR_IO, errno_message(path + ": write failed", err));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    fail(COLIBRI_ERR_IO, errno_message(path + ": write failed", err));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    fail(COLIBRI_ERR_IO, errno_message(path + ": cannot rename into place", err));
+  }
+}
+
+}  // namespace colibri

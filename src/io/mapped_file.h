@@ -1,0 +1,44 @@
+// Read-only memory map of a whole file. The mapping lives only while the
+// model is being opened: weights are copied into the packed layout and the
+// file is unmapped, so a file that changes on disk later cannot fault a
+// running model (SIGBUS on a truncated mapping).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace colibri {
+
+class MappedFile {
+ public:
+  MappedFile() = default;
+  // Throws Error(COLIBRI_ERR_IO) naming the path when it cannot be opened.
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  void reset() noexcept;
+  std::string path_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Whole file into memory (for small files: manifests, routing). Throws
+// Error(COLIBRI_ERR_IO) on failure, Error(COLIBRI_ERR_FORMAT) if larger than
+// max_bytes.
+std::string read_small_file(const std::string& path, size_t max_bytes);
+
+// Writes `data` to `path` through a temporary file in the same directory and
+// rename(), so readers never see a partial file and a failure leaves none.
+void write_file_atomic(const std::string& path, const void* data, size_t size);
+
+}  // namespace colibri

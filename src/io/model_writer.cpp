@@ -1,0 +1,112 @@
+#include "io/model_writer.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cmath>
+#include <vector>
+
+#include "io/checksum.h"
+#include "io/manifest.h"
+#include "io/mapped_file.h"
+#include "util/error.h"
+#include "util/half.h"
+
+namespace colibri {
+
+namespace {
+
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [-1, 1).
+float uniform_pm1(uint64_t& state) {
+  return static_cast<float>(static_cast<double>(splitmix64(state) >> 11) * 0x1.0p-52 - 1.0);
+}
+
+std::vector<uint8_t> encode_weights(const float* w, size_t n, colibri_dtype_t dtype) {
+  std::vector<uint8_t> out(n * (dtype == COLIBRI_DTYPE_F32 ? 4 : 2));
+  for (size_t i = 0; i < n; ++i) {
+    if (dtype == COLIBRI_DTYPE_F32) {
+      const uint32_t u = float_bits(w[i]);
+      for (int b = 0; b < 4; ++b) out[4 * i + b] = static_cast<uint8_t>(u >> (8 * b));
+    } else {
+      const uint16_t h = dtype == COLIBRI_DTYPE_F16 ? float_to_f16(w[i]) : float_to_bf16(w[i]);
+      out[2 * i] = static_cast<uint8_t>(h);
+      out[2 * i + 1] = static_cast<uint8_t>(h >> 8);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void make_directories(const std::string& dir) {
+  std::string partial;
+  size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = dir.find('/', pos + 1);
+    partial = dir.substr(0, pos);
+    if (partial.empty()) continue;
+    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      fail(COLIBRI_ERR_IO, errno_message(partial + ": cannot create directory", errno));
+    }
+  }
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    fail(COLIBRI_ERR_IO, dir + ": not a directory");
+  }
+}
+
+void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,
+                     const std::function<void(int32_t, int32_t, float*)>& fill) {
+  Manifest m;
+  m.n_layers = spec.n_layers;
+  m.n_experts = spec.n_experts;
+  m.d_model = spec.d_model;
+  m.d_ff = spec.d_ff;
+  m.dtype = spec.dtype;
+  // Round-trip through the parser's checks, so we never write a manifest we
+  // would refuse to read.
+  parse_manifest(manifest_to_json(m), "model being written");
+
+  make_directories(dir);
+  const size_t n = 3 * static_cast<size_t>(spec.d_model) * static_cast<size_t>(spec.d_ff);
+  std::vector<float> w(n);
+  for (int32_t l = 0; l < spec.n_layers; ++l) {
+    if (spec.n_layers > 1) make_directories(dir + "/" + m.expert_file(l, 0).substr(0, 8));
+    for (int32_t e = 0; e < spec.n_experts; ++e) {
+      fill(l, e, w.data());
+      const std::vector<uint8_t> bytes = encode_weights(w.data(), n, spec.dtype);
+      const std::string name = m.expert_file(l, e);
+      write_file_atomic(dir + "/" + name, bytes.data(), bytes.size());
+      if (spec.checksums) m.checksums[name] = xxh64(bytes.data(), bytes.size());
+    }
+  }
+  const std::string json = manifest_to_json(m);
+  write_file_atomic(dir + "/" + kManifestName, json.data(), json.size());
+}
+
+void random_expert_weights(const ModelWriteSpec& spec, uint64_t seed, int32_t layer,
+                           int32_t expert, float* w) {
+  uint64_t state = seed * 0x100000001b3ull ^ (static_cast<uint64_t>(layer) << 32) ^
+                   static_cast<uint64_t>(expert) * 0x9e3779b97f4a7c15ull;
+  const size_t DF = static_cast<size_t>(spec.d_model) * static_cast<size_t>(spec.d_ff);
+  // Uniform on [-a, a] has variance a^2/3; a = sqrt(3/fan_in) gives 1/fan_in.
+  const float a_in = std::sqrt(3.0f / static_cast<float>(spec.d_model));
+  const float a_ff = std::sqrt(3.0f / static_cast<float>(spec.d_ff));
+  for (size_t i = 0; i < 2 * DF; ++i) w[i] = a_in * uniform_pm1(state);
+  for (size_t i = 2 * DF; i < 3 * DF; ++i) w[i] = a_ff * uniform_pm1(state);
+}
+
+void write_random_model(const std::string& dir, const ModelWriteSpec& spec, uint64_t seed) {
+  write_model_dir(dir, spec, [&](int32_t l, int32_t e, float* w) {
+    random_expert_weights(spec, seed, l, e, w);
+  });
+}
+
+}  // namespace colibri

@@ -1,0 +1,104 @@
+// The one narrow interface between the MoE engine and the math.
+//
+// Kernels know nothing of models, routing or threads: they compute one slice
+// of one expert's SwiGLU FFN for a list of tokens. The engine splits the work
+// in two phases so that every weight byte is read once per call:
+//   phase 1 (gate_up): h_i[f] = silu(gate_f . x_i) * (up_f . x_i)  for rows f in a range
+//   phase 2 (down):    y_t[d] += w_i * (down_d . h_i)               for rows d in a range
+// Token gather (x_i = x[token_index[i]]) and the weighted scatter-add are
+// fused into the kernels' loads and stores.
+//
+// Weight layout (written by moe/expert_store, read here), per expert:
+//   gate_up: 2*F rows; row 2f is gate row f, row 2f+1 is up row f, so one
+//            pass streams both matrices. Each row holds D elements, padded
+//            with zeros to `gate_up_stride` elements (a multiple of 64 bytes).
+//   down:    D rows of F elements, padded with zeros to `down_stride`.
+// Both blocks start 64-byte aligned. Element type: f32, f16 or bf16, as in
+// the model files; activations stay f32 (see docs/PRECISION.md).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace colibri::kernels {
+
+enum class WeightType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+inline size_t weight_type_size(WeightType t) { return t == WeightType::kF32 ? 4 : 2; }
+
+// Rows padded to this many bytes, so SIMD loads never need a tail mask on
+// weights and every row starts on a cache line.
+inline constexpr size_t kRowAlignBytes = 64;
+
+inline size_t padded_row_elements(size_t n, WeightType t) {
+  const size_t per_line = kRowAlignBytes / weight_type_size(t);
+  return (n + per_line - 1) / per_line * per_line;
+}
+
+struct ExpertShape {
+  int32_t d_model = 0;
+  int32_t d_ff = 0;
+  WeightType weight_type = WeightType::kF32;
+  size_t gate_up_stride = 0;  // elements per gate/up row (>= d_model)
+  size_t down_stride = 0;     // elements per down row (>= d_ff)
+};
+
+inline ExpertShape make_expert_shape(int32_t d_model, int32_t d_ff, WeightType t) {
+  ExpertShape s;
+  s.d_model = d_model;
+  s.d_ff = d_ff;
+  s.weight_type = t;
+  s.gate_up_stride = padded_row_elements(static_cast<size_t>(d_model), t);
+  s.down_stride = padded_row_elements(static_cast<size_t>(d_ff), t);
+  return s;
+}
+
+// Phase 1. For f in [f_begin, f_end) and i in [0, n):
+//   h[i*ldh + f] = silu(g) * u,  g = gate_f . x_i,  u = up_f . x_i,
+//   x_i = x + token_index[i]*ldx,  silu(g) = g / (1 + exp(-g)).
+using GateUpFn = void (*)(const ExpertShape& shape, const void* gate_up, const float* x,
+                          size_t ldx, const int32_t* token_index, int32_t n, int32_t f_begin,
+                          int32_t f_end, float* h, size_t ldh);
+
+// Phase 2. For d in [d_begin, d_end) and i in [0, n):
+//   y[token_index[i]*ldy + d] += weight[i] * (down_d . h_i),  h_i = h + i*ldh.
+// Tokens are visited in order i = 0..n-1, so a caller that gives each thread
+// disjoint d ranges gets results independent of the thread count.
+using DownFn = void (*)(const ExpertShape& shape, const void* down, const float* h, size_t ldh,
+                        const int32_t* token_index, const float* weight, int32_t n,
+                        int32_t d_begin, int32_t d_end, float* y, size_t ldy);
+
+// Instruction-set levels, lowest first. A level is usable when the CPU and
+// the OS (XCR0) support it.
+enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+struct KernelTable {
+  Isa isa = Isa::kScalar;
+  const char* name = "scalar";
+  GateUpFn gate_up = nullptr;
+  DownFn down = nullptr;
+};
+
+// Highest level this CPU and OS support (CPUID + XCR0), computed once.
+Isa detect_isa();
+// AVX512_BF16 (CPUID.(7,1):EAX[5]) usable: only ever true when detect_isa()
+// is kAvx512, since the OS must also save the AVX-512 state.
+bool cpu_has_avx512_bf16();
+// detect_isa(), lowered by the COLIBRI_ISA environment variable
+// ("scalar", "avx2", "avx512") when set. Never raised above detect_isa().
+Isa default_isa();
+bool isa_supported(Isa isa);
+const char* isa_name(Isa isa);
+// Parses "scalar" / "avx2" / "avx512"; false if unknown.
+bool parse_isa(const char* text, Isa* out);
+// Kernels for `isa`; falls back to the highest supported level not above it.
+const KernelTable& kernel_table(Isa isa);
+
+// Per-ISA tables (defined in ffn_<isa>.cpp).
+const KernelTable& scalar_kernels();
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+const KernelTable& avx2_kernels();
+const KernelTable& avx512_kernels();
+#endif
+
+}  // namespace colibri::kernels

@@ -1,0 +1,39 @@
+// A loaded model: manifest, packed experts, thread pool and engine. This is
+// what the C ABI's opaque colibri_model_t wraps.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "colibri.h"
+#include "io/manifest.h"
+#include "moe/engine.h"
+#include "moe/expert_store.h"
+#include "runtime/thread_pool.h"
+
+namespace colibri {
+
+class Model {
+ public:
+  // Throws colibri::Error. Warnings (e.g. mlock refused) go to *warnings.
+  Model(const std::string& dir, const colibri_open_options_t& options, std::string* warnings);
+
+  const Manifest& manifest() const { return manifest_; }
+  Engine& engine() { return *engine_; }
+  const ExpertStore& store() const { return *store_; }
+  int threads() const { return pool_->size(); }
+  double load_seconds() const { return load_seconds_; }
+  std::atomic<uint64_t>& infer_calls() { return infer_calls_; }
+  uint64_t infer_calls_count() const { return infer_calls_.load(std::memory_order_relaxed); }
+
+ private:
+  Manifest manifest_;
+  std::unique_ptr<ExpertStore> store_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<Engine> engine_;
+  double load_seconds_ = 0.0;
+  std::atomic<uint64_t> infer_calls_{0};
+};
+
+}  // namespace colibri

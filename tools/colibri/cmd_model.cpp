@@ -1,0 +1,121 @@
+// colibri gen | verify | info
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "commands.h"
+#include "common.h"
+#include "io/manifest.h"
+#include "io/model_writer.h"
+#include "io/verify.h"
+#include "util/error.h"
+
+namespace colibri_cli {
+
+namespace {
+
+struct GenArgs {
+  std::string out;
+  int experts = 0, d_model = 0, d_ff = 0, layers = 1;
+  std::string dtype = "f16";
+  uint64_t seed = 1;
+};
+
+void run_gen(const GenArgs& a) {
+  colibri::ModelWriteSpec spec;
+  spec.n_layers = a.layers;
+  spec.n_experts = a.experts;
+  spec.d_model = a.d_model;
+  spec.d_ff = a.d_ff;
+  if (!colibri::parse_dtype(a.dtype, &spec.dtype)) {
+    throw CliError("gen: --dtype: unknown dtype \"" + a.dtype + "\" (expected f16, bf16 or f32)");
+  }
+  try {
+    colibri::write_random_model(a.out, spec, a.seed);
+  } catch (const colibri::Error& e) {
+    throw CliError(std::string("gen: ") + e.what());
+  }
+  std::printf("wrote %s: %d layer(s) x %d experts, d_model %d, d_ff %d, %s, seed %llu\n",
+              a.out.c_str(), a.layers, a.experts, a.d_model, a.d_ff, a.dtype.c_str(),
+              static_cast<unsigned long long>(a.seed));
+}
+
+void run_verify(const std::string& dir) {
+  int bad = 0, files = 0;
+  double hashed_bytes = 0, seconds = 0;
+  try {
+    colibri::verify_model_dir(dir, [&](const colibri::FileReport& r) {
+      ++files;
+      if (r.ok) {
+        std::printf("ok    %-28s %12llu bytes  %s\n", r.file.c_str(),
+                    static_cast<unsigned long long>(r.bytes), r.has_checksum ? "checksum ok" : "no checksum in manifest");
+      } else {
+        ++bad;
+        std::printf("FAIL  %-28s %s\n", r.file.c_str(), r.problem.c_str());
+      }
+      if (r.has_checksum) {
+        hashed_bytes += static_cast<double>(r.bytes);
+        seconds += r.seconds;
+      }
+    });
+  } catch (const colibri::Error& e) {
+    if (bad == 0) throw CliError(std::string("verify: ") + e.what());
+    throw CliError("verify: " + std::to_string(bad) + " of " + std::to_string(files) +
+                   " files failed; first: " + e.what());
+  }
+  std::printf("%d files verified", files);
+  if (seconds > 0) std::printf(", hashing at %.0f MB/s", hashed_bytes / seconds / 1e6);
+  std::printf("\n");
+}
+
+void run_info(const std::string& dir, int threads) {
+  ModelHandle h;
+  open_model(dir, threads, true, &h);
+  colibri_model_info_t info;
+  colibri_stats_t stats;
+  check(colibri_model_info(h.model, &info), "info");
+  check(colibri_stats(h.model, &stats), "stats");
+  std::printf("model        %s\n", dir.c_str());
+  std::printf("format       colibri-moe v%d\n", info.format_version);
+  std::printf("layers       %d\n", info.n_layers);
+  std::printf("experts      %d\n", info.n_experts);
+  std::printf("d_model      %d\n", info.d_model);
+  std::printf("d_ff         %d\n", info.d_ff);
+  std::printf("dtype        %s\n", colibri_dtype_name(info.dtype));
+  std::printf("threads      %d\n", info.n_threads);
+  std::printf("weights      %s in files, %s packed\n", human_bytes(stats.bytes_files).c_str(),
+              human_bytes(stats.bytes_mapped).c_str());
+  std::printf("huge pages   %s (%s)\n", human_bytes(stats.bytes_huge_pages).c_str(),
+              huge_page_kind_name(stats.huge_page_kind));
+  std::printf("locked       %s\n", human_bytes(stats.bytes_locked).c_str());
+  std::printf("load time    %.3f s (checksums %.3f s)\n", stats.load_seconds, stats.verify_seconds);
+}
+
+}  // namespace
+
+void add_model_commands(CLI::App& app) {
+  auto gen = std::make_shared<GenArgs>();
+  CLI::App* g = app.add_subcommand("gen", "Write a model directory with random weights");
+  g->add_option("--out", gen->out, "Output model directory")->required();
+  g->add_option("--experts", gen->experts, "Number of experts")->required()->check(CLI::Range(1, 65536));
+  g->add_option("--d-model", gen->d_model, "Hidden size")->required()->check(CLI::Range(1, 1 << 20));
+  g->add_option("--d-ff", gen->d_ff, "Expert FFN size")->required()->check(CLI::Range(1, 1 << 20));
+  g->add_option("--layers", gen->layers, "Number of MoE layers")->check(CLI::Range(1, 4096));
+  g->add_option("--dtype", gen->dtype, "Weight type: f16, bf16 or f32")->check(CLI::IsMember({"f16", "bf16", "f32"}));
+  g->add_option("--seed", gen->seed, "Random seed");
+  g->callback([gen] { run_gen(*gen); });
+
+  auto dir = std::make_shared<std::string>();
+  CLI::App* v = app.add_subcommand("verify", "Check sizes and checksums of a model directory");
+  v->add_option("--model", *dir, "Model directory")->required();
+  v->callback([dir] { run_verify(*dir); });
+
+  auto info_dir = std::make_shared<std::string>();
+  auto threads = std::make_shared<int>(0);
+  CLI::App* i = app.add_subcommand("info", "Open a model and print what it holds and what the loader got");
+  i->add_option("--model", *info_dir, "Model directory")->required();
+  i->add_option("--threads", *threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
+  i->callback([info_dir, threads] { run_info(*info_dir, *threads); });
+}
+
+}  // namespace colibri_cli

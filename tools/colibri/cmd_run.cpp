@@ -1,0 +1,419 @@
+// colibri infer | bench | demo
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "common.h"
+#include "io/model_writer.h"
+#include "io/verify.h"
+#include "kernels/kernels.h"
+#include "util/error.h"
+
+namespace colibri_cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+colibri_model_info_t model_info(const ModelHandle& h) {
+  colibri_model_info_t info;
+  check(colibri_model_info(h.model, &info), "model info");
+  return info;
+}
+
+// ------------------------------------------------------------------ infer
+
+struct InferArgs {
+  std::string model, routing, input, output;
+  int layer = 0, threads = 0;
+  bool q4 = false;
+};
+
+void run_infer(const InferArgs& a) {
+  ModelHandle h;
+  open_model(a.model, a.threads, true, &h);
+  const colibri_model_info_t info = model_info(h);
+  RoutingHandle r;
+  check(colibri_routing_load(a.routing.c_str(), info.n_experts, a.q4 ? 1 : 0, &r.routing), "infer");
+  const int32_t T = colibri_routing_n_tokens(r.routing);
+  const std::vector<uint8_t> x = read_file(a.input);
+  const uint64_t want = static_cast<uint64_t>(T) * static_cast<uint64_t>(info.d_model) * 4;
+  if (x.size() != want) {
+    throw CliError(a.input + ": input is " + std::to_string(x.size()) + " bytes, expected T*d_model*4 = " +
+                   std::to_string(T) + "*" + std::to_string(info.d_model) + "*4 = " + std::to_string(want));
+  }
+  std::vector<float> in(static_cast<size_t>(T) * static_cast<size_t>(info.d_model));
+  std::vector<float> out(in.size());
+  if (!in.empty()) std::memcpy(in.data(), x.data(), x.size());
+  colibri_infer_t req;
+  colibri_infer_default(&req);
+  req.layer = a.layer;
+  req.n_tokens = T;
+  req.input = in.data();
+  req.output = out.data();
+  req.top_k = colibri_routing_top_k(r.routing);
+  req.expert_ids = colibri_routing_expert_ids(r.routing);
+  req.expert_weights = colibri_routing_expert_weights(r.routing);
+  check(colibri_infer(h.model, &req), "infer");
+  write_file(a.output, out.data(), out.size() * sizeof(float));
+}
+
+// ------------------------------------------------------------------ bench
+
+struct Routing {
+  int32_t k = 0;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+
+// Uniformly random distinct experts per token, softmax-like weights summing
+// to 1, as a trained router's top-k would give.
+Routing random_routing(int32_t T, int32_t k, int32_t E, std::mt19937_64& rng) {
+  Routing r;
+  r.k = k;
+  r.ids.resize(static_cast<size_t>(T) * k);
+  r.weights.resize(r.ids.size());
+  std::vector<int32_t> perm(static_cast<size_t>(E));
+  for (int32_t e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = e;
+  std::uniform_real_distribution<float> logit(0.0f, 2.0f);
+  for (int32_t t = 0; t < T; ++t) {
+    // Partial Fisher-Yates: the first k of perm become the token's experts.
+    float sum = 0;
+    for (int32_t j = 0; j < k; ++j) {
+      std::uniform_int_distribution<int32_t> pick(j, E - 1);
+      std::swap(perm[static_cast<size_t>(j)], perm[static_cast<size_t>(pick(rng))]);
+      r.ids[static_cast<size_t>(t) * k + j] = perm[static_cast<size_t>(j)];
+      const float w = std::exp(logit(rng));
+      r.weights[static_cast<size_t>(t) * k + j] = w;
+      sum += w;
+    }
+    for (int32_t j = 0; j < k; ++j) r.weights[static_cast<size_t>(t) * k + j] /= sum;
+  }
+  return r;
+}
+
+struct BenchResult {
+  LatencySummary latency;
+  double tokens_per_s = 0, gbytes_per_s = 0, gflop_per_s = 0;
+  double bytes_per_call = 0, flop_per_call = 0;
+};
+
+struct BenchSetup {
+  int32_t T = 0, layer = 0, iters = 100, warmup = 5, threads = 0;
+  const void* blob = nullptr;  // routing.bin path instead of arrays
+  size_t blob_size = 0;
+  std::vector<Routing> routings;  // cycled through, one per iteration
+  std::function<void(int, double)> progress;
+};
+
+BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
+  const colibri_model_info_t info = model_info(h);
+  const size_t n = static_cast<size_t>(s.T) * static_cast<size_t>(info.d_model);
+  std::vector<float> in(n), out(n);
+  std::mt19937_64 rng(12345);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& v : in) v = u(rng);
+
+  const double expert_bytes = 3.0 * info.d_model * info.d_ff * (info.dtype == COLIBRI_DTYPE_F32 ? 4 : 2);
+  const double flop_per_slot = 2.0 * 3.0 * info.d_model * info.d_ff;
+  std::vector<double> bytes_per_routing, flop_per_routing;
+  auto account = [&](int32_t k, const int32_t* ids) {
+    std::set<int32_t> active;
+    size_t slots = 0;
+    for (size_t i = 0; i < static_cast<size_t>(s.T) * k; ++i) {
+      if (ids[i] < 0) continue;
+      active.insert(ids[i]);
+      ++slots;
+    }
+    bytes_per_routing.push_back(static_cast<double>(active.size()) * expert_bytes);
+    flop_per_routing.push_back(static_cast<double>(slots) * flop_per_slot);
+  };
+  RoutingHandle decoded;
+  if (s.blob != nullptr) {
+    check(colibri_routing_decode(s.blob, s.blob_size, info.n_experts, "routing", &decoded.routing), "bench");
+    account(colibri_routing_top_k(decoded.routing), colibri_routing_expert_ids(decoded.routing));
+  } else {
+    for (const Routing& r : s.routings) account(r.k, r.ids.data());
+  }
+
+  std::vector<double> seconds;
+  double bytes = 0, flop = 0;
+  for (int it = -s.warmup; it < s.iters; ++it) {
+    const size_t which = static_cast<size_t>(it + s.warmup) % bytes_per_routing.size();
+    colibri_infer_t req;
+    colibri_infer_default(&req);
+    req.layer = s.layer;
+    req.n_tokens = s.T;
+    req.input = in.data();
+    req.output = out.data();
+    req.n_threads = s.threads;
+    if (s.blob != nullptr) {
+      req.routing_blob = s.blob;
+      req.routing_blob_size = s.blob_size;
+    } else {
+      req.top_k = s.routings[which].k;
+      req.expert_ids = s.routings[which].ids.data();
+      req.expert_weights = s.routings[which].weights.data();
+    }
+    const auto t0 = Clock::now();
+    check(colibri_infer(h.model, &req), "bench");
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (it >= 0) {
+      seconds.push_back(dt);
+      bytes += bytes_per_routing[which];
+      flop += flop_per_routing[which];
+      if (s.progress) s.progress(it + 1, dt);
+    }
+  }
+  BenchResult r;
+  r.latency = summarize(seconds);
+  r.bytes_per_call = bytes / s.iters;
+  r.flop_per_call = flop / s.iters;
+  const double p50 = r.latency.p50_ms / 1e3;
+  r.tokens_per_s = s.T / p50;
+  r.gbytes_per_s = r.bytes_per_call / p50 / 1e9;
+  r.gflop_per_s = r.flop_per_call / p50 / 1e9;
+  return r;
+}
+
+void print_bench(const BenchResult& r, const char* isa) {
+  std::printf("kernels      %s\n", isa);
+  std::printf("latency ms   p50 %.3f  p90 %.3f  p99 %.3f  min %.3f  mean %.3f  max %.3f\n",
+              r.latency.p50_ms, r.latency.p90_ms, r.latency.p99_ms, r.latency.min_ms,
+              r.latency.mean_ms, r.latency.max_ms);
+  std::printf("throughput   %.1f tokens/s\n", r.tokens_per_s);
+  std::printf("weights      %.2f GB/s (%.1f MB of expert weights per call, at p50)\n", r.gbytes_per_s,
+              r.bytes_per_call / 1e6);
+  std::printf("compute      %.2f GFLOP/s (%.2f GFLOP per call, at p50)\n", r.gflop_per_s,
+              r.flop_per_call / 1e9);
+}
+
+nlohmann::json bench_json(const BenchResult& r) {
+  return {{"p50_ms", r.latency.p50_ms},     {"p90_ms", r.latency.p90_ms},
+          {"p99_ms", r.latency.p99_ms},     {"min_ms", r.latency.min_ms},
+          {"mean_ms", r.latency.mean_ms},   {"max_ms", r.latency.max_ms},
+          {"tokens_per_s", r.tokens_per_s}, {"gbytes_per_s", r.gbytes_per_s},
+          {"gflop_per_s", r.gflop_per_s},   {"bytes_per_call", r.bytes_per_call},
+          {"flop_per_call", r.flop_per_call}};
+}
+
+struct BenchArgs {
+  std::string model, routing, isa;
+  int tokens = 0, top_k = 0, iters = 100, warmup = 5, threads = 0, layer = 0;
+  uint64_t seed = 1;
+  bool json = false, no_verify = false;
+};
+
+void set_isa(const std::string& isa) {
+  if (isa.empty()) return;
+  // Read once by the library when the first model opens.
+  ::setenv("COLIBRI_ISA", isa.c_str(), 1);
+}
+
+void run_bench(const BenchArgs& a) {
+  set_isa(a.isa);
+  ModelHandle h;
+  open_model(a.model, a.threads, !a.no_verify, &h);
+  const colibri_model_info_t info = model_info(h);
+  BenchSetup s;
+  s.layer = a.layer;
+  s.iters = a.iters;
+  s.warmup = a.warmup;
+  s.threads = a.threads;
+  std::vector<uint8_t> blob;
+  if (!a.routing.empty()) {
+    RoutingHandle r;
+    check(colibri_routing_load(a.routing.c_str(), info.n_experts, 0, &r.routing), "bench");
+    s.T = colibri_routing_n_tokens(r.routing);
+    Routing fixed;
+    fixed.k = colibri_routing_top_k(r.routing);
+    fixed.ids.assign(colibri_routing_expert_ids(r.routing), colibri_routing_expert_ids(r.routing) + s.T * fixed.k);
+    fixed.weights.assign(colibri_routing_expert_weights(r.routing),
+                         colibri_routing_expert_weights(r.routing) + s.T * fixed.k);
+    s.routings.push_back(std::move(fixed));
+  } else {
+    if (a.tokens < 1 || a.top_k < 1) throw CliError("bench: give --routing FILE, or --tokens T and --top-k K");
+    if (a.top_k > info.n_experts) {
+      throw CliError("bench: --top-k " + std::to_string(a.top_k) + " exceeds the model's " +
+                     std::to_string(info.n_experts) + " experts");
+    }
+    s.T = a.tokens;
+    std::mt19937_64 rng(a.seed);
+    // Several routings, cycled, so caches and branch predictors see varied
+    // expert choices as in real decoding.
+    for (int i = 0; i < 8; ++i) s.routings.push_back(random_routing(s.T, a.top_k, info.n_experts, rng));
+  }
+  const BenchResult r = bench(h, s);
+  const char* isa = colibri::kernels::isa_name(colibri::kernels::default_isa());
+  if (a.json) {
+    nlohmann::json doc = bench_json(r);
+    doc["model"] = a.model;
+    doc["tokens"] = s.T;
+    doc["iters"] = a.iters;
+    doc["threads"] = info.n_threads;
+    doc["isa"] = isa;
+    std::printf("%s\n", doc.dump(2).c_str());
+  } else {
+    std::printf("model        %s (%d experts, d_model %d, d_ff %d, %s), %d tokens, %d iterations, %d threads\n",
+                a.model.c_str(), info.n_experts, info.d_model, info.d_ff, colibri_dtype_name(info.dtype),
+                s.T, a.iters, info.n_threads);
+    print_bench(r, isa);
+  }
+}
+
+// ------------------------------------------------------------------- demo
+
+struct DemoArgs {
+  std::string cache_dir;
+  int iters = 100, threads = 0;
+};
+
+std::string default_cache_dir() {
+  if (const char* c = std::getenv("COLIBRI_CACHE_DIR"); c && *c) return c;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/colibri";
+  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/colibri";
+  return "/tmp/colibri-cache";
+}
+
+bool model_ok(const std::string& dir) {
+  try {
+    colibri::verify_model_dir(dir, nullptr);
+    return true;
+  } catch (const colibri::Error&) {
+    return false;
+  }
+}
+
+void run_demo(const DemoArgs& a) {
+  // The seed's demo: 16 experts, d_model 1024, d_ff 4096, f16; batch 8 x
+  // seq_len 128 tokens, top-2.
+  constexpr int kExperts = 16, kDModel = 1024, kDFF = 4096, kBatch = 8, kSeq = 128, kTopK = 2;
+  const std::string root = a.cache_dir.empty() ? default_cache_dir() : a.cache_dir;
+  const std::string dir = root + "/demo-e16-d1024-f4096-f16";
+  try {
+    colibri::make_directories(root);
+    if (!model_ok(dir)) {
+      std::printf("generating demo model in %s (once) ...\n", dir.c_str());
+      std::fflush(stdout);
+      colibri::ModelWriteSpec spec;
+      spec.n_experts = kExperts;
+      spec.d_model = kDModel;
+      spec.d_ff = kDFF;
+      spec.dtype = COLIBRI_DTYPE_F16;
+      colibri::write_random_model(dir, spec, 2024);
+    }
+  } catch (const colibri::Error& e) {
+    throw CliError(std::string("demo: ") + e.what());
+  }
+
+  // Routing as PyTorch would export it: .route text, compiled to routing.bin.
+  const int T = kBatch * kSeq;
+  std::mt19937_64 rng(7);
+  const Routing r = random_routing(T, kTopK, kExperts, rng);
+  std::string text = "# demo routing: batch 8 x seq_len 128, top-2 of 16 experts\n";
+  char line[128];
+  for (int t = 0; t < T; ++t) {
+    std::snprintf(line, sizeof line, "%d, %d, %d, %.6f, %.6f\n", t, r.ids[2 * t], r.ids[2 * t + 1],
+                  static_cast<double>(r.weights[2 * t]), static_cast<double>(r.weights[2 * t + 1]));
+    text += line;
+  }
+  const std::string route_path = dir + "/demo.route", bin_path = dir + "/routing.bin";
+  write_file(route_path, text.data(), text.size());
+  colibri_route_compile_options_t co;
+  colibri_route_compile_options_default(&co);
+  co.n_experts = kExperts;
+  check(colibri_route_compile_file(route_path.c_str(), bin_path.c_str(), &co), "demo");
+  const std::vector<uint8_t> blob = read_file(bin_path);
+
+  ModelHandle h;
+  open_model(dir, a.threads, true, &h);
+  const colibri_model_info_t info = model_info(h);
+  colibri_stats_t stats;
+  check(colibri_stats(h.model, &stats), "demo");
+  const char* isa = colibri::kernels::isa_name(colibri::kernels::default_isa());
+  std::printf("model    %s\n", dir.c_str());
+  std::printf("shape    %d experts, d_model %d, d_ff %d, f16; %d tokens (batch %d x seq %d), top-%d\n",
+              kExperts, kDModel, kDFF, T, kBatch, kSeq, kTopK);
+  std::printf("loader   %s packed, huge pages %s (%s), locked %s, load %.2f s\n",
+              human_bytes(stats.bytes_mapped).c_str(), human_bytes(stats.bytes_huge_pages).c_str(),
+              huge_page_kind_name(stats.huge_page_kind), human_bytes(stats.bytes_locked).c_str(),
+              stats.load_seconds);
+  std::printf("engine   %d threads, %s kernels, routing from %s (%zu bytes)\n", info.n_threads, isa,
+              bin_path.c_str(), blob.size());
+  std::fflush(stdout);
+
+  BenchSetup s;
+  s.T = T;
+  s.iters = a.iters;
+  s.warmup = 2;
+  s.blob = blob.data();
+  s.blob_size = blob.size();
+  s.progress = [&](int done, double dt) {
+    std::fprintf(stderr, "\r  inference %3d/%d  %8.2f ms", done, a.iters, dt * 1e3);
+    if (done == a.iters) std::fprintf(stderr, "\n");
+  };
+  const BenchResult b = bench(h, s);
+  std::printf("\n| metric | value |\n|---|---|\n");
+  std::printf("| p50 latency | %.2f ms |\n| p90 latency | %.2f ms |\n| p99 latency | %.2f ms |\n",
+              b.latency.p50_ms, b.latency.p90_ms, b.latency.p99_ms);
+  std::printf("| p99 / p50 | %.3f |\n", b.latency.p99_ms / b.latency.p50_ms);
+  std::printf("| throughput | %.0f tokens/s |\n", b.tokens_per_s);
+  std::printf("| compute | %.1f GFLOP/s |\n", b.gflop_per_s);
+  std::printf("| huge pages | %s (%s) |\n| locked | %s of %s |\n", human_bytes(stats.bytes_huge_pages).c_str(),
+              huge_page_kind_name(stats.huge_page_kind), human_bytes(stats.bytes_locked).c_str(),
+              human_bytes(stats.bytes_mapped).c_str());
+}
+
+}  // namespace
+
+void add_run_commands(CLI::App& app) {
+  auto ia = std::make_shared<InferArgs>();
+  CLI::App* infer = app.add_subcommand("infer", "Run one MoE layer on raw float32 input");
+  infer->add_option("--model", ia->model, "Model directory")->required();
+  infer->add_option("--routing", ia->routing, "routing.bin or .route file")->required();
+  infer->add_option("--input", ia->input, "Raw little-endian float32 [T][d_model]")->required();
+  infer->add_option("--output", ia->output, "Output file, same form")->required();
+  infer->add_option("--layer", ia->layer, "Layer index")->check(CLI::NonNegativeNumber);
+  infer->add_option("--threads", ia->threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
+  infer->add_flag("--q4-weights", ia->q4, "For .route text: weights are 4-bit codes");
+  infer->callback([ia] { run_infer(*ia); });
+
+  auto ba = std::make_shared<BenchArgs>();
+  CLI::App* b = app.add_subcommand("bench", "Measure latency and throughput of one MoE layer");
+  b->add_option("--model", ba->model, "Model directory")->required();
+  auto* routing = b->add_option("--routing", ba->routing, "routing.bin or .route file");
+  auto* tokens = b->add_option("--tokens", ba->tokens, "Tokens per call (random routing)")->check(CLI::Range(1, 1 << 24));
+  routing->excludes(tokens);
+  b->add_option("--top-k", ba->top_k, "Experts per token (random routing)")->check(CLI::Range(1, 65536));
+  b->add_option("--seed", ba->seed, "Seed for random routing and input");
+  b->add_option("--iters", ba->iters, "Timed iterations")->check(CLI::Range(1, 1000000));
+  b->add_option("--warmup", ba->warmup, "Untimed iterations first")->check(CLI::Range(0, 1000000));
+  b->add_option("--threads", ba->threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
+  b->add_option("--layer", ba->layer, "Layer index")->check(CLI::NonNegativeNumber);
+  b->add_option("--isa", ba->isa, "Force a lower kernel level: scalar, avx2, avx512")
+      ->check(CLI::IsMember({"scalar", "avx2", "avx512"}));
+  b->add_flag("--no-verify", ba->no_verify, "Skip checksum verification at open");
+  b->add_flag("--json", ba->json, "JSON output");
+  b->callback([ba] { run_bench(*ba); });
+
+  auto da = std::make_shared<DemoArgs>();
+  CLI::App* d = app.add_subcommand("demo", "The seed's demo: 16 experts, batch 8 x 128 tokens, top-2, 100 runs");
+  d->add_option("--cache-dir", da->cache_dir, "Where the demo model is generated once");
+  d->add_option("--iters", da->iters, "Inferences")->check(CLI::Range(1, 1000000));
+  d->add_option("--threads", da->threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
+  d->callback([da] { run_demo(*da); });
+}
+
+}  // namespace colibri_cli

@@ -1,0 +1,13 @@
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace colibri_cli {
+
+// Each adds its subcommand(s) to the app; the command runs from the
+// subcommand's callback and reports failure by throwing CliError.
+void add_model_commands(CLI::App& app);  // gen, verify, info
+void add_route_commands(CLI::App& app);  // route compile, route dump
+void add_run_commands(CLI::App& app);    // infer, bench, demo
+
+}  // namespace colibri_cli

@@ -1,0 +1,86 @@
+#include "common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "io/mapped_file.h"
+#include "util/error.h"
+
+namespace colibri_cli {
+
+void check(colibri_status_t status, const std::string& what) {
+  if (status != COLIBRI_OK) {
+    const std::string detail = colibri_last_error();
+    throw CliError(detail.empty() ? what + ": " + colibri_status_name(status) : detail);
+  }
+}
+
+std::vector<uint8_t> read_file(const std::string& path) {
+  try {
+    const std::string data = colibri::read_small_file(path, size_t{1} << 36);
+    return std::vector<uint8_t>(data.begin(), data.end());
+  } catch (const colibri::Error& e) {
+    throw CliError(e.what());
+  }
+}
+
+void write_file(const std::string& path, const void* data, size_t size) {
+  try {
+    colibri::write_file_atomic(path, data, size);
+  } catch (const colibri::Error& e) {
+    throw CliError(e.what());
+  }
+}
+
+LatencySummary summarize(std::vector<double> s) {
+  LatencySummary r;
+  if (s.empty()) return r;
+  std::sort(s.begin(), s.end());
+  // Nearest-rank percentiles: p-th percentile is the ceil(p*n)-th sample.
+  auto pct = [&](double p) {
+    size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(s.size())));
+    rank = std::clamp<size_t>(rank, 1, s.size());
+    return s[rank - 1] * 1e3;
+  };
+  double sum = 0;
+  for (double v : s) sum += v;
+  r.min_ms = s.front() * 1e3;
+  r.max_ms = s.back() * 1e3;
+  r.mean_ms = sum / static_cast<double>(s.size()) * 1e3;
+  r.p50_ms = pct(0.50);
+  r.p90_ms = pct(0.90);
+  r.p99_ms = pct(0.99);
+  return r;
+}
+
+void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out) {
+  colibri_open_options_t options;
+  colibri_open_options_default(&options);
+  options.n_threads = threads;
+  options.verify_checksums = verify ? 1 : 0;
+  check(colibri_open(dir.c_str(), &options, &out->model), "open " + dir);
+  const std::string warning = colibri_last_warning();
+  if (!warning.empty()) std::fprintf(stderr, "colibri: warning: %s\n", warning.c_str());
+}
+
+std::string human_bytes(uint64_t bytes) {
+  char buf[64];
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  else if (b >= 1024.0 * 1024) std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1024.0 * 1024));
+  else if (b >= 1024.0) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
+  return buf;
+}
+
+const char* huge_page_kind_name(colibri_huge_page_kind_t kind) {
+  switch (kind) {
+    case COLIBRI_HUGE_PAGES_HUGETLBFS: return "hugetlbfs";
+    case COLIBRI_HUGE_PAGES_TRANSPARENT: return "transparent";
+    case COLIBRI_HUGE_PAGES_NONE: break;
+  }
+  return "none";
+}
+
+}  // namespace colibri_cli

@@ -1,0 +1,54 @@
+// Shared helpers for the colibri CLI: error reporting, file I/O, latency
+// statistics. The CLI talks to the engine through the C ABI; it reaches
+// below it only for tooling the ABI does not need to carry (writing models).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "colibri.h"
+
+namespace colibri_cli {
+
+// Thrown by command code; main() prints "colibri <cmd>: <message>" to stderr
+// and exits 1.
+struct CliError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Throws CliError with colibri_last_error() if status != OK.
+void check(colibri_status_t status, const std::string& what);
+
+std::vector<uint8_t> read_file(const std::string& path);
+void write_file(const std::string& path, const void* data, size_t size);
+
+struct LatencySummary {
+  double min_ms = 0, mean_ms = 0, p50_ms = 0, p90_ms = 0, p99_ms = 0, max_ms = 0;
+};
+LatencySummary summarize(std::vector<double> seconds);
+
+// RAII for the C handles.
+struct ModelHandle {
+  colibri_model_t* model = nullptr;
+  ModelHandle() = default;
+  ModelHandle(const ModelHandle&) = delete;
+  ModelHandle& operator=(const ModelHandle&) = delete;
+  ~ModelHandle() { colibri_free(model); }
+};
+struct RoutingHandle {
+  colibri_routing_t* routing = nullptr;
+  RoutingHandle() = default;
+  RoutingHandle(const RoutingHandle&) = delete;
+  RoutingHandle& operator=(const RoutingHandle&) = delete;
+  ~RoutingHandle() { colibri_routing_free(routing); }
+};
+
+// Opens a model; prints the loader's warning (if any) to stderr.
+void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out);
+
+std::string human_bytes(uint64_t bytes);
+const char* huge_page_kind_name(colibri_huge_page_kind_t kind);
+
+}  // namespace colibri_cli
