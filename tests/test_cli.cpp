@@ -1,0 +1,245 @@
+// End-to-end tests of the colibri CLI: the stable contract outside tools
+// drive (gen, route compile, infer on raw float32 files), its error
+// behaviour (non-zero exit, one-line message naming the culprit, no partial
+// output file) and every subcommand's --help.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "reference.h"
+
+namespace {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/colibri-cli-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { std::system(("rm -rf '" + dir_ + "'").c_str()); }
+
+  RunResult run(const std::string& args) {
+    const std::string out = dir_ + "/stdout.txt", err = dir_ + "/stderr.txt";
+    const std::string cmd = std::string(COLIBRI_CLI_PATH) + " " + args + " >" + out + " 2>" + err;
+    const int status = std::system(cmd.c_str());
+    RunResult r;
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = slurp(out);
+    r.err = slurp(err);
+    return r;
+  }
+  static std::string slurp(const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  }
+  static void spit(const std::string& path, const std::string& data) {
+    std::ofstream f(path, std::ios::binary);
+    f << data;
+  }
+  static bool exists(const std::string& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0;
+  }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+
+  std::string dir_;
+};
+
+struct RandomRouting {
+  std::string text;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+
+RandomRouting make_routing(int T, int k, int E, uint32_t seed) {
+  std::mt19937 rng(seed);
+  RandomRouting r;
+  r.ids.resize(static_cast<size_t>(T) * k);
+  r.weights.resize(r.ids.size());
+  std::vector<int> order(static_cast<size_t>(T));
+  for (int t = 0; t < T; ++t) order[static_cast<size_t>(t)] = t;
+  std::shuffle(order.begin(), order.end(), rng);  // token ids in any order
+  std::uniform_real_distribution<float> wd(-0.5f, 1.5f);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int> perm(static_cast<size_t>(E));
+    for (int e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int j = 0; j < k; ++j) {
+      r.ids[static_cast<size_t>(t) * k + j] = perm[static_cast<size_t>(j)];
+      // Weights representable exactly in decimal text so the CLI reads the
+      // same float the reference uses.
+      r.weights[static_cast<size_t>(t) * k + j] = std::round(wd(rng) * 1024.0f) / 1024.0f;
+    }
+  }
+  r.text = "# test routing\r\n";
+  for (int t : order) {
+    std::ostringstream line;
+    line.precision(9);  // max_digits10 for float: the text round-trips exactly
+    line << t;
+    for (int j = 0; j < k; ++j) line << " , " << r.ids[static_cast<size_t>(t) * k + j];
+    for (int j = 0; j < k; ++j) line << ",  " << r.weights[static_cast<size_t>(t) * k + j];
+    r.text += line.str() + "\r\n";
+  }
+  return r;
+}
+
+std::vector<float> random_input(int T, int D, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(T) * D);
+  for (float& v : x) v = u(rng);
+  return x;
+}
+
+std::string as_bytes(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+
+TEST_F(CliTest, GenCompileInferMatchesReference) {
+  struct Case {
+    const char* dtype;
+    int E, k, D, F, T, layers;
+    double tol;
+  };
+  const Case cases[] = {{"f16", 8, 2, 64, 96, 37, 1, 5e-3},
+                        {"bf16", 5, 3, 33, 17, 9, 2, 5e-3},
+                        {"f32", 3, 1, 100, 129, 3, 1, 1e-5}};
+  int n = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.dtype);
+    const std::string model = path("m" + std::to_string(n++));
+    RunResult g = run("gen --out " + model + " --experts " + std::to_string(c.E) + " --d-model " +
+                      std::to_string(c.D) + " --d-ff " + std::to_string(c.F) + " --layers " +
+                      std::to_string(c.layers) + " --dtype " + c.dtype + " --seed 9");
+    ASSERT_EQ(g.exit_code, 0) << g.err;
+    const RandomRouting r = make_routing(c.T, c.k, c.E, 17u + static_cast<uint32_t>(n));
+    spit(path("r.route"), r.text);
+    RunResult rc = run("route compile " + path("r.route") + " -o " + path("r.bin") + " --model " + model);
+    ASSERT_EQ(rc.exit_code, 0) << rc.err;
+    const std::vector<float> x = random_input(c.T, c.D, 5);
+    spit(path("x.bin"), as_bytes(x));
+    const int layer = c.layers - 1;
+    const std::vector<double> ref =
+        colibri_test::reference_layer(model, layer, c.T, x.data(), c.k, r.ids.data(), r.weights.data());
+    for (const char* routing : {"r.route", "r.bin"}) {
+      std::remove(path("y.bin").c_str());
+      RunResult ri = run("infer --model " + model + " --routing " + path(routing) + " --input " +
+                         path("x.bin") + " --output " + path("y.bin") + " --layer " + std::to_string(layer));
+      ASSERT_EQ(ri.exit_code, 0) << ri.err;
+      const std::string y = slurp(path("y.bin"));
+      ASSERT_EQ(y.size(), x.size() * sizeof(float));
+      const double err = colibri_test::relative_l2(reinterpret_cast<const float*>(y.data()), ref);
+      EXPECT_LE(err, c.tol) << routing;
+    }
+  }
+}
+
+TEST_F(CliTest, RouteDumpJsonRoundTrip) {
+  const RandomRouting r = make_routing(5, 2, 4, 3);
+  spit(path("r.route"), r.text);
+  ASSERT_EQ(run("route compile " + path("r.route") + " -o " + path("r.bin") + " --experts 4").exit_code, 0);
+  RunResult d = run("route dump --json " + path("r.bin"));
+  ASSERT_EQ(d.exit_code, 0) << d.err;
+  const auto doc = nlohmann::json::parse(d.out);
+  EXPECT_EQ(doc["n_tokens"], 5);
+  EXPECT_EQ(doc["top_k"], 2);
+  for (int t = 0; t < 5; ++t) {
+    for (int j = 0; j < 2; ++j) {
+      EXPECT_EQ(doc["tokens"][t]["experts"][j], r.ids[static_cast<size_t>(t) * 2 + j]);
+      EXPECT_EQ(doc["tokens"][t]["weights"][j].get<float>(), r.weights[static_cast<size_t>(t) * 2 + j]);
+    }
+  }
+  RunResult compact = run("route compile " + path("r.route") + " -o " + path("c.bin") + " --experts 4 --compact");
+  // Weights outside [0, 1] cannot be compact-coded only approximately; the
+  // compiler accepts and quantises; dump must show q/15 steps.
+  ASSERT_EQ(compact.exit_code, 0) << compact.err;
+  RunResult dc = run("route dump " + path("c.bin"));
+  ASSERT_EQ(dc.exit_code, 0) << dc.err;
+  EXPECT_NE(dc.out.find("compact"), std::string::npos);
+}
+
+TEST_F(CliTest, ErrorsExitNonZeroNameTheCulpritAndLeaveNoOutput) {
+  const std::string model = path("m");
+  ASSERT_EQ(run("gen --out " + model + " --experts 4 --d-model 16 --d-ff 8 --dtype f16").exit_code, 0);
+  const RandomRouting r = make_routing(4, 2, 4, 1);
+  spit(path("r.route"), r.text);
+  spit(path("x.bin"), as_bytes(random_input(4, 16, 2)));
+  const std::string y = path("y.bin");
+
+  auto expect_failure = [&](const std::string& args, const std::string& needle) {
+    SCOPED_TRACE(args);
+    std::remove(y.c_str());
+    RunResult res = run(args);
+    EXPECT_NE(res.exit_code, 0);
+    EXPECT_NE(res.err.find(needle), std::string::npos) << "stderr: " << res.err;
+    EXPECT_EQ(res.err.find('\n'), res.err.size() - 1) << "one line expected: " << res.err;
+    EXPECT_FALSE(exists(y)) << "partial output left behind";
+    EXPECT_TRUE(res.out.empty()) << res.out;
+  };
+  const std::string infer_tail = " --input " + path("x.bin") + " --output " + y;
+  expect_failure("infer --model " + path("nope") + " --routing " + path("r.route") + infer_tail, "nope");
+  spit(path("x_short.bin"), "abc");
+  expect_failure("infer --model " + model + " --routing " + path("r.route") + " --input " + path("x_short.bin") +
+                     " --output " + y,
+                 "x_short.bin");
+  spit(path("bad.route"), "0, 1, 2, 0.5, 0.5\n1, 1, 9, 0.5, 0.5\n");
+  expect_failure("infer --model " + model + " --routing " + path("bad.route") + infer_tail, "bad.route:2");
+  expect_failure("infer --model " + model + " --routing " + path("r.route") + infer_tail + " --layer 3", "layer");
+  // A flipped byte in an expert file is refused at open and named.
+  std::string w = slurp(model + "/expert_02.bin");
+  w[7] = static_cast<char>(w[7] ^ 0x10);
+  spit(model + "/expert_02.bin", w);
+  expect_failure("infer --model " + model + " --routing " + path("r.route") + infer_tail, "expert_02.bin");
+  RunResult v = run("verify --model " + model);
+  EXPECT_NE(v.exit_code, 0);
+  EXPECT_NE(v.out.find("FAIL  expert_02.bin"), std::string::npos) << v.out;
+  // route compile: the output file is not created on failure either.
+  std::remove(path("out.bin").c_str());
+  RunResult rc = run("route compile " + path("bad.route") + " -o " + path("out.bin") + " --experts 4");
+  EXPECT_NE(rc.exit_code, 0);
+  EXPECT_NE(rc.err.find("bad.route:2"), std::string::npos) << rc.err;
+  EXPECT_FALSE(exists(path("out.bin")));
+}
+
+TEST_F(CliTest, EverySubcommandHasHelp) {
+  for (const char* sub : {"gen", "route compile", "route dump", "infer", "bench", "demo", "verify", "info"}) {
+    RunResult r = run(std::string(sub) + " --help");
+    EXPECT_EQ(r.exit_code, 0) << sub;
+    EXPECT_NE(r.out.find("Usage"), std::string::npos) << sub << ": " << r.out;
+  }
+  RunResult bad = run("frobnicate");
+  EXPECT_NE(bad.exit_code, 0);
+}
+
+TEST_F(CliTest, BenchAndInfoSmoke) {
+  const std::string model = path("m");
+  ASSERT_EQ(run("gen --out " + model + " --experts 8 --d-model 32 --d-ff 48 --dtype bf16").exit_code, 0);
+  RunResult b = run("bench --model " + model + " --tokens 3 --top-k 2 --iters 5 --warmup 1 --json");
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  const auto doc = nlohmann::json::parse(b.out);
+  EXPECT_GT(doc["p50_ms"].get<double>(), 0.0);
+  EXPECT_GE(doc["p99_ms"].get<double>(), doc["p50_ms"].get<double>());
+  RunResult i = run("info --model " + model);
+  ASSERT_EQ(i.exit_code, 0) << i.err;
+  EXPECT_NE(i.out.find("experts      8"), std::string::npos) << i.out;
+}
+
+}  // namespace
