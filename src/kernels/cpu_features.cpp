@@ -1,0 +1,94 @@
+// CPU feature detection. Compiled without ISA flags: this code decides which
+// kernels may run, so it must itself run on any x86-64.
+//
+// A feature is usable only when the CPU has it (CPUID) AND the OS saves the
+// matching register state on context switches (XCR0). A CPU with AVX-512 under
+// an OS or hypervisor that does not enable ZMM state would fault (#UD) on the
+// first AVX-512 instruction, so CPUID alone is not enough.
+#include "kernels/kernels.h"
+
+#if defined(COLIBRI_HAVE_X86_KERNELS) && (defined(__x86_64__) || defined(__i386__))
+#define COLIBRI_DETECT_X86 1
+#include <cpuid.h>
+#endif
+
+namespace colibri::kernels {
+namespace {
+
+struct CpuFeatures {
+  Isa level = Isa::kScalar;
+  bool avx512_bf16 = false;
+};
+
+#if defined(COLIBRI_DETECT_X86)
+
+// Inline asm rather than _xgetbv(): the intrinsic needs -mxsave, and this file
+// is deliberately built without ISA flags. Only called once OSXSAVE is known
+// to be set, otherwise xgetbv itself is #UD.
+uint64_t read_xcr0() {
+  uint32_t eax = 0;
+  uint32_t edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0u));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+bool bit(uint32_t reg, int b) { return ((reg >> b) & 1u) != 0; }
+
+CpuFeatures probe() {
+  CpuFeatures out;
+  uint32_t eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return out;
+  const bool osxsave = bit(ecx, 27);
+  const bool avx = bit(ecx, 28);
+  const bool fma = bit(ecx, 12);
+  const bool f16c = bit(ecx, 29);
+  if (!osxsave || !avx) return out;
+
+  const uint64_t xcr0 = read_xcr0();
+  const bool os_avx = (xcr0 & 0x6u) == 0x6u;             // XMM (bit 1) + YMM (bit 2)
+  const bool os_avx512 = os_avx && (xcr0 & 0xe0u) == 0xe0u;  // opmask, ZMM_Hi256, Hi16_ZMM
+  if (!os_avx) return out;
+
+  // __get_cpuid_count checks the maximum leaf itself and fails if 7 is absent.
+  uint32_t max_subleaf = 0;
+  if (!__get_cpuid_count(7, 0, &max_subleaf, &ebx, &ecx, &edx)) return out;
+  const bool avx2 = bit(ebx, 5);
+  const bool avx512f = bit(ebx, 16);
+  const bool avx512dq = bit(ebx, 17);
+  const bool avx512bw = bit(ebx, 30);
+  const bool avx512vl = bit(ebx, 31);
+  bool avx512_bf16 = false;
+  if (max_subleaf >= 1) {
+    uint32_t a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+    if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) avx512_bf16 = bit(a1, 5);
+  }
+
+  // The AVX2 kernels also use FMA and F16C (f16 weights), so all three gate
+  // the level; no shipping CPU has AVX2 without them, but VMs can mask bits.
+  if (!(avx2 && fma && f16c)) return out;
+  out.level = Isa::kAvx2;
+  if (os_avx512 && avx512f && avx512bw && avx512vl && avx512dq) {
+    out.level = Isa::kAvx512;
+    out.avx512_bf16 = avx512_bf16;
+  }
+  return out;
+}
+
+#else
+
+CpuFeatures probe() { return CpuFeatures{}; }
+
+#endif
+
+const CpuFeatures& features() {
+  static const CpuFeatures f = probe();
+  return f;
+}
+
+}  // namespace
+
+Isa detect_isa() { return features().level; }
+
+bool cpu_has_avx512_bf16() { return features().avx512_bf16; }
+
+}  // namespace colibri::kernels
