@@ -1,0 +1,449 @@
+// Kernel tests: every ISA this machine can run, every weight type, awkward
+// sizes, gathered tokens and partial row ranges, checked against a float64
+// reference computed from the stored (rounded) weights. Buffers are sized
+// exactly, so an over-read of the unpadded activations shows up under ASan.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "util/half.h"
+
+namespace colibri::kernels {
+namespace {
+
+constexpr Isa kAllIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512};
+constexpr WeightType kAllTypes[] = {WeightType::kF32, WeightType::kF16, WeightType::kBF16};
+
+const char* type_name(WeightType t) {
+  switch (t) {
+    case WeightType::kF32:
+      return "f32";
+    case WeightType::kF16:
+      return "f16";
+    case WeightType::kBF16:
+      return "bf16";
+  }
+  return "?";
+}
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+// A packed weight block as expert_store would write it, plus the decoded
+// values the reference uses (so rounding to f16/bf16 is not counted as error).
+struct PackedMatrix {
+  std::unique_ptr<uint8_t, FreeDeleter> bytes;
+  std::vector<double> values;  // rows x cols, unpadded
+  size_t rows = 0;
+  size_t cols = 0;
+  size_t stride = 0;  // elements
+  const void* data() const { return bytes.get(); }
+};
+
+// Nonzero values of either sign: a kernel that skips an element or reads the
+// wrong one cannot hide behind a zero.
+float random_nonzero(std::mt19937_64& rng, float scale = 1.0f) {
+  std::uniform_real_distribution<float> mag(0.05f, 1.0f);
+  std::bernoulli_distribution neg(0.5);
+  const float v = mag(rng) * scale;
+  return neg(rng) ? -v : v;
+}
+
+PackedMatrix make_matrix(size_t rows, size_t cols, WeightType t, std::mt19937_64& rng) {
+  PackedMatrix m;
+  m.rows = rows;
+  m.cols = cols;
+  m.stride = padded_row_elements(cols, t);
+  const size_t elem = weight_type_size(t);
+  const size_t bytes = rows * m.stride * elem;
+  EXPECT_EQ(m.stride * elem % kRowAlignBytes, 0u);
+  m.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(kRowAlignBytes, std::max<size_t>(bytes, kRowAlignBytes))));
+  std::memset(m.bytes.get(), 0, bytes);  // padding must be zero
+  m.values.resize(rows * cols);
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t c = 0; c < cols; ++c) {
+      const float v = random_nonzero(rng);
+      const size_t at = r * m.stride + c;
+      double stored = 0.0;
+      switch (t) {
+        case WeightType::kF32:
+          reinterpret_cast<float*>(m.bytes.get())[at] = v;
+          stored = v;
+          break;
+        case WeightType::kF16: {
+          const uint16_t b = float_to_f16(v);
+          reinterpret_cast<uint16_t*>(m.bytes.get())[at] = b;
+          stored = f16_to_float(b);
+          break;
+        }
+        case WeightType::kBF16: {
+          const uint16_t b = float_to_bf16(v);
+          reinterpret_cast<uint16_t*>(m.bytes.get())[at] = b;
+          stored = bf16_to_float(b);
+          break;
+        }
+      }
+      EXPECT_NE(stored, 0.0);
+      m.values[r * cols + c] = stored;
+    }
+  }
+  return m;
+}
+
+// A random non-empty sub-range of [0, size); never the whole range when a
+// proper one exists, so both ends of the kernels' row loops are exercised.
+void random_range(int32_t size, std::mt19937_64& rng, int32_t* begin, int32_t* end) {
+  if (size <= 1) {
+    *begin = 0;
+    *end = size;
+    return;
+  }
+  std::uniform_int_distribution<int32_t> lo(0, size / 3);
+  std::uniform_int_distribution<int32_t> hi(size - size / 3, size);
+  *begin = lo(rng);
+  *end = hi(rng);
+  if (*begin == 0 && *end == size) {
+    if (rng() & 1) {
+      *begin = 1;
+    } else {
+      *end = size - 1;
+    }
+  }
+  if (*begin >= *end) *end = *begin + 1;
+}
+
+// token_index: distinct rows of an activation matrix with `rows` rows, in a
+// shuffled order, always including the last row so that reading past the end
+// of a gathered row runs off the end of the allocation.
+std::vector<int32_t> random_gather(int32_t n, int32_t rows, std::mt19937_64& rng) {
+  std::vector<int32_t> all(static_cast<size_t>(rows));
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end() - 1, rng);
+  std::vector<int32_t> idx(all.begin(), all.begin() + (n - 1));
+  idx.push_back(rows - 1);
+  std::shuffle(idx.begin(), idx.end(), rng);
+  return idx;
+}
+
+// Tracks the element with the largest error relative to its tolerance.
+struct Worst {
+  double ratio = 0.0;
+  std::string where;
+  void update(double got, double ref, double tol, const std::string& label) {
+    const double err = std::fabs(got - ref);
+    const double r = std::isfinite(got) ? err / tol : std::numeric_limits<double>::infinity();
+    if (r > ratio || (!std::isfinite(r) && where.empty())) {
+      ratio = r;
+      std::ostringstream os;
+      os.precision(9);
+      os << label << " got=" << got << " ref=" << ref << " err=" << err << " tol=" << tol;
+      where = os.str();
+    }
+  }
+};
+
+struct Case {
+  int32_t d_model;
+  int32_t d_ff;
+  int32_t n;
+};
+
+std::string describe(const KernelTable& k, WeightType t, const Case& c) {
+  std::ostringstream os;
+  os << k.name << " " << type_name(t) << " D=" << c.d_model << " F=" << c.d_ff << " n=" << c.n;
+  return os.str();
+}
+
+void check_gate_up(const KernelTable& k, WeightType t, const Case& c, std::mt19937_64& rng) {
+  const ExpertShape s = make_expert_shape(c.d_model, c.d_ff, t);
+  const PackedMatrix w = make_matrix(2 * static_cast<size_t>(c.d_ff), static_cast<size_t>(c.d_model), t, rng);
+  ASSERT_EQ(w.stride, s.gate_up_stride);
+
+  const int32_t x_rows = c.n + 3;
+  const size_t ldx = static_cast<size_t>(c.d_model) + (rng() % 2 ? 5 : 0);
+  std::vector<float> x((static_cast<size_t>(x_rows) - 1) * ldx + static_cast<size_t>(c.d_model));
+  for (float& v : x) v = random_nonzero(rng);
+  const std::vector<int32_t> tok = random_gather(c.n, x_rows, rng);
+
+  int32_t f_begin = 0, f_end = 0;
+  random_range(c.d_ff, rng, &f_begin, &f_end);
+  const size_t ldh = static_cast<size_t>(c.d_ff) + (rng() % 2 ? 3 : 0);
+  const size_t h_size = (static_cast<size_t>(c.n) - 1) * ldh + static_cast<size_t>(c.d_ff);
+  std::vector<float> h(h_size, std::numeric_limits<float>::quiet_NaN());
+
+  k.gate_up(s, w.data(), x.data(), ldx, tok.data(), c.n, f_begin, f_end, h.data(), ldh);
+
+  Worst worst;
+  size_t bad_untouched = 0;
+  std::string first_bad;
+  for (int32_t i = 0; i < c.n; ++i) {
+    const float* xi = x.data() + static_cast<size_t>(tok[static_cast<size_t>(i)]) * ldx;
+    for (size_t col = 0; col < ldh && static_cast<size_t>(i) * ldh + col < h_size; ++col) {
+      const float got = h[static_cast<size_t>(i) * ldh + col];
+      const int32_t f = static_cast<int32_t>(col);
+      if (f < f_begin || f >= f_end) {
+        if (!std::isnan(got) && bad_untouched++ == 0) {
+          first_bad = "token " + std::to_string(i) + " col " + std::to_string(col);
+        }
+        continue;
+      }
+      const double* gr = &w.values[static_cast<size_t>(2 * f) * w.cols];
+      const double* ur = gr + w.cols;
+      double g = 0, u = 0, sg = 0, su = 0;
+      for (size_t j = 0; j < w.cols; ++j) {
+        g += gr[j] * xi[j];
+        u += ur[j] * xi[j];
+        sg += std::fabs(gr[j] * xi[j]);
+        su += std::fabs(ur[j] * xi[j]);
+      }
+      const double silu = g / (1.0 + std::exp(-g));
+      const double ref = silu * u;
+      // First-order propagation of the dot products' float error through
+      // silu(g)*u; |silu'| < 1.1 everywhere. The last terms cover exp and
+      // the final float roundings.
+      const double tol = 1e-5 * (1.1 * sg * (std::fabs(u) + 1e-5 * su) + std::fabs(silu) * su) +
+                         1e-6 * std::fabs(ref) + 1e-30;
+      worst.update(got, ref, tol, "token " + std::to_string(i) + " f " + std::to_string(f));
+    }
+  }
+  EXPECT_EQ(bad_untouched, 0u) << describe(k, t, c) << ": gate_up wrote outside [" << f_begin << ","
+                               << f_end << "), first at " << first_bad;
+  EXPECT_LE(worst.ratio, 1.0) << describe(k, t, c) << " f=[" << f_begin << "," << f_end
+                              << "): worst " << worst.where;
+}
+
+void check_down(const KernelTable& k, WeightType t, const Case& c, std::mt19937_64& rng,
+                const std::vector<int32_t>* fixed_tokens = nullptr) {
+  const ExpertShape s = make_expert_shape(c.d_model, c.d_ff, t);
+  const PackedMatrix w = make_matrix(static_cast<size_t>(c.d_model), static_cast<size_t>(c.d_ff), t, rng);
+  ASSERT_EQ(w.stride, s.down_stride);
+
+  const size_t ldh = static_cast<size_t>(c.d_ff) + (rng() % 2 ? 3 : 0);
+  std::vector<float> h((static_cast<size_t>(c.n) - 1) * ldh + static_cast<size_t>(c.d_ff));
+  for (float& v : h) v = random_nonzero(rng);
+  std::vector<float> weight(static_cast<size_t>(c.n));
+  for (float& v : weight) v = random_nonzero(rng);
+
+  const int32_t y_rows = c.n + 3;
+  std::vector<int32_t> tok = fixed_tokens ? *fixed_tokens : random_gather(c.n, y_rows, rng);
+  const size_t ldy = static_cast<size_t>(c.d_model) + (rng() % 2 ? 2 : 0);
+  std::vector<float> y((static_cast<size_t>(y_rows) - 1) * ldy + static_cast<size_t>(c.d_model));
+  for (float& v : y) v = random_nonzero(rng, 4.0f);
+  const std::vector<float> y_before = y;
+
+  int32_t d_begin = 0, d_end = 0;
+  random_range(c.d_model, rng, &d_begin, &d_end);
+
+  k.down(s, w.data(), h.data(), ldh, tok.data(), weight.data(), c.n, d_begin, d_end, y.data(), ldy);
+
+  // Expected y and its tolerance, built in float64 in the kernel's order.
+  std::vector<double> ref(y.size());
+  std::vector<double> tol(y.size(), 0.0);
+  std::vector<bool> touched(y.size(), false);
+  for (size_t e = 0; e < y.size(); ++e) ref[e] = y_before[e];
+  for (int32_t i = 0; i < c.n; ++i) {
+    const float* hi = h.data() + static_cast<size_t>(i) * ldh;
+    for (int32_t d = d_begin; d < d_end; ++d) {
+      const double* row = &w.values[static_cast<size_t>(d) * w.cols];
+      double dot = 0, sum_abs = 0;
+      for (size_t j = 0; j < w.cols; ++j) {
+        dot += row[j] * hi[j];
+        sum_abs += std::fabs(row[j] * hi[j]);
+      }
+      const size_t e = static_cast<size_t>(tok[static_cast<size_t>(i)]) * ldy + static_cast<size_t>(d);
+      const double contrib = weight[static_cast<size_t>(i)] * dot;
+      ref[e] += contrib;
+      // Dot-product error, then the product and the add each round once.
+      tol[e] += 1e-5 * std::fabs(weight[static_cast<size_t>(i)]) * sum_abs +
+                2.0 * std::numeric_limits<float>::epsilon() * (std::fabs(ref[e]) + std::fabs(contrib));
+      touched[e] = true;
+    }
+  }
+
+  Worst worst;
+  size_t bad_untouched = 0;
+  std::string first_bad;
+  for (size_t e = 0; e < y.size(); ++e) {
+    if (!touched[e]) {
+      if (std::memcmp(&y[e], &y_before[e], sizeof(float)) != 0 && bad_untouched++ == 0) {
+        first_bad = "row " + std::to_string(e / ldy) + " col " + std::to_string(e % ldy);
+      }
+      continue;
+    }
+    worst.update(y[e], ref[e], tol[e] + 1e-30,
+                 "row " + std::to_string(e / ldy) + " d " + std::to_string(e % ldy));
+  }
+  EXPECT_EQ(bad_untouched, 0u) << describe(k, t, c) << ": down wrote outside [" << d_begin << ","
+                               << d_end << ") or to an unlisted token, first at " << first_bad;
+  EXPECT_LE(worst.ratio, 1.0) << describe(k, t, c) << " d=[" << d_begin << "," << d_end
+                              << "): worst " << worst.where;
+}
+
+}  // namespace
+
+// Readable parameters in gtest's failure lines (found by ADL, so outside the
+// anonymous namespace).
+void PrintTo(Isa isa, std::ostream* os) { *os << isa_name(isa); }
+void PrintTo(WeightType t, std::ostream* os) { *os << type_name(t); }
+
+namespace {
+
+class KernelTest : public ::testing::TestWithParam<std::tuple<Isa, WeightType>> {
+ protected:
+  void SetUp() override {
+    isa_ = std::get<0>(GetParam());
+    type_ = std::get<1>(GetParam());
+    if (!isa_supported(isa_)) GTEST_SKIP() << isa_name(isa_) << " not supported on this CPU";
+    table_ = &kernel_table(isa_);
+    ASSERT_EQ(table_->isa, isa_);
+    ASSERT_NE(table_->gate_up, nullptr);
+    ASSERT_NE(table_->down, nullptr);
+  }
+  uint64_t seed(uint64_t salt) const {
+    return salt * 1000003u + static_cast<uint64_t>(isa_) * 31u + static_cast<uint64_t>(type_);
+  }
+
+  Isa isa_ = Isa::kScalar;
+  WeightType type_ = WeightType::kF32;
+  const KernelTable* table_ = nullptr;
+};
+
+constexpr int32_t kSizes[] = {1, 7, 16, 100, 129, 256};
+constexpr int32_t kTokenCounts[] = {1, 2, 3, 5, 8};
+
+TEST_P(KernelTest, GateUpSmallShapes) {
+  std::mt19937_64 rng(seed(1));
+  for (int32_t d : kSizes) {
+    for (int32_t f : kSizes) {
+      for (int32_t n : kTokenCounts) {
+        check_gate_up(*table_, type_, Case{d, f, n}, rng);
+        if (HasFailure()) return;  // one shape's report is enough
+      }
+    }
+  }
+}
+
+TEST_P(KernelTest, DownSmallShapes) {
+  std::mt19937_64 rng(seed(2));
+  for (int32_t d : kSizes) {
+    for (int32_t f : kSizes) {
+      for (int32_t n : kTokenCounts) {
+        check_down(*table_, type_, Case{d, f, n}, rng);
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+TEST_P(KernelTest, RealisticShape) {
+  std::mt19937_64 rng(seed(3));
+  for (int32_t n : {1, 5, 8}) {
+    check_gate_up(*table_, type_, Case{1024, 512, n}, rng);
+    check_down(*table_, type_, Case{1024, 512, n}, rng);
+  }
+}
+
+// The interface allows the same output row twice; the adds accumulate.
+TEST_P(KernelTest, DownRepeatedTokens) {
+  std::mt19937_64 rng(seed(4));
+  const std::vector<int32_t> tok = {3, 1, 3, 0, 1, 3};
+  for (int32_t d : {7, 129}) check_down(*table_, type_, Case{d, 100, 6}, rng, &tok);
+}
+
+TEST_P(KernelTest, EmptyRangesTouchNothing) {
+  std::mt19937_64 rng(seed(5));
+  const ExpertShape s = make_expert_shape(33, 20, type_);
+  const PackedMatrix gu = make_matrix(40, 33, type_, rng);
+  const PackedMatrix dn = make_matrix(33, 20, type_, rng);
+  std::vector<float> x(33, 1.0f);
+  std::vector<float> h(20, std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> y(33, 2.0f);
+  const int32_t tok = 0;
+  const float wt = 1.0f;
+  table_->gate_up(s, gu.data(), x.data(), 33, &tok, 1, 5, 5, h.data(), 20);
+  for (float v : h) EXPECT_TRUE(std::isnan(v));
+  table_->gate_up(s, gu.data(), x.data(), 33, &tok, 0, 0, 20, h.data(), 20);
+  for (float v : h) EXPECT_TRUE(std::isnan(v));
+  std::vector<float> hv(20, 1.0f);
+  table_->down(s, dn.data(), hv.data(), 20, &tok, &wt, 1, 9, 9, y.data(), 33);
+  table_->down(s, dn.data(), hv.data(), 20, &tok, &wt, 0, 0, 33, y.data(), 33);
+  for (float v : y) EXPECT_EQ(v, 2.0f);
+}
+
+std::string param_name(const ::testing::TestParamInfo<KernelTest::ParamType>& p) {
+  return std::string(isa_name(std::get<0>(p.param))) + "_" + type_name(std::get<1>(p.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsasAndTypes, KernelTest,
+                         ::testing::Combine(::testing::ValuesIn(kAllIsas), ::testing::ValuesIn(kAllTypes)),
+                         param_name);
+
+TEST(IsaTest, DetectionIsConsistent) {
+  const Isa detected = detect_isa();
+  EXPECT_EQ(detect_isa(), detected);  // cached, stable
+  EXPECT_LE(default_isa(), detected);
+  EXPECT_TRUE(isa_supported(Isa::kScalar));
+  EXPECT_TRUE(isa_supported(detected));
+  for (Isa isa : kAllIsas) EXPECT_EQ(isa_supported(isa), isa <= detected) << isa_name(isa);
+  if (cpu_has_avx512_bf16()) {
+    EXPECT_EQ(detected, Isa::kAvx512);
+  }
+}
+
+TEST(IsaTest, DefaultHonoursEnvironment) {
+  // default_isa() is cached at first use, so this checks whatever the test
+  // process was started with rather than setting the variable here.
+  const Isa detected = detect_isa();
+  Isa requested = detected;
+  const char* env = std::getenv("COLIBRI_ISA");
+  const Isa expected = parse_isa(env, &requested) ? std::min(requested, detected) : detected;
+  EXPECT_EQ(default_isa(), expected) << "COLIBRI_ISA=" << (env ? env : "(unset)");
+}
+
+TEST(IsaTest, ParseAndName) {
+  for (Isa isa : kAllIsas) {
+    Isa parsed = Isa::kScalar;
+    EXPECT_TRUE(parse_isa(isa_name(isa), &parsed)) << isa_name(isa);
+    EXPECT_EQ(parsed, isa);
+  }
+  Isa out = Isa::kAvx2;
+  EXPECT_TRUE(parse_isa("AVX512", &out));
+  EXPECT_EQ(out, Isa::kAvx512);
+  for (const char* bad : {"", "sse", "avx", "avx5120", "avx2 ", "scalar2"}) {
+    Isa unchanged = Isa::kAvx2;
+    EXPECT_FALSE(parse_isa(bad, &unchanged)) << '"' << bad << '"';
+    EXPECT_EQ(unchanged, Isa::kAvx2);
+  }
+  EXPECT_FALSE(parse_isa(nullptr, &out));
+  EXPECT_STREQ(isa_name(Isa::kScalar), "scalar");
+  EXPECT_STREQ(isa_name(Isa::kAvx2), "avx2");
+  EXPECT_STREQ(isa_name(Isa::kAvx512), "avx512");
+}
+
+TEST(IsaTest, KernelTableFallsBack) {
+  const Isa detected = detect_isa();
+  for (Isa isa : kAllIsas) {
+    const KernelTable& k = kernel_table(isa);
+    EXPECT_EQ(k.isa, std::min(isa, detected)) << isa_name(isa);
+    EXPECT_STREQ(k.name, isa_name(k.isa));
+    EXPECT_NE(k.gate_up, nullptr);
+    EXPECT_NE(k.down, nullptr);
+  }
+  EXPECT_EQ(&kernel_table(Isa::kScalar), &scalar_kernels());
+}
+
+}  // namespace
+}  // namespace colibri::kernels
