@@ -165,6 +165,11 @@ colibri_status_t colibri_infer(colibri_model_t* model, const colibri_infer_t* in
       model->impl.engine().infer_blob(a, in.routing_blob, in.routing_blob_size);
       return COLIBRI_OK;
     }
+    if (in.n_tokens == 0) {
+      // A no-op, whatever the routing fields hold; only the layer must exist.
+      model->impl.engine().infer(a);
+      return COLIBRI_OK;
+    }
     if (in.top_k < 1 || in.top_k > m.n_experts) {
       colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_infer: top_k " + std::to_string(in.top_k) +
                                                       " is out of range [1, " +

@@ -120,12 +120,16 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
     bad_field(source, "activation", "unknown activation " + activation.dump() + " (expected \"swiglu\")");
   }
 
-  // Each factor is bounded, so these products cannot overflow 64 bits.
-  const uint64_t total = m.expert_file_bytes() * static_cast<uint64_t>(m.n_experts) *
-                         static_cast<uint64_t>(m.n_layers);
-  if (m.expert_file_bytes() > kMaxModelBytes || total > kMaxModelBytes) {
-    fail(COLIBRI_ERR_FORMAT, source + ": dimensions too large: n_layers*n_experts*3*d_model*d_ff "
-                                      "exceeds " + std::to_string(kMaxModelBytes) + " bytes");
+  // Multiply step by step, checking against the limit before each product:
+  // the factors are bounded, but their full product can exceed 64 bits.
+  uint64_t total = m.expert_file_bytes();  // < 3 * 2^40 * 4: fits
+  for (const uint64_t factor : {static_cast<uint64_t>(m.n_experts), static_cast<uint64_t>(m.n_layers)}) {
+    if (total > kMaxModelBytes || total > kMaxModelBytes / factor) {
+      fail(COLIBRI_ERR_FORMAT, source + ": dimensions too large: n_layers * n_experts * 3 * d_model * "
+                                        "d_ff * sizeof(dtype) exceeds " + std::to_string(kMaxModelBytes) +
+                                        " bytes");
+    }
+    total *= factor;
   }
 
   if (auto it = doc.find("checksums"); it != doc.end()) {

@@ -78,7 +78,10 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,
   const size_t n = 3 * static_cast<size_t>(spec.d_model) * static_cast<size_t>(spec.d_ff);
   std::vector<float> w(n);
   for (int32_t l = 0; l < spec.n_layers; ++l) {
-    if (spec.n_layers > 1) make_directories(dir + "/" + m.expert_file(l, 0).substr(0, 8));
+    if (spec.n_layers > 1) {
+      const std::string first = m.expert_file(l, 0);
+      make_directories(dir + "/" + first.substr(0, first.find('/')));
+    }
     for (int32_t e = 0; e < spec.n_experts; ++e) {
       fill(l, e, w.data());
       const std::vector<uint8_t> bytes = encode_weights(w.data(), n, spec.dtype);
