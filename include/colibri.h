@@ -84,10 +84,13 @@ typedef struct colibri_open_options_s {
   int32_t huge_pages;       /* 1 = try hugetlbfs, then THP, then normal pages */
   int32_t verify_checksums; /* 1 = verify manifest checksums at open */
   int32_t pin_threads;      /* 1 = pin worker i to core i */
+  int32_t reserve_tokens;   /* scratch sized at open for calls of up to this many
+                               tokens x min(n_experts, 8) experts; such calls
+                               allocate nothing. Larger calls grow it once. */
 } colibri_open_options_t;
 
 /* Defaults: n_threads 0, lock_memory 1, huge_pages 1, verify_checksums 1,
- * pin_threads 0. */
+ * pin_threads 0, reserve_tokens 64. */
 COLIBRI_API void colibri_open_options_default(colibri_open_options_t* options);
 
 /* Opens the model directory `path` (holding colibri.json). On success

@@ -7,9 +7,14 @@
 #   libcli11-dev          command-line parsing for the colibri tool
 #   libgtest-dev          unit tests
 #   valgrind              leak check in the test suite
+#   python3-torch         PyTorch MoE baseline of the benchmark suite (bench/pytorch_moe.py)
+#   python3-numpy         reads model files and writes routings in bench/run_suite.py
+#   python3-matplotlib    the suite's speed-up chart (bench/run_suite.py)
+#   libopenblas0-pthread  multi-threaded BLAS for PyTorch's float32 matmuls in the baseline
 set -euo pipefail
 
-packages=(cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev valgrind)
+packages=(cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev valgrind
+  python3-torch python3-numpy python3-matplotlib libopenblas0-pthread)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

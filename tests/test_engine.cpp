@@ -26,6 +26,7 @@
 #include "colibri.h"
 #include "io/model_writer.h"
 #include "kernels/kernels.h"
+#include "moe/model.h"
 #include "util/half.h"
 
 namespace {
@@ -742,6 +743,80 @@ TEST_F(EngineTest, ConcurrentCallsFromFourThreads) {
   ASSERT_EQ(colibri_stats(m, &st), COLIBRI_OK);
   EXPECT_EQ(st.infer_calls, static_cast<uint64_t>(kThreads * kCalls));
   colibri_free(m);
+}
+
+// The engine reports its kernel table. bf16 weights get the bf16-compute
+// table ("avx512-bf16": activations rounded to bf16, vdpbf16ps) exactly when
+// the level is avx512 and the CPU has AVX512_BF16; f32/f16 weights, lower
+// levels (COLIBRI_ISA=avx2/scalar) and other CPUs keep the fp32 tables.
+TEST_F(EngineTest, KernelTableFollowsWeightType) {
+  namespace k = colibri::kernels;
+  for (const colibri_dtype_t dtype : {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16}) {
+    SCOPED_TRACE(dtype_str(dtype));
+    TempDir dir;
+    colibri::ModelWriteSpec spec;
+    spec.n_experts = 2;
+    spec.d_model = 16;
+    spec.d_ff = 8;
+    spec.dtype = dtype;
+    colibri::write_random_model(dir.path(), spec, 5);
+    colibri_open_options_t o;
+    colibri_open_options_default(&o);
+    o.n_threads = 1;
+    std::string warnings;
+    colibri::Model model(dir.path(), o, &warnings);
+    const k::KernelTable& table = model.engine().kernels();
+    const bool bf16_compute = dtype == COLIBRI_DTYPE_BF16 && k::default_isa() == k::Isa::kAvx512 &&
+                              k::cpu_has_avx512_bf16();
+    EXPECT_STREQ(table.name, bf16_compute ? "avx512-bf16" : k::isa_name(k::default_isa()));
+    EXPECT_EQ(table.isa, k::default_isa());
+    std::printf("%s weights: %s kernels\n", dtype_str(dtype), table.name);
+  }
+}
+
+// Relative L2 error of each weight type's kernel path on one realistic-ish
+// layer (numbers quoted in docs/PRECISION.md), printed and recorded as test
+// properties, and held to the same tolerance as the other engine tests.
+TEST_F(EngineTest, PrecisionPerWeightType) {
+  for (const colibri_dtype_t dtype : {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16}) {
+    SCOPED_TRACE(dtype_str(dtype));
+    TempDir dir;
+    colibri::ModelWriteSpec spec;
+    spec.n_experts = 8;
+    spec.d_model = 512;
+    spec.d_ff = 1024;
+    spec.dtype = dtype;
+    colibri::write_random_model(dir.path(), spec, 77);
+    const RefLayer L = load_ref_layer(dir.path(), spec, 0);
+    colibri_open_options_t o;
+    colibri_open_options_default(&o);
+    std::string warnings;
+    colibri::Model model(dir.path(), o, &warnings);
+    std::mt19937 rng(78);
+    const int32_t T = 64;
+    const Routing r = random_routing(rng, T, spec.n_experts, 2, false);
+    const std::vector<float> x = random_input(rng, T, spec.d_model);
+    std::vector<float> y(x.size(), nan_poison());
+    colibri::InferArgs a;
+    a.n_tokens = T;
+    a.input = x.data();
+    a.output = y.data();
+    a.top_k = r.k;
+    a.expert_ids = r.ids.data();
+    a.expert_weights = r.weights.data();
+    model.engine().infer(a);
+    const std::vector<double> ref = reference(L, T, r.k, x.data(), r.ids.data(), r.weights.data());
+    double err2 = 0.0, ref2 = 0.0;
+    for (size_t i = 0; i < y.size(); ++i) {
+      err2 += (y[i] - ref[i]) * (y[i] - ref[i]);
+      ref2 += ref[i] * ref[i];
+    }
+    const double rel = std::sqrt(err2 / ref2);
+    const char* kernels = model.engine().kernels().name;
+    std::printf("relative L2 error, %s weights, %s kernels: %.3g\n", dtype_str(dtype), kernels, rel);
+    RecordProperty(std::string("rel_l2_") + dtype_str(dtype) + "_" + kernels, std::to_string(rel));
+    EXPECT_TRUE(close_to_reference(y, ref, spec.d_model, tolerance(dtype), kernels));
+  }
 }
 
 // The CMake registrations engine_scalar / engine_avx2 set COLIBRI_ISA; make

@@ -2,6 +2,10 @@
 // sizes, gathered tokens and partial row ranges, checked against a float64
 // reference computed from the stored (rounded) weights. Buffers are sized
 // exactly, so an over-read of the unpadded activations shows up under ASan.
+// The bf16-compute table ("avx512-bf16", activations rounded to bf16) runs
+// the same tests where the CPU has AVX512_BF16, with a tolerance derived
+// from that rounding (see kBf16ActEps) and a second, tight check against a
+// reference that rounds the activations the same way.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,6 +29,30 @@ namespace {
 
 constexpr Isa kAllIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512};
 constexpr WeightType kAllTypes[] = {WeightType::kF32, WeightType::kF16, WeightType::kBF16};
+
+// A kernel table under test: each ISA level's fp32 table, and the
+// bf16-compute table (ISA level avx512, needs AVX512_BF16).
+enum class Variant : uint8_t { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
+constexpr Variant kAllVariants[] = {Variant::kScalar, Variant::kAvx2, Variant::kAvx512,
+                                    Variant::kAvx512Bf16};
+
+Isa variant_isa(Variant v) {
+  switch (v) {
+    case Variant::kScalar:
+      return Isa::kScalar;
+    case Variant::kAvx2:
+      return Isa::kAvx2;
+    case Variant::kAvx512:
+    case Variant::kAvx512Bf16:
+      return Isa::kAvx512;
+  }
+  return Isa::kScalar;
+}
+
+const char* variant_name(Variant v) {
+  return v == Variant::kAvx512Bf16 ? "avx512bf16" : isa_name(variant_isa(v));
+}
+void PrintTo(Variant v, std::ostream* os) { *os << variant_name(v); }
 
 const char* type_name(WeightType t) {
   switch (t) {
@@ -138,6 +166,32 @@ std::vector<int32_t> random_gather(int32_t n, int32_t rows, std::mt19937_64& rng
   return idx;
 }
 
+// Error allowance of one dot product, relative to S = sum_j |w_j a_j|.
+//
+// fp32 activations: the fp32 sums of the SIMD and scalar kernels stay within
+// kF32DotEps * S at the lengths tested (the accumulation error of the
+// kernels' blocked sums).
+//
+// bf16 activations (avx512-bf16 with bf16 weights): each activation is
+// rounded to bf16 (8 significant bits, round to nearest even), so
+// a^_j = a_j (1 + d_j) with |d_j| <= u = 2^-8 (half of 2^-7, the spacing of
+// bf16 values in [1, 2)). A product of two bf16 values is exact in fp32
+// (8 + 8 <= 24 bits), so the products carry exactly that error and the fp32
+// sums add their own:
+//   |got - ref| <= |sum_j w_j a_j d_j| + kF32DotEps * sum_j |w_j a^_j|
+//              <= 2^-8 S + kF32DotEps (1 + 2^-8) S.
+// (Denormal activations and weights are flushed to zero by the hardware; the
+// tests' values are far from that range.)
+constexpr double kF32DotEps = 1e-5;
+constexpr double kBf16ActEps = 0.00390625 /* 2^-8 */ + kF32DotEps * (1.0 + 0.00390625);
+
+// Activations as the kernel multiplies them.
+enum class Act { kF32, kBf16 };
+
+double act_value(float a, Act act) {
+  return act == Act::kBf16 ? static_cast<double>(bf16_to_float(float_to_bf16(a))) : a;
+}
+
 // Tracks the element with the largest error relative to its tolerance.
 struct Worst {
   double ratio = 0.0;
@@ -167,7 +221,23 @@ std::string describe(const KernelTable& k, WeightType t, const Case& c) {
   return os.str();
 }
 
+// The bf16-compute table rounds activations only for bf16 weights; other
+// weight types passed to it take the fp32 path.
+bool is_bf16_compute(const KernelTable& k) { return std::strcmp(k.name, "avx512-bf16") == 0; }
+Act act_of(const KernelTable& k, WeightType t) {
+  return is_bf16_compute(k) && t == WeightType::kBF16 ? Act::kBf16 : Act::kF32;
+}
+
+// Bound on |silu(g^) u^ - silu(g) u| given |g^ - g| <= eg, |u^ - u| <= eu:
+//   <= |silu(g^) - silu(g)| |u^| + |silu(g)| |u^ - u|
+//   <= 1.1 eg (|u| + eu) + |silu(g)| eu        (|silu'| < 1.1 everywhere).
+// The last terms cover exp and the final float roundings.
+double silu_mul_tol(double eg, double eu, double u, double silu, double ref) {
+  return 1.1 * eg * (std::fabs(u) + eu) + std::fabs(silu) * eu + 1e-6 * std::fabs(ref) + 1e-30;
+}
+
 void check_gate_up(const KernelTable& k, WeightType t, const Case& c, std::mt19937_64& rng) {
+  const Act act = act_of(k, t);
   const ExpertShape s = make_expert_shape(c.d_model, c.d_ff, t);
   const PackedMatrix w = make_matrix(2 * static_cast<size_t>(c.d_ff), static_cast<size_t>(c.d_model), t, rng);
   ASSERT_EQ(w.stride, s.gate_up_stride);
@@ -186,11 +256,18 @@ void check_gate_up(const KernelTable& k, WeightType t, const Case& c, std::mt199
 
   k.gate_up(s, w.data(), x.data(), ldx, tok.data(), c.n, f_begin, f_end, h.data(), ldh);
 
-  Worst worst;
+  // worst: against the exact float64 result, with the tolerance of the
+  // kernel's arithmetic. worst_rounded (bf16 activations only): against a
+  // reference that rounds x to bf16 as the kernel does, with the fp32
+  // tolerance; that one catches a skipped or misplaced element, which the
+  // wide 2^-8 bound could hide for long rows.
+  Worst worst, worst_rounded;
   size_t bad_untouched = 0;
   std::string first_bad;
+  std::vector<double> xr(static_cast<size_t>(c.d_model));
   for (int32_t i = 0; i < c.n; ++i) {
     const float* xi = x.data() + static_cast<size_t>(tok[static_cast<size_t>(i)]) * ldx;
+    for (size_t j = 0; j < xr.size(); ++j) xr[j] = act_value(xi[j], act);
     for (size_t col = 0; col < ldh && static_cast<size_t>(i) * ldh + col < h_size; ++col) {
       const float got = h[static_cast<size_t>(i) * ldh + col];
       const int32_t f = static_cast<int32_t>(col);
@@ -202,31 +279,44 @@ void check_gate_up(const KernelTable& k, WeightType t, const Case& c, std::mt199
       }
       const double* gr = &w.values[static_cast<size_t>(2 * f) * w.cols];
       const double* ur = gr + w.cols;
-      double g = 0, u = 0, sg = 0, su = 0;
+      double g = 0, u = 0, sg = 0, su = 0, g_r = 0, u_r = 0, sg_r = 0, su_r = 0;
       for (size_t j = 0; j < w.cols; ++j) {
         g += gr[j] * xi[j];
         u += ur[j] * xi[j];
         sg += std::fabs(gr[j] * xi[j]);
         su += std::fabs(ur[j] * xi[j]);
+        g_r += gr[j] * xr[j];
+        u_r += ur[j] * xr[j];
+        sg_r += std::fabs(gr[j] * xr[j]);
+        su_r += std::fabs(ur[j] * xr[j]);
       }
       const double silu = g / (1.0 + std::exp(-g));
       const double ref = silu * u;
-      // First-order propagation of the dot products' float error through
-      // silu(g)*u; |silu'| < 1.1 everywhere. The last terms cover exp and
-      // the final float roundings.
-      const double tol = 1e-5 * (1.1 * sg * (std::fabs(u) + 1e-5 * su) + std::fabs(silu) * su) +
-                         1e-6 * std::fabs(ref) + 1e-30;
-      worst.update(got, ref, tol, "token " + std::to_string(i) + " f " + std::to_string(f));
+      const double eps = act == Act::kBf16 ? kBf16ActEps : kF32DotEps;
+      const std::string label = "token " + std::to_string(i) + " f " + std::to_string(f);
+      worst.update(got, ref, silu_mul_tol(eps * sg, eps * su, u, silu, ref), label);
+      if (act == Act::kBf16) {
+        const double silu_r = g_r / (1.0 + std::exp(-g_r));
+        const double ref_r = silu_r * u_r;
+        worst_rounded.update(got, ref_r,
+                             silu_mul_tol(kF32DotEps * sg_r, kF32DotEps * su_r, u_r, silu_r, ref_r),
+                             label);
+      }
     }
   }
   EXPECT_EQ(bad_untouched, 0u) << describe(k, t, c) << ": gate_up wrote outside [" << f_begin << ","
                                << f_end << "), first at " << first_bad;
   EXPECT_LE(worst.ratio, 1.0) << describe(k, t, c) << " f=[" << f_begin << "," << f_end
                               << "): worst " << worst.where;
+  EXPECT_LE(worst_rounded.ratio, 1.0) << describe(k, t, c) << " f=[" << f_begin << "," << f_end
+                                      << "), activations rounded to bf16 in the reference: worst "
+                                      << worst_rounded.where;
 }
 
 void check_down(const KernelTable& k, WeightType t, const Case& c, std::mt19937_64& rng,
                 const std::vector<int32_t>* fixed_tokens = nullptr) {
+  const Act act = act_of(k, t);
+  const double eps = act == Act::kBf16 ? kBf16ActEps : kF32DotEps;
   const ExpertShape s = make_expert_shape(c.d_model, c.d_ff, t);
   const PackedMatrix w = make_matrix(static_cast<size_t>(c.d_model), static_cast<size_t>(c.d_ff), t, rng);
   ASSERT_EQ(w.stride, s.down_stride);
@@ -249,31 +339,42 @@ void check_down(const KernelTable& k, WeightType t, const Case& c, std::mt19937_
 
   k.down(s, w.data(), h.data(), ldh, tok.data(), weight.data(), c.n, d_begin, d_end, y.data(), ldy);
 
-  // Expected y and its tolerance, built in float64 in the kernel's order.
-  std::vector<double> ref(y.size());
-  std::vector<double> tol(y.size(), 0.0);
+  // Expected y and its tolerance, built in float64 in the kernel's order:
+  // ref/tol from the exact h with the kernel's dot-product allowance eps;
+  // ref_r/tol_r (bf16 activations only) from h rounded to bf16 as the
+  // kernel does, with the fp32 allowance.
+  std::vector<double> ref(y.size()), ref_r(y.size());
+  std::vector<double> tol(y.size(), 0.0), tol_r(y.size(), 0.0);
   std::vector<bool> touched(y.size(), false);
-  for (size_t e = 0; e < y.size(); ++e) ref[e] = y_before[e];
+  for (size_t e = 0; e < y.size(); ++e) ref[e] = ref_r[e] = y_before[e];
+  std::vector<double> hr(static_cast<size_t>(c.d_ff));
   for (int32_t i = 0; i < c.n; ++i) {
     const float* hi = h.data() + static_cast<size_t>(i) * ldh;
+    for (size_t j = 0; j < hr.size(); ++j) hr[j] = act_value(hi[j], act);
+    const double wi = weight[static_cast<size_t>(i)];
     for (int32_t d = d_begin; d < d_end; ++d) {
       const double* row = &w.values[static_cast<size_t>(d) * w.cols];
-      double dot = 0, sum_abs = 0;
+      double dot = 0, sum_abs = 0, dot_r = 0, sum_abs_r = 0;
       for (size_t j = 0; j < w.cols; ++j) {
         dot += row[j] * hi[j];
         sum_abs += std::fabs(row[j] * hi[j]);
+        dot_r += row[j] * hr[j];
+        sum_abs_r += std::fabs(row[j] * hr[j]);
       }
       const size_t e = static_cast<size_t>(tok[static_cast<size_t>(i)]) * ldy + static_cast<size_t>(d);
-      const double contrib = weight[static_cast<size_t>(i)] * dot;
+      const double contrib = wi * dot, contrib_r = wi * dot_r;
       ref[e] += contrib;
+      ref_r[e] += contrib_r;
       // Dot-product error, then the product and the add each round once.
-      tol[e] += 1e-5 * std::fabs(weight[static_cast<size_t>(i)]) * sum_abs +
-                2.0 * std::numeric_limits<float>::epsilon() * (std::fabs(ref[e]) + std::fabs(contrib));
+      constexpr double kRound = 2.0 * std::numeric_limits<float>::epsilon();
+      tol[e] += eps * std::fabs(wi) * sum_abs + kRound * (std::fabs(ref[e]) + std::fabs(contrib));
+      tol_r[e] += kF32DotEps * std::fabs(wi) * sum_abs_r +
+                  kRound * (std::fabs(ref_r[e]) + std::fabs(contrib_r));
       touched[e] = true;
     }
   }
 
-  Worst worst;
+  Worst worst, worst_rounded;
   size_t bad_untouched = 0;
   std::string first_bad;
   for (size_t e = 0; e < y.size(); ++e) {
@@ -283,13 +384,17 @@ void check_down(const KernelTable& k, WeightType t, const Case& c, std::mt19937_
       }
       continue;
     }
-    worst.update(y[e], ref[e], tol[e] + 1e-30,
-                 "row " + std::to_string(e / ldy) + " d " + std::to_string(e % ldy));
+    const std::string label = "row " + std::to_string(e / ldy) + " d " + std::to_string(e % ldy);
+    worst.update(y[e], ref[e], tol[e] + 1e-30, label);
+    if (act == Act::kBf16) worst_rounded.update(y[e], ref_r[e], tol_r[e] + 1e-30, label);
   }
   EXPECT_EQ(bad_untouched, 0u) << describe(k, t, c) << ": down wrote outside [" << d_begin << ","
                                << d_end << ") or to an unlisted token, first at " << first_bad;
   EXPECT_LE(worst.ratio, 1.0) << describe(k, t, c) << " d=[" << d_begin << "," << d_end
                               << "): worst " << worst.where;
+  EXPECT_LE(worst_rounded.ratio, 1.0) << describe(k, t, c) << " d=[" << d_begin << "," << d_end
+                                      << "), activations rounded to bf16 in the reference: worst "
+                                      << worst_rounded.where;
 }
 
 }  // namespace
@@ -301,27 +406,39 @@ void PrintTo(WeightType t, std::ostream* os) { *os << type_name(t); }
 
 namespace {
 
-class KernelTest : public ::testing::TestWithParam<std::tuple<Isa, WeightType>> {
+class KernelTest : public ::testing::TestWithParam<std::tuple<Variant, WeightType>> {
  protected:
   void SetUp() override {
-    isa_ = std::get<0>(GetParam());
+    variant_ = std::get<0>(GetParam());
+    isa_ = variant_isa(variant_);
     type_ = std::get<1>(GetParam());
     if (!isa_supported(isa_)) GTEST_SKIP() << isa_name(isa_) << " not supported on this CPU";
-    table_ = &kernel_table(isa_);
+    if (variant_ == Variant::kAvx512Bf16) {
+      if (!bf16_compute_available(isa_)) GTEST_SKIP() << "AVX512_BF16 not supported on this CPU";
+      // The table the engine picks for bf16 weights; f32/f16 weights given
+      // to it must take the fp32 path.
+      table_ = &kernel_table_for(isa_, WeightType::kBF16);
+      ASSERT_STREQ(table_->name, "avx512-bf16");
+    } else {
+      table_ = &kernel_table(isa_);
+    }
     ASSERT_EQ(table_->isa, isa_);
     ASSERT_NE(table_->gate_up, nullptr);
     ASSERT_NE(table_->down, nullptr);
   }
   uint64_t seed(uint64_t salt) const {
-    return salt * 1000003u + static_cast<uint64_t>(isa_) * 31u + static_cast<uint64_t>(type_);
+    return salt * 1000003u + static_cast<uint64_t>(variant_) * 31u + static_cast<uint64_t>(type_);
   }
 
+  Variant variant_ = Variant::kScalar;
   Isa isa_ = Isa::kScalar;
   WeightType type_ = WeightType::kF32;
   const KernelTable* table_ = nullptr;
 };
 
-constexpr int32_t kSizes[] = {1, 7, 16, 100, 129, 256};
+// 50: the last partial vector pair of a 16-bit row (32 elements per cache
+// line) reaches into its second half (50 % 32 = 18).
+constexpr int32_t kSizes[] = {1, 7, 16, 50, 100, 129, 256};
 constexpr int32_t kTokenCounts[] = {1, 2, 3, 5, 8};
 
 TEST_P(KernelTest, GateUpSmallShapes) {
@@ -356,6 +473,19 @@ TEST_P(KernelTest, RealisticShape) {
   }
 }
 
+// Rows longer than the kernels' K chunks (the bf16 kernels convert 2048
+// activations at a time and carry fp32 partial sums across chunks), with a
+// last chunk of 54 (one whole vector pair and a partial one reaching into its
+// second half), and enough rows for several row chunks.
+TEST_P(KernelTest, LongRows) {
+  std::mt19937_64 rng(seed(6));
+  for (int32_t n : {1, 6}) {
+    check_gate_up(*table_, type_, Case{4150, 67, n}, rng);
+    check_down(*table_, type_, Case{67, 4150, n}, rng);
+    if (HasFailure()) return;
+  }
+}
+
 // The interface allows the same output row twice; the adds accumulate.
 TEST_P(KernelTest, DownRepeatedTokens) {
   std::mt19937_64 rng(seed(4));
@@ -384,11 +514,12 @@ TEST_P(KernelTest, EmptyRangesTouchNothing) {
 }
 
 std::string param_name(const ::testing::TestParamInfo<KernelTest::ParamType>& p) {
-  return std::string(isa_name(std::get<0>(p.param))) + "_" + type_name(std::get<1>(p.param));
+  return std::string(variant_name(std::get<0>(p.param))) + "_" + type_name(std::get<1>(p.param));
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsasAndTypes, KernelTest,
-                         ::testing::Combine(::testing::ValuesIn(kAllIsas), ::testing::ValuesIn(kAllTypes)),
+                         ::testing::Combine(::testing::ValuesIn(kAllVariants),
+                                            ::testing::ValuesIn(kAllTypes)),
                          param_name);
 
 TEST(IsaTest, DetectionIsConsistent) {
@@ -443,6 +574,31 @@ TEST(IsaTest, KernelTableFallsBack) {
     EXPECT_NE(k.down, nullptr);
   }
   EXPECT_EQ(&kernel_table(Isa::kScalar), &scalar_kernels());
+}
+
+// bf16 weights get the bf16-compute table exactly when the level is avx512
+// and the CPU has AVX512_BF16; everything else keeps the fp32 tables, and
+// COLIBRI_ISA=avx2/scalar (a lower level) selects the lower kernels.
+TEST(IsaTest, KernelTableForWeightType) {
+  const Isa detected = detect_isa();
+  EXPECT_EQ(bf16_compute_available(Isa::kAvx512), cpu_has_avx512_bf16());
+  EXPECT_FALSE(bf16_compute_available(Isa::kAvx2));
+  EXPECT_FALSE(bf16_compute_available(Isa::kScalar));
+  for (Isa isa : kAllIsas) {
+    for (WeightType t : kAllTypes) {
+      const KernelTable& k = kernel_table_for(isa, t);
+      EXPECT_EQ(k.isa, std::min(isa, detected)) << isa_name(isa) << " " << type_name(t);
+      EXPECT_EQ(&kernel_table_for(isa, t, Precision::kFp32), &kernel_table(isa))
+          << isa_name(isa) << " " << type_name(t);
+      const bool bf16_table = t == WeightType::kBF16 && isa == Isa::kAvx512 && cpu_has_avx512_bf16();
+      if (bf16_table) {
+        EXPECT_STREQ(k.name, "avx512-bf16");
+        EXPECT_NE(&k, &kernel_table(isa));
+      } else {
+        EXPECT_EQ(&k, &kernel_table(isa)) << isa_name(isa) << " " << type_name(t) << ": " << k.name;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -99,6 +99,7 @@ void colibri_open_options_default(colibri_open_options_t* o) {
   o->huge_pages = 1;
   o->verify_checksums = 1;
   o->pin_threads = 0;
+  o->reserve_tokens = 64;
 }
 
 colibri_status_t colibri_open(const char* path, const colibri_open_options_t* options,

@@ -82,4 +82,27 @@ const KernelTable& kernel_table(Isa isa) {
   return scalar_kernels();
 }
 
+bool bf16_compute_available(Isa isa) {
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  // cpu_has_avx512_bf16() implies detect_isa() == kAvx512, so the level
+  // check is what lets COLIBRI_ISA=avx2/scalar select the lower kernels.
+  return isa >= Isa::kAvx512 && cpu_has_avx512_bf16();
+#else
+  (void)isa;
+  return false;
+#endif
+}
+
+const KernelTable& kernel_table_for(Isa isa, WeightType wt, Precision p) {
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  if (wt == WeightType::kBF16 && p == Precision::kDefault && bf16_compute_available(isa)) {
+    return avx512_bf16_kernels();
+  }
+#else
+  (void)wt;
+  (void)p;
+#endif
+  return kernel_table(isa);
+}
+
 }  // namespace colibri::kernels

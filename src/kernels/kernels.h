@@ -14,7 +14,9 @@
 //            with zeros to `gate_up_stride` elements (a multiple of 64 bytes).
 //   down:    D rows of F elements, padded with zeros to `down_stride`.
 // Both blocks start 64-byte aligned. Element type: f32, f16 or bf16, as in
-// the model files; activations stay f32 (see docs/PRECISION.md).
+// the model files. Activations are f32 and products are summed in f32,
+// except in the "avx512-bf16" table, where bf16 weights meet activations
+// rounded to bf16 (see kernel_table_for and docs/PRECISION.md).
 #pragma once
 
 #include <cstddef>
@@ -92,13 +94,35 @@ const char* isa_name(Isa isa);
 // Parses "scalar" / "avx2" / "avx512"; false if unknown.
 bool parse_isa(const char* text, Isa* out);
 // Kernels for `isa`; falls back to the highest supported level not above it.
+// These always compute in fp32 (weights widened exactly to f32).
 const KernelTable& kernel_table(Isa isa);
+
+// How the activations meet the weights.
+enum class Precision : uint8_t {
+  // The fastest path whose error docs/PRECISION.md documents for the weight
+  // type: bf16 weights on an AVX512_BF16 CPU at ISA level avx512 use the
+  // "avx512-bf16" table (activations rounded to bf16, vdpbf16ps, fp32 sums;
+  // relative error <= 2^-8 per product); everything else computes in fp32.
+  kDefault = 0,
+  // Always fp32 activations (kernel_table(isa)), for any weight type.
+  kFp32 = 1,
+};
+
+// The table the engine uses for weights of type `wt` at ISA level `isa`
+// (lowered to what the CPU supports, as kernel_table does).
+const KernelTable& kernel_table_for(Isa isa, WeightType wt, Precision p = Precision::kDefault);
+// True when kernel_table_for(isa, kBF16, kDefault) is the bf16-compute table.
+bool bf16_compute_available(Isa isa);
 
 // Per-ISA tables (defined in ffn_<isa>.cpp).
 const KernelTable& scalar_kernels();
 #if defined(COLIBRI_HAVE_X86_KERNELS)
 const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
+// bf16 weights with bf16-rounded activations via vdpbf16ps (ffn_avx512_bf16.cpp);
+// f32/f16 weights passed to it go to avx512_kernels(). Its kernels may only
+// run when cpu_has_avx512_bf16(); kernel_table_for() checks that.
+const KernelTable& avx512_bf16_kernels();
 #endif
 
 }  // namespace colibri::kernels

@@ -32,6 +32,27 @@ Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, Th
   active_experts_.reserve(static_cast<size_t>(n_experts));
 }
 
+void Engine::reserve(int32_t tokens, int32_t top_k) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  const size_t slots = static_cast<size_t>(tokens) * static_cast<size_t>(top_k);
+  const int32_t F = store_.shape().d_ff;
+  const size_t ldh = static_cast<size_t>(round_up(F, 16));
+  if (slot_token_.size() < slots) {
+    slot_token_.resize(slots);
+    slot_weight_.resize(slots);
+  }
+  if (blob_ids_.size() < slots) {
+    blob_ids_.resize(slots);
+    blob_weights_.resize(slots);
+  }
+  if (hidden_.size() < slots * ldh) hidden_.resize(slots * ldh);
+  // At most one phase-1 item per 16 rows of each active expert, and no
+  // more experts are active than there are slots.
+  const size_t active = std::min(static_cast<size_t>(n_experts_), slots);
+  const size_t max_items = active * static_cast<size_t>((F + 15) / 16);
+  if (phase1_items_.capacity() < max_items) phase1_items_.reserve(max_items);
+}
+
 void Engine::bucket(const InferArgs& a) {
   const size_t slots = static_cast<size_t>(a.n_tokens) * static_cast<size_t>(a.top_k);
   std::fill(expert_offsets_.begin(), expert_offsets_.end(), 0);
@@ -94,13 +115,12 @@ void Engine::run_locked(const InferArgs& a) {
   for (size_t i = 0; i < active_experts_.size(); ++i) {
     for (int32_t f = 0; f < F; f += f_rows) phase1_items_.push_back({static_cast<int32_t>(i), f});
   }
-  const kernels::KernelTable& k = *kernels_;
   pool_.parallel_for(static_cast<int64_t>(phase1_items_.size()), threads, [&](int64_t item, int) {
     const Phase1Item& it = phase1_items_[static_cast<size_t>(item)];
     const int32_t e = active_experts_[static_cast<size_t>(it.active)];
     const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
     const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
-    k.gate_up(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
+    table_for(n).gate_up(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
               slot_token_.data() + begin, n, it.f_begin, std::min(F, it.f_begin + f_rows),
               hidden_.data() + static_cast<size_t>(begin) * ldh, ldh);
   });
@@ -118,7 +138,7 @@ void Engine::run_locked(const InferArgs& a) {
     for (const int32_t e : active_experts_) {
       const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
       const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
-      k.down(shape, store_.down(a.layer, e), hidden_.data() + static_cast<size_t>(begin) * ldh, ldh,
+      table_for(n).down(shape, store_.down(a.layer, e), hidden_.data() + static_cast<size_t>(begin) * ldh, ldh,
              slot_token_.data() + begin, slot_weight_.data() + begin, n, d_begin, d_end, a.output,
              static_cast<size_t>(D));
     }

@@ -36,6 +36,11 @@ class Engine {
   Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, ThreadPool& pool,
          const kernels::KernelTable& kernels);
 
+  // Sizes the scratch for calls of up to `tokens` tokens with `top_k`
+  // experts each, so such calls allocate nothing. Larger calls grow the
+  // scratch once, inside the call, and keep it.
+  void reserve(int32_t tokens, int32_t top_k);
+
   // Validates ids (throws Error(COLIBRI_ERR_INVALID_ARGUMENT) before touching
   // the output) and runs the layer. Concurrent calls are serialised.
   void infer(const InferArgs& args);
@@ -45,6 +50,16 @@ class Engine {
   void infer_blob(const InferArgs& args, const void* blob, size_t blob_size);
 
   const kernels::KernelTable& kernels() const { return *kernels_; }
+
+  // Kernels for experts that received at least `min_tokens` tokens in a
+  // call (the prefill GEMM path); below that the decode kernels run.
+  // nullptr disables the switch.
+  void set_prefill_kernels(const kernels::KernelTable* table, int32_t min_tokens) {
+    prefill_ = table;
+    prefill_min_tokens_ = min_tokens;
+  }
+  const kernels::KernelTable* prefill_kernels() const { return prefill_; }
+  int32_t prefill_min_tokens() const { return prefill_min_tokens_; }
 
  private:
   struct Phase1Item {
@@ -60,6 +75,12 @@ class Engine {
   int32_t n_experts_;
   ThreadPool& pool_;
   const kernels::KernelTable* kernels_;
+  const kernels::KernelTable* prefill_ = nullptr;
+  int32_t prefill_min_tokens_ = 0;
+
+  const kernels::KernelTable& table_for(int32_t n_tokens) const {
+    return prefill_ != nullptr && n_tokens >= prefill_min_tokens_ ? *prefill_ : *kernels_;
+  }
 
   std::mutex call_mutex_;  // guards the scratch below
   // Scratch, grown on demand and reused across calls.

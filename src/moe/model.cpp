@@ -36,8 +36,11 @@ Model::Model(const std::string& dir, const colibri_open_options_t& o, std::strin
   int threads = o.n_threads == 0 ? cores : o.n_threads;
   if (threads > cores) threads = cores;
   pool_ = std::make_unique<ThreadPool>(threads, o.pin_threads != 0);
-  engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_,
-                                     kernels::kernel_table(kernels::default_isa()));
+  // bf16 weights get the bf16-compute kernels where the CPU has them
+  // (docs/PRECISION.md); Engine::kernels().name says which table runs.
+  engine_ = std::make_unique<Engine>(
+      *store_, manifest_.n_layers, manifest_.n_experts, *pool_,
+      kernels::kernel_table_for(kernels::default_isa(), store_->shape().weight_type));
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

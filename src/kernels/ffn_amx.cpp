@@ -1,0 +1,543 @@
+// AMX-BF16 prefill kernels (table "amx-bf16"; see amx.h for the precision).
+//
+// Each phase is a small GEMM, C[rows][tokens] = W[rows][K] * X[tokens][K]^T,
+// computed with tdpbf16ps on 16x16 fp32 accumulator tiles:
+//   A tile = 16 weight rows x 32 K (bf16, row-major): exactly the layout the
+//            expert store writes, so bf16 weights are loaded straight from
+//            the model with the row stride (gate rows: every other row), no
+//            packing at all. f16/f32 weights, and a partial last panel of any
+//            type, are first converted into a zero-padded 16-row bf16 panel
+//            (one pass over 16*K elements, reused by all token blocks).
+//   B tile = 16 K pairs x 16 tokens x 2 (the "VNNI" layout tdpbf16ps wants
+//            for its second operand): the gathered activations, rounded to
+//            bf16 once per call into a per-thread buffer, one contiguous 1 KB
+//            tile per (16-token block, 32-K step); K is zero-padded to 32 and
+//            missing tokens of the last block are zero.
+// Tiles: 0-3 accumulators, 4-5 weights, 6-7 activations: a 2x2 register
+// blocking (gate/up or two down panels x two token blocks), so every loaded
+// tile feeds two tdpbf16ps. Accumulators are stored to a stack buffer, the
+// epilogue (silu(g)*u, or the weighted scatter-add into y with tokens in
+// order) works on 16x16 blocks transposed in registers to token-major.
+//
+// Reproducibility: every output element is one tdpbf16ps chain over K in
+// the same 32-element steps, whatever row range, thread or token block
+// position it falls in, so results do not depend on the engine's partition.
+//
+// Tile configuration: loaded once per thread (thread_local flag), never
+// released. The process must have been granted the tile state first
+// (amx_available(), amx_detect.cpp).
+//
+// Linkage rules as in ffn_avx512.cpp: everything in an anonymous namespace,
+// no inline helpers from other headers, no std templates, so no function of
+// this ISA-flagged TU can be picked by the linker for a flag-less caller.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#include <stdlib.h>
+#include <string.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/amx.h"
+
+namespace colibri::kernels {
+namespace {
+
+constexpr int kTile = 16;        // rows per tile, tokens per block, fp32 lanes
+constexpr int kKStep = 32;       // bf16 elements of K per tile row
+constexpr size_t kTileElems = static_cast<size_t>(kTile) * kKStep;  // bf16 per A/B tile
+
+#define COLIBRI_UNROLL _Pragma("GCC unroll 16")
+
+// Grow-only per-thread buffer, 64-byte aligned. Allocated on a thread's
+// first call (or for a larger shape); later calls reuse it.
+struct Buffer {
+  void* data = nullptr;
+  size_t bytes = 0;
+  ~Buffer() { free(data); }
+  void* get(size_t n) {
+    if (n > bytes) {
+      free(data);
+      data = aligned_alloc(64, (n + 63) / 64 * 64);
+      bytes = data != nullptr ? n : 0;
+    }
+    return data;
+  }
+};
+thread_local Buffer t_act;    // activations, bf16 VNNI tiles
+thread_local Buffer t_panel;  // converted / padded weight panels
+thread_local Buffer t_acc;    // fp32 accumulator tiles kept between K chunks
+thread_local bool t_tiles_configured = false;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// All 8 tiles 16 rows x 64 bytes.
+void configure_tiles() {
+  if (t_tiles_configured) return;
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kTile;
+  }
+  // Not _tile_loadconfig(): GCC 12 declares its operand as the first 8 bytes
+  // only, so the stores to the rest of the struct could be dropped.
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+  t_tiles_configured = true;
+}
+
+inline int32_t min_i32(int32_t a, int32_t b) { return a < b ? a : b; }
+
+inline __mmask16 mask16(int32_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xffff)
+                     : count <= 0 ? static_cast<__mmask16>(0)
+                                  : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+// In-register transpose of a 16x16 block of 32-bit elements: r[i] holds row
+// i on entry and column i on exit (same as ffn_avx512_gemm.cpp).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// 32 fp32 -> 32 bf16 (RNE; as every bf16 instruction, subnormals flush to 0),
+// element order kept: lo in the low half.
+inline __m512 to_bf16x32(__m512 lo, __m512 hi) {
+  return _mm512_castsi512_ps((__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// One 16-token block of activations as S = Kp/32 B tiles: out[s*512 + kp*32
+// + t*2 + e] = bf16(act[t][s*32 + 2*kp + e]), zero for k >= K or t >= count.
+// A tile's row kp (64 bytes) holds K pair kp of all 16 tokens: the 16x16
+// transpose of the 32-bit pairs.
+void pack_activations(const float* const* act, int32_t count, int32_t K, int32_t S, uint16_t* out) {
+  for (int32_t s = 0; s < S; ++s) {
+    const int32_t k = s * kKStep;
+    const __mmask16 m_lo = mask16(K - k);
+    const __mmask16 m_hi = mask16(K - k - 16);
+    __m512 r[16];
+    for (int t = 0; t < 16; ++t) {
+      if (t < count) {
+        const __m512 lo = _mm512_maskz_loadu_ps(m_lo, act[t] + k);
+        const __m512 hi = _mm512_maskz_loadu_ps(m_hi, act[t] + k + 16);
+        r[t] = to_bf16x32(lo, hi);
+      } else {
+        r[t] = _mm512_setzero_ps();
+      }
+    }
+    transpose16(r);
+    uint16_t* tile = out + static_cast<size_t>(s) * kTileElems;
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(tile + static_cast<size_t>(i) * kKStep, r[i]);
+  }
+}
+
+// Columns [k0, k0 + steps*32) of 16 weight rows as a row-major bf16 panel
+// (the A tile layout, stride steps*64 bytes): rows r < valid converted (RNE)
+// from `rows + r*stride` (stride in elements), others zero; columns >= K
+// zero. bf16/f16 rows are padded to 64 bytes (32 elements) with zeros, so
+// whole 32-element groups below round_up(K, 32) are readable; f32 rows only
+// to 16 elements, so f32 loads are masked at K.
+void convert_panel(const void* rows, size_t stride, WeightType wt, int32_t valid, int32_t K, int32_t k0,
+                   int32_t steps, uint16_t* panel) {
+  const size_t width = static_cast<size_t>(steps) * kKStep;
+  for (int r = 0; r < kTile; ++r) {
+    uint16_t* dst = panel + static_cast<size_t>(r) * width;
+    if (r >= valid) {
+      for (size_t k = 0; k < width; k += kKStep) _mm512_store_si512(dst + k, _mm512_setzero_si512());
+      continue;
+    }
+    switch (wt) {
+      case WeightType::kBF16: {
+        const uint16_t* src = static_cast<const uint16_t*>(rows) + static_cast<size_t>(r) * stride + k0;
+        for (size_t k = 0; k < width; k += kKStep) _mm512_store_si512(dst + k, _mm512_loadu_si512(src + k));
+        break;
+      }
+      case WeightType::kF16: {
+        const uint16_t* src = static_cast<const uint16_t*>(rows) + static_cast<size_t>(r) * stride + k0;
+        for (size_t k = 0; k < width; k += kKStep) {
+          const __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
+          const __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + 16)));
+          _mm512_store_ps(dst + k, to_bf16x32(lo, hi));
+        }
+        break;
+      }
+      case WeightType::kF32: {
+        const float* src = static_cast<const float*>(rows) + static_cast<size_t>(r) * stride;
+        for (int32_t k = k0; k < k0 + steps * kKStep; k += kKStep) {
+          const __m512 lo = _mm512_maskz_loadu_ps(mask16(K - k), src + k);
+          const __m512 hi = _mm512_maskz_loadu_ps(mask16(K - k - 16), src + k + 16);
+          _mm512_store_ps(dst + (k - k0), to_bf16x32(lo, hi));
+        }
+        break;
+      }
+    }
+  }
+}
+
+// Where the A tiles of one 16-row panel chunk come from: bf16 weights with
+// all 16 rows in range are read in place; anything else is converted into
+// `scratch`. data points at column k0.
+struct Panel {
+  const char* data;
+  size_t stride_bytes;
+};
+
+Panel make_panel(const void* rows, size_t stride, WeightType wt, int32_t valid, int32_t K, int32_t k0,
+                 int32_t steps, uint16_t* scratch) {
+  if (wt == WeightType::kBF16 && valid == kTile) {
+    return Panel{static_cast<const char*>(rows) + static_cast<size_t>(k0) * 2, stride * 2};
+  }
+  convert_panel(rows, stride, wt, valid, K, k0, steps, scratch);
+  return Panel{reinterpret_cast<const char*>(scratch), static_cast<size_t>(steps) * kKStep * 2};
+}
+
+// Accumulator tile 2*b + a (+)= A_a * B_b over `steps` K steps, for a < NA
+// weight panels and b < NB token blocks, kept in c + (2*b + a) * 256 (16x16
+// fp32, row = weight row, column = token): zeroed when `first`, else loaded
+// from c; always stored back to c.
+template <int NA, int NB>
+void tile_gemm(Panel A0, Panel A1, const uint16_t* B0, const uint16_t* B1, int32_t steps, bool first, float* c) {
+  // GCC 12's tileloadd asm has no memory operand: without this barrier the
+  // compiler may sink the packing stores below the tile loads that read them.
+  // (tilestored has a memory clobber, so later writes stay after it.)
+  __asm__ volatile("" ::: "memory");
+  if (first) {
+    _tile_zero(0);
+    if (NA > 1) _tile_zero(1);
+    if (NB > 1) _tile_zero(2);
+    if (NA > 1 && NB > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, 64);
+    if (NA > 1) _tile_loadd(1, c + 256, 64);
+    if (NB > 1) _tile_loadd(2, c + 512, 64);
+    if (NA > 1 && NB > 1) _tile_loadd(3, c + 768, 64);
+  }
+  for (int32_t s = 0; s < steps; ++s) {
+    const size_t ka = static_cast<size_t>(s) * kKStep * 2;
+    const size_t kb = static_cast<size_t>(s) * kTileElems;
+    _tile_loadd(4, A0.data + ka, A0.stride_bytes);
+    if (NA > 1) _tile_loadd(5, A1.data + ka, A1.stride_bytes);
+    _tile_loadd(6, B0 + kb, 64);
+    if (NB > 1) _tile_loadd(7, B1 + kb, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NA > 1) _tile_dpbf16ps(1, 5, 6);
+    if (NB > 1) _tile_dpbf16ps(2, 4, 7);
+    if (NA > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  if (NA > 1) _tile_stored(1, c + 256, 64);
+  if (NB > 1) _tile_stored(2, c + 512, 64);
+  if (NA > 1 && NB > 1) _tile_stored(3, c + 768, 64);
+}
+
+// exp(x) for 16 lanes (as ffn_avx512_gemm.cpp): 2^(x log2 e) split into an
+// integer power, applied with vscalefps (saturates to 0 / inf), and a
+// degree-6 polynomial for 2^f on f in [-0.5, 0.5] (relative error ~2e-7).
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u; for g very negative exp(-g) is inf
+// and the quotient is -0, the limit.
+inline __m512 silu_mul(__m512 g, __m512 u) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+// h[i0 + t][f .. f+valid) = silu(cg) * cu for t < count, from the 16x16
+// (row, token) accumulators cg (gate) and cu (up).
+void store_gate_up(const float* cg, const float* cu, int32_t i0, int32_t count, int32_t f, int32_t valid,
+                   float* h, size_t ldh) {
+  __m512 r[16];
+  COLIBRI_UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = silu_mul(_mm512_load_ps(cg + i * 16), _mm512_load_ps(cu + i * 16));
+  transpose16(r);
+  const __mmask16 m = mask16(valid);
+  for (int t = 0; t < count; ++t) _mm512_mask_storeu_ps(h + static_cast<size_t>(i0 + t) * ldh + f, m, r[t]);
+}
+
+// y[token_index[i0 + t]][d .. d+valid) += weight[i0 + t] * c[.][t], tokens
+// in order, from the 16x16 (row, token) accumulator c.
+void store_down(const float* c, const int32_t* token_index, const float* weight, int32_t i0, int32_t count,
+                int32_t d, int32_t valid, float* y, size_t ldy) {
+  __m512 r[16];
+  COLIBRI_UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + i * 16);
+  transpose16(r);
+  const __mmask16 m = mask16(valid);
+  for (int t = 0; t < count; ++t) {
+    float* out = y + static_cast<size_t>(token_index[i0 + t]) * ldy + d;
+    const __m512 w = _mm512_set1_ps(weight[i0 + t]);
+    _mm512_mask_storeu_ps(out, m, _mm512_fmadd_ps(w, r[t], _mm512_maskz_loadu_ps(m, out)));
+  }
+}
+
+size_t elem_size(WeightType t) { return t == WeightType::kF32 ? 4 : 2; }
+
+// Cache blocking. The activations of all tokens are swept once per unit
+// (16 f rows of gate+up, or 32 d rows of down); when they do not fit in L2
+// next to the weights, K is split into chunks whose activations (all token
+// blocks) take at most kActChunkBytes, and a group of units runs over one
+// chunk before the next chunk starts, so each chunk's activations come from
+// L3 once per group instead of once per unit. The accumulator tiles of the
+// group's units stay in a per-thread buffer (at most kAccBytes) between
+// chunks; storing and reloading fp32 tiles is exact, so results do not
+// depend on the blocking.
+constexpr size_t kActChunkBytes = size_t{768} << 10;
+constexpr size_t kAccBytes = size_t{256} << 10;
+constexpr int32_t kMinChunkSteps = 16;
+constexpr int32_t kMaxGroupUnits = 8;
+
+// Per-call geometry and the thread's buffers.
+struct Plan {
+  int32_t S = 0;       // K steps of 32 (K zero-padded)
+  int32_t nb = 0;      // 16-token blocks
+  int32_t passes = 0;  // tile_gemm calls per unit and chunk: pairs of blocks, plus a lone last block
+  int32_t CS = 0;      // K steps per chunk
+  int32_t RG = 1;      // units per group
+  size_t block_elems = 0;
+  uint16_t* act = nullptr;
+  uint16_t* panel = nullptr;
+  float* acc = nullptr;
+};
+
+bool make_plan(int32_t K, int32_t n, int32_t units, Plan* p) {
+  p->S = (K + kKStep - 1) / kKStep;
+  p->nb = (n + kTile - 1) / kTile;
+  p->passes = (p->nb + 1) / 2;
+  const size_t step_bytes = static_cast<size_t>(p->nb) * kTileElems * 2;
+  const size_t pass_acc = 4 * 256 * sizeof(float);
+  p->CS = p->S;
+  p->RG = 1;
+  if (static_cast<size_t>(p->S) * step_bytes > kActChunkBytes) {
+    const size_t fit = kActChunkBytes / step_bytes;
+    p->CS = min_i32(p->S, fit < static_cast<size_t>(kMinChunkSteps) ? kMinChunkSteps : static_cast<int32_t>(fit));
+    const size_t rg = kAccBytes / (static_cast<size_t>(p->passes) * pass_acc);
+    p->RG = rg < 1 ? 1 : rg > static_cast<size_t>(kMaxGroupUnits) ? kMaxGroupUnits : static_cast<int32_t>(rg);
+    p->RG = min_i32(p->RG, units);
+  }
+  p->block_elems = static_cast<size_t>(p->S) * kTileElems;
+  p->act = static_cast<uint16_t*>(t_act.get(static_cast<size_t>(p->nb) * p->block_elems * 2));
+  p->panel = static_cast<uint16_t*>(t_panel.get(2 * static_cast<size_t>(kTile) * p->CS * kKStep * 2));
+  p->acc = static_cast<float*>(t_acc.get(static_cast<size_t>(p->RG) * p->passes * pass_acc));
+  return p->act != nullptr && p->panel != nullptr && p->acc != nullptr;
+}
+
+// The A side of one unit for one K chunk: one or two 16-row panels.
+struct Unit {
+  Panel a0, a1;
+  bool two;
+};
+
+// The C = W X^T loop nest shared by both phases, over `units` units of the
+// phase `ph`, which provides
+//   Unit unit(u, k0, steps, scratch): the panels of unit u, columns [k0, k0 + steps*32)
+//   void epilogue(u, b, blocks, c): consume the finished accumulators of
+//     token blocks b .. b+blocks-1 (c: tile 2*j + a for block b+j, panel a).
+// Units are visited in order within a group and token blocks in order
+// within a unit.
+template <class Phase>
+void run_gemm(Phase& ph, const Plan& pl, int32_t units) {
+  const size_t unit_acc = static_cast<size_t>(pl.passes) * 1024;
+  for (int32_t g0 = 0; g0 < units; g0 += pl.RG) {
+    const int32_t g1 = min_i32(units, g0 + pl.RG);
+    for (int32_t c0 = 0; c0 < pl.S; c0 += pl.CS) {
+      const int32_t cs = min_i32(pl.CS, pl.S - c0);
+      const bool first = c0 == 0, last = c0 + cs == pl.S;
+      for (int32_t u = g0; u < g1; ++u) {
+        const Unit un = ph.unit(u, c0 * kKStep, cs, pl.panel);
+        float* acc = pl.acc + static_cast<size_t>(u - g0) * unit_acc;
+        const uint16_t* Bc = pl.act + static_cast<size_t>(c0) * kTileElems;
+        int32_t b = 0;
+        for (; b + 2 <= pl.nb; b += 2) {
+          float* c = acc + static_cast<size_t>(b / 2) * 1024;
+          const uint16_t* B0 = Bc + static_cast<size_t>(b) * pl.block_elems;
+          if (un.two) {
+            tile_gemm<2, 2>(un.a0, un.a1, B0, B0 + pl.block_elems, cs, first, c);
+          } else {
+            tile_gemm<1, 2>(un.a0, un.a1, B0, B0 + pl.block_elems, cs, first, c);
+          }
+          if (last) ph.epilogue(u, b, 2, c);
+        }
+        if (b < pl.nb) {
+          float* c = acc + static_cast<size_t>(b / 2) * 1024;
+          const uint16_t* B0 = Bc + static_cast<size_t>(b) * pl.block_elems;
+          if (un.two) {
+            tile_gemm<2, 1>(un.a0, un.a1, B0, nullptr, cs, first, c);
+          } else {
+            tile_gemm<1, 1>(un.a0, un.a1, B0, nullptr, cs, first, c);
+          }
+          if (last) ph.epilogue(u, b, 1, c);
+        }
+      }
+    }
+  }
+}
+
+// Gathers and packs the activations of n tokens: token i is row
+// token_index[i] of `base` (row i when token_index is null), ld floats apart.
+void pack_all(const Plan& pl, const float* base, size_t ld, const int32_t* token_index, int32_t n, int32_t K) {
+  for (int32_t b = 0; b < pl.nb; ++b) {
+    const int32_t i0 = b * kTile;
+    const int32_t count = min_i32(kTile, n - i0);
+    const float* act[kTile];
+    for (int t = 0; t < count; ++t) {
+      const size_t row = token_index != nullptr ? static_cast<size_t>(token_index[i0 + t]) : static_cast<size_t>(i0 + t);
+      act[t] = base + row * ld;
+    }
+    pack_activations(act, count, K, pl.S, pl.act + static_cast<size_t>(b) * pl.block_elems);
+  }
+}
+
+// Phase 1: unit u = f rows [f_begin + 16u, +16): the gate and up panels.
+// Row 2f is gate row f, row 2f+1 up row f, so gate rows are every other
+// row and a unit's gate and up rows are 2*valid consecutive rows.
+struct GateUpPhase {
+  const char* w;
+  size_t row_bytes, stride;
+  WeightType wt;
+  int32_t K, f_begin, f_end, n;
+  float* h;
+  size_t ldh;
+
+  int32_t valid(int32_t u) const { return min_i32(kTile, f_end - f_begin - u * kTile); }
+  Unit unit(int32_t u, int32_t k0, int32_t steps, uint16_t* scratch) const {
+    const char* gate = w + static_cast<size_t>(2 * (f_begin + u * kTile)) * row_bytes;
+    Unit un;
+    un.a0 = make_panel(gate, 2 * stride, wt, valid(u), K, k0, steps, scratch);
+    un.a1 = make_panel(gate + row_bytes, 2 * stride, wt, valid(u), K, k0, steps,
+                       scratch + static_cast<size_t>(kTile) * steps * kKStep);
+    un.two = true;
+    return un;
+  }
+  void epilogue(int32_t u, int32_t b, int32_t blocks, const float* c) const {
+    const int32_t f = f_begin + u * kTile;
+    for (int32_t j = 0; j < blocks; ++j) {
+      const int32_t i0 = (b + j) * kTile;
+      store_gate_up(c + 512 * j, c + 512 * j + 256, i0, min_i32(kTile, n - i0), f, valid(u), h, ldh);
+    }
+  }
+};
+
+// Phase 2: unit u = d rows [d_begin + 32u, +32): two panels (one for a last
+// unit of at most 16 rows).
+struct DownPhase {
+  const char* w;
+  size_t row_bytes, stride;
+  WeightType wt;
+  int32_t K, d_begin, d_end, n;
+  const int32_t* token_index;
+  const float* weight;
+  float* y;
+  size_t ldy;
+
+  int32_t rows(int32_t u) const { return min_i32(2 * kTile, d_end - d_begin - u * 2 * kTile); }
+  Unit unit(int32_t u, int32_t k0, int32_t steps, uint16_t* scratch) const {
+    const int32_t d = d_begin + u * 2 * kTile;
+    const char* r = w + static_cast<size_t>(d) * row_bytes;
+    const int32_t nr = rows(u);
+    Unit un;
+    un.a0 = make_panel(r, stride, wt, min_i32(kTile, nr), K, k0, steps, scratch);
+    un.two = nr > kTile;
+    un.a1 = un.two ? make_panel(r + kTile * row_bytes, stride, wt, nr - kTile, K, k0, steps,
+                                scratch + static_cast<size_t>(kTile) * steps * kKStep)
+                   : Panel{nullptr, 0};
+    return un;
+  }
+  void epilogue(int32_t u, int32_t b, int32_t blocks, const float* c) const {
+    const int32_t d = d_begin + u * 2 * kTile;
+    const int32_t nr = rows(u);
+    // Per panel, token block b before b + 1: each y row sees its tokens in order.
+    for (int32_t a = 0; a < (nr > kTile ? 2 : 1); ++a) {
+      for (int32_t j = 0; j < blocks; ++j) {
+        const int32_t i0 = (b + j) * kTile;
+        store_down(c + 512 * j + 256 * a, token_index, weight, i0, min_i32(kTile, n - i0), d + a * kTile,
+                   min_i32(kTile, nr - a * kTile), y, ldy);
+      }
+    }
+  }
+};
+
+void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
+                 const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h,
+                 size_t ldh) {
+  if (n <= 0 || f_begin >= f_end) return;
+  const int32_t units = (f_end - f_begin + kTile - 1) / kTile;
+  Plan pl;
+  if (!make_plan(s.d_model, n, units, &pl)) return;  // cannot happen in practice; the engine pre-warms
+  configure_tiles();
+  pack_all(pl, x, ldx, token_index, n, s.d_model);
+  const size_t elem = elem_size(s.weight_type);
+  GateUpPhase ph{static_cast<const char*>(gate_up), s.gate_up_stride * elem, s.gate_up_stride, s.weight_type,
+                 s.d_model, f_begin, f_end, n, h, ldh};
+  run_gemm(ph, pl, units);
+}
+
+void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
+              const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+  if (n <= 0 || d_begin >= d_end) return;
+  const int32_t units = (d_end - d_begin + 2 * kTile - 1) / (2 * kTile);
+  Plan pl;
+  if (!make_plan(s.d_ff, n, units, &pl)) return;
+  configure_tiles();
+  pack_all(pl, h, ldh, nullptr, n, s.d_ff);
+  const size_t elem = elem_size(s.weight_type);
+  DownPhase ph{static_cast<const char*>(down), s.down_stride * elem, s.down_stride, s.weight_type, s.d_ff, d_begin,
+               d_end, n, token_index, weight, y, ldy};
+  run_gemm(ph, pl, units);
+}
+
+}  // namespace
+
+const KernelTable& amx_bf16_kernels() {
+  static const KernelTable table{Isa::kAvx512, "amx-bf16", gate_up_amx, down_amx};
+  return table;
+}
+
+}  // namespace colibri::kernels

@@ -1,0 +1,385 @@
+// The AMX-BF16 prefill kernels ("amx-bf16") against float64 references, on
+// the same packed layout, shapes and checks as test_gemm.cpp: odd sizes,
+// partial row ranges, gathered and repeated tokens, poisoned outputs.
+//
+// Two references:
+//  - "rounded": computed in float64 on the bf16-rounded weights and the
+//    bf16-rounded activations (x for gate_up, h for down), i.e. on exactly
+//    the values the tiles multiply. Products of two bf16 values are exact in
+//    fp32, so what is left is the fp32 accumulation inside tdpbf16ps (at most
+//    K roundings of 2^-24 relative each on a running sum bounded by
+//    sum|terms|: max(1e-5, K 2^-24) * sum|terms|), the final fma into y
+//    (2^-23 relative) and the exp approximation of silu (~1e-6 relative).
+//  - "unrounded": the exact weights and activations. Each product then also
+//    carries the bf16 rounding: one rounding (2^-8 relative, RNE on an 8-bit
+//    significand) for bf16 weights, two (2^-7 + 2^-16) for f16/f32 weights.
+// Errors in g and u propagate through silu(g)*u with |silu'| <= 1.1:
+//   |silu(g')u' - silu(g)u| <= 1.1 e_g (|u| + e_u) + |silu(g)| e_u.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/amx.h"
+#include "util/half.h"
+
+namespace {
+
+using colibri::kernels::ExpertShape;
+using colibri::kernels::KernelTable;
+using colibri::kernels::WeightType;
+
+struct Packed {
+  ExpertShape s;
+  std::vector<uint8_t> gate_up, down;
+
+  void put(std::vector<uint8_t>& buf, size_t idx, float v) const {
+    if (s.weight_type == WeightType::kF32) {
+      std::memcpy(&buf[idx * 4], &v, 4);
+    } else {
+      const uint16_t h = s.weight_type == WeightType::kF16 ? colibri::float_to_f16(v) : colibri::float_to_bf16(v);
+      std::memcpy(&buf[idx * 2], &h, 2);
+    }
+  }
+  float get(const std::vector<uint8_t>& buf, size_t idx) const {
+    if (s.weight_type == WeightType::kF32) {
+      float v;
+      std::memcpy(&v, &buf[idx * 4], 4);
+      return v;
+    }
+    uint16_t h;
+    std::memcpy(&h, &buf[idx * 2], 2);
+    return s.weight_type == WeightType::kF16 ? colibri::f16_to_float(h) : colibri::bf16_to_float(h);
+  }
+};
+
+Packed make_packed(int D, int F, WeightType wt, std::mt19937& rng) {
+  Packed p;
+  p.s = colibri::kernels::make_expert_shape(D, F, wt);
+  const size_t es = colibri::kernels::weight_type_size(wt);
+  // Exactly sized, padding zero as the loader writes it.
+  p.gate_up.assign(2 * static_cast<size_t>(F) * p.s.gate_up_stride * es, 0);
+  p.down.assign(static_cast<size_t>(D) * p.s.down_stride * es, 0);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int r = 0; r < 2 * F; ++r)
+    for (int k = 0; k < D; ++k) p.put(p.gate_up, r * p.s.gate_up_stride + k, u(rng));
+  for (int r = 0; r < D; ++r)
+    for (int k = 0; k < F; ++k) p.put(p.down, r * p.s.down_stride + k, u(rng));
+  return p;
+}
+
+const char* type_name(WeightType t) {
+  return t == WeightType::kF32 ? "f32" : t == WeightType::kF16 ? "f16" : "bf16";
+}
+
+double bf16_round(float v) { return colibri::bf16_to_float(colibri::float_to_bf16(v)); }
+
+// Relative error bound per product against the unrounded reference.
+double product_rel(WeightType wt) {
+  const double u = std::ldexp(1.0, -8);
+  return wt == WeightType::kBF16 ? u : 2 * u + u * u;
+}
+
+// fp32 accumulation error, relative to sum|terms|: at most K roundings of
+// 2^-24 on a running sum bounded by sum|terms|; 1e-5 covers K <= 167.
+double acc_rel(int K) { return std::max(1e-5, K * std::ldexp(1.0, -24)); }
+
+struct Worst {
+  double ratio = 0;
+  std::string where;
+  void see(double r, const std::string& what) {
+    if (!(r <= ratio)) {
+      ratio = r;
+      where = what;
+    }
+  }
+};
+
+// One gate_up call over [fb, fe) into NaN-poisoned h, checked element-wise.
+// rounded: reference on bf16-rounded weights and x.
+void check_gate_up(const KernelTable& k, const Packed& p, const std::vector<float>& x, const std::vector<int32_t>& idx,
+                   int n, int fb, int fe, bool rounded, const std::string& label, Worst* overall) {
+  const int D = p.s.d_model, F = p.s.d_ff;
+  const size_t ldh = static_cast<size_t>(F) + 3;
+  std::vector<float> h(static_cast<size_t>(n) * ldh, NAN);
+  k.gate_up(p.s, p.gate_up.data(), x.data(), static_cast<size_t>(D), idx.data(), n, fb, fe, h.data(), ldh);
+  const double rel = rounded ? acc_rel(D) : product_rel(p.s.weight_type) + acc_rel(D) * (1 + product_rel(p.s.weight_type));
+  Worst worst;
+  for (int i = 0; i < n; ++i) {
+    for (size_t f = 0; f < ldh; ++f) {
+      const float got = h[static_cast<size_t>(i) * ldh + f];
+      if (static_cast<int>(f) < fb || static_cast<int>(f) >= fe) {
+        ASSERT_TRUE(std::isnan(got)) << "h[" << i << "][" << f << "] written outside the range";
+        continue;
+      }
+      double g = 0, up = 0, mag_g = 0, mag_u = 0;
+      const float* xi = x.data() + static_cast<size_t>(idx[static_cast<size_t>(i)]) * D;
+      for (int c = 0; c < D; ++c) {
+        double wg = p.get(p.gate_up, 2 * f * p.s.gate_up_stride + c);
+        double wu = p.get(p.gate_up, (2 * f + 1) * p.s.gate_up_stride + c);
+        double xv = xi[c];
+        if (rounded) {
+          wg = bf16_round(static_cast<float>(wg));
+          wu = bf16_round(static_cast<float>(wu));
+          xv = bf16_round(xi[c]);
+        }
+        g += wg * xv;
+        up += wu * xv;
+        mag_g += std::fabs(wg * xv);
+        mag_u += std::fabs(wu * xv);
+      }
+      const double silu = g / (1.0 + std::exp(-g));
+      const double ref = silu * up;
+      const double e_g = rel * mag_g, e_u = rel * mag_u;
+      const double tol = 1.1 * e_g * (std::fabs(up) + e_u) + std::fabs(silu) * e_u + 1e-6 * std::fabs(ref) + 1e-30;
+      worst.see(std::fabs(got - ref) / tol, label + " h[" + std::to_string(i) + "][" + std::to_string(f) + "] got " +
+                                                std::to_string(got) + " ref " + std::to_string(ref));
+    }
+  }
+  EXPECT_LE(worst.ratio, 1.0) << "worst gate_up element: " << worst.where;
+  overall->see(worst.ratio, worst.where);
+}
+
+// One down call over [db, de) into prefilled y, checked element-wise; y
+// outside the range must be untouched.
+void check_down(const KernelTable& k, const Packed& p, const std::vector<float>& h, size_t ldh,
+                const std::vector<int32_t>& idx, const std::vector<float>& w, int n, int T, int db, int de,
+                bool rounded, std::mt19937& rng, const std::string& label, Worst* overall) {
+  const int D = p.s.d_model, F = p.s.d_ff;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> y(static_cast<size_t>(T) * D);
+  for (float& v : y) v = u(rng);
+  const std::vector<float> y0 = y;
+  k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, db, de, y.data(), static_cast<size_t>(D));
+  const double rel = rounded ? acc_rel(F) : product_rel(p.s.weight_type) + acc_rel(F) * (1 + product_rel(p.s.weight_type));
+  std::vector<double> ref(y0.begin(), y0.end()), tol(y0.size(), 1e-30);
+  for (int i = 0; i < n; ++i) {
+    for (int d = db; d < de; ++d) {
+      double acc = 0, m = 0;
+      for (int f = 0; f < F; ++f) {
+        double wd = p.get(p.down, static_cast<size_t>(d) * p.s.down_stride + f);
+        double hv = h[static_cast<size_t>(i) * ldh + f];
+        if (rounded) {
+          wd = bf16_round(static_cast<float>(wd));
+          hv = bf16_round(h[static_cast<size_t>(i) * ldh + f]);
+        }
+        acc += wd * hv;
+        m += std::fabs(wd * hv);
+      }
+      const size_t o = static_cast<size_t>(idx[static_cast<size_t>(i)]) * D + d;
+      const double wi = w[static_cast<size_t>(i)];
+      ref[o] += wi * acc;
+      // The dot's error scaled by |w|, plus one fp32 rounding of the fma.
+      tol[o] += rel * std::fabs(wi) * m + std::ldexp(std::fabs(ref[o]) + std::fabs(wi * acc), -23);
+    }
+  }
+  Worst worst;
+  for (size_t o = 0; o < y.size(); ++o) {
+    const int d = static_cast<int>(o % static_cast<size_t>(D));
+    if (d < db || d >= de) {
+      ASSERT_EQ(y[o], y0[o]) << "y[" << o << "] touched outside the range";
+      continue;
+    }
+    worst.see(std::fabs(y[o] - ref[o]) / tol[o],
+              label + " y[" + std::to_string(o) + "] got " + std::to_string(y[o]) + " ref " + std::to_string(ref[o]));
+  }
+  EXPECT_LE(worst.ratio, 1.0) << "worst down element: " << worst.where;
+  overall->see(worst.ratio, worst.where);
+}
+
+class AmxKernels : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!colibri::kernels::amx_available()) GTEST_SKIP() << "no usable AMX-BF16 (CPU, XCR0 or Linux permission)";
+  }
+};
+
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+
+TEST(AmxTable, Name) {
+  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
+  EXPECT_STREQ(k.name, "amx-bf16");
+  EXPECT_NE(k.gate_up, nullptr);
+  EXPECT_NE(k.down, nullptr);
+}
+
+// All shapes of test_gemm.cpp plus sizes that exercise the tile grid: K on
+// and off multiples of 32, more than two 16-token blocks (pairs + a single
+// block), row ranges with a partial last panel and a lone last panel.
+void run_shapes(bool rounded) {
+  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
+  std::mt19937 rng(rounded ? 20261130 : 20261201);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  Worst gate_up_worst, down_worst;
+  for (WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
+    for (int D : {1, 7, 16, 33, 64, 100, 129}) {
+      for (int F : {1, 5, 17, 48, 100}) {
+        for (int n : {1, 3, 8, 9, 21, 40}) {
+          const std::string label = std::string(type_name(wt)) + " D=" + std::to_string(D) +
+                                    " F=" + std::to_string(F) + " n=" + std::to_string(n);
+          SCOPED_TRACE(label);
+          const Packed p = make_packed(D, F, wt, rng);
+          const int T = n + 3;
+          std::vector<float> x(static_cast<size_t>(T) * D);
+          for (float& v : x) v = u(rng);
+          std::vector<int32_t> idx(static_cast<size_t>(n));
+          for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 7 + 2) % T;  // gathered, some repeated
+          const int fb = F > 4 ? 1 : 0, fe = F > 4 ? F - 1 : F;
+          check_gate_up(k, p, x, idx, n, fb, fe, rounded, label, &gate_up_worst);
+
+          const size_t ldh = static_cast<size_t>(F) + 3;
+          std::vector<float> h(static_cast<size_t>(n) * ldh);
+          for (float& v : h) v = u(rng);
+          std::vector<float> w(static_cast<size_t>(n));
+          for (float& v : w) v = u(rng);
+          const int db = D > 4 ? 2 : 0, de = D > 4 ? D - 1 : D;
+          check_down(k, p, h, ldh, idx, w, n, T, db, de, rounded, rng, label, &down_worst);
+        }
+      }
+    }
+  }
+  std::printf("[ worst    ] %s reference, error / tolerance: gate_up %.3g (%s), down %.3g (%s)\n",
+              rounded ? "rounded" : "unrounded", gate_up_worst.ratio, gate_up_worst.where.c_str(), down_worst.ratio,
+              down_worst.where.c_str());
+}
+
+TEST_F(AmxKernels, MatchRoundedFloat64Reference) { run_shapes(true); }
+
+TEST_F(AmxKernels, MatchUnroundedFloat64Reference) { run_shapes(false); }
+
+// A model-sized slice: long K (many tile steps), 5 token blocks.
+TEST_F(AmxKernels, LargerShape) {
+  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (WeightType wt : {WeightType::kBF16, WeightType::kF32}) {
+    SCOPED_TRACE(type_name(wt));
+    const int D = 520, F = 1000, n = 70, T = 90;
+    const Packed p = make_packed(D, F, wt, rng);
+    std::vector<float> x(static_cast<size_t>(T) * D);
+    for (float& v : x) v = u(rng);
+    std::vector<int32_t> idx(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 13 + 5) % T;
+    Worst gw, dw;
+    check_gate_up(k, p, x, idx, n, 3, 250, true, "large", &gw);
+    const size_t ldh = static_cast<size_t>(F);
+    std::vector<float> h(static_cast<size_t>(n) * ldh);
+    for (float& v : h) v = u(rng);
+    std::vector<float> w(static_cast<size_t>(n));
+    for (float& v : w) v = u(rng);
+    check_down(k, p, h, ldh, idx, w, n, T, 5, 517, true, rng, "large", &dw);
+  }
+}
+
+// Long K with many tokens: the kernels then split K into chunks (the
+// activations of all token blocks per chunk <= 768 KB), run groups of up to
+// 8 row units (16 gate/up rows, 32 down rows) over each chunk and keep their
+// accumulators in memory between chunks. n = 129 (9 blocks) at K = 4096
+// gives chunks of 85 + 43 steps and, with 10 units in range, groups of 8 + 2;
+// n = 1030 (65 blocks) at K = 600 gives the 16-step minimum (16 + 3) with
+// one unit per group. Against the rounded reference, and bit-identical to an
+// unchunked call on a prefix of the tokens (storing and reloading fp32 tiles
+// is exact).
+TEST_F(AmxKernels, ChunkedK) {
+  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  struct Case {
+    int D, F, n, fe, de;  // h rows [1, fe) and y columns [2, de) checked
+  };
+  for (WeightType wt : {WeightType::kBF16, WeightType::kF16}) {
+    for (Case cs : {Case{4096, 150, 129, 149, 19}, Case{300, 4096, 129, 21, 298}, Case{600, 600, 1030, 21, 19}}) {
+      const std::string label = std::string(type_name(wt)) + " D=" + std::to_string(cs.D) +
+                                " F=" + std::to_string(cs.F) + " n=" + std::to_string(cs.n);
+      SCOPED_TRACE(label);
+      const int D = cs.D, F = cs.F, n = cs.n, T = n + 5;
+      const Packed p = make_packed(D, F, wt, rng);
+      std::vector<float> x(static_cast<size_t>(T) * D);
+      for (float& v : x) v = u(rng);
+      std::vector<int32_t> idx(static_cast<size_t>(n));
+      for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 7 + 3) % T;
+      Worst gw, dw;
+      const int fe = cs.fe;
+      check_gate_up(k, p, x, idx, n, 1, fe, true, label, &gw);
+      const size_t ldh = static_cast<size_t>(F);
+      std::vector<float> h(static_cast<size_t>(n) * ldh);
+      for (float& v : h) v = u(rng);
+      std::vector<float> w(static_cast<size_t>(n));
+      for (float& v : w) v = u(rng);
+      const int de = cs.de;
+      check_down(k, p, h, ldh, idx, w, n, T, 2, de, true, rng, label, &dw);
+
+      const int m = 31;  // 2 blocks: one chunk
+      std::vector<float> h_all(static_cast<size_t>(n) * ldh), h_few(static_cast<size_t>(m) * ldh);
+      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, fe, h_all.data(), ldh);
+      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), m, 0, fe, h_few.data(), ldh);
+      for (int i = 0; i < m; ++i) {
+        ASSERT_EQ(std::memcmp(&h_all[static_cast<size_t>(i) * ldh], &h_few[static_cast<size_t>(i) * ldh],
+                              static_cast<size_t>(fe) * sizeof(float)),
+                  0)
+            << "gate_up token " << i;
+      }
+      // down: distinct tokens so each y row gets exactly one contribution.
+      std::vector<int32_t> ident(static_cast<size_t>(n));
+      for (int i = 0; i < n; ++i) ident[static_cast<size_t>(i)] = i;
+      std::vector<float> y_all(static_cast<size_t>(n) * D, 0.0f), y_few(static_cast<size_t>(m) * D, 0.0f);
+      k.down(p.s, p.down.data(), h.data(), ldh, ident.data(), w.data(), n, 0, de, y_all.data(), D);
+      k.down(p.s, p.down.data(), h.data(), ldh, ident.data(), w.data(), m, 0, de, y_few.data(), D);
+      ASSERT_EQ(std::memcmp(y_all.data(), y_few.data(), y_few.size() * sizeof(float)), 0);
+    }
+  }
+}
+
+// Each output element is one tdpbf16ps chain over K whatever the row range,
+// token block or thread: splitting the rows (also across threads, each with
+// its own tile configuration and buffers) must give identical bits.
+TEST_F(AmxKernels, IndependentOfPartitionAndThreads) {
+  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (WeightType wt : {WeightType::kBF16, WeightType::kF16, WeightType::kF32}) {
+    SCOPED_TRACE(type_name(wt));
+    const int D = 200, F = 300, n = 37, T = 41;
+    const Packed p = make_packed(D, F, wt, rng);
+    std::vector<float> x(static_cast<size_t>(T) * D);
+    for (float& v : x) v = u(rng);
+    std::vector<int32_t> idx(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 5 + 1) % T;
+    const size_t ldh = static_cast<size_t>(F);
+    std::vector<float> h_full(static_cast<size_t>(n) * ldh), h_split(h_full.size());
+    k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, h_full.data(), ldh);
+    {
+      std::thread a([&] { k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, 7, h_split.data(), ldh); });
+      std::thread b([&] { k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 7, 141, h_split.data(), ldh); });
+      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 141, F, h_split.data(), ldh);
+      a.join();
+      b.join();
+    }
+    ASSERT_EQ(std::memcmp(h_full.data(), h_split.data(), h_full.size() * sizeof(float)), 0);
+
+    std::vector<float> w(static_cast<size_t>(n));
+    for (float& v : w) v = u(rng);
+    std::vector<float> y_full(static_cast<size_t>(T) * D);
+    for (float& v : y_full) v = u(rng);
+    std::vector<float> y_split = y_full;
+    k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 0, D, y_full.data(), D);
+    {
+      std::thread a([&] { k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 0, 19, y_split.data(), D); });
+      std::thread b([&] { k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 19, 100, y_split.data(), D); });
+      k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 100, D, y_split.data(), D);
+      a.join();
+      b.join();
+    }
+    ASSERT_EQ(std::memcmp(y_full.data(), y_split.data(), y_full.size() * sizeof(float)), 0);
+  }
+}
+
+#endif
+
+}  // namespace
