@@ -87,10 +87,15 @@ typedef struct colibri_open_options_s {
   int32_t reserve_tokens;   /* scratch sized at open for calls of up to this many
                                tokens x min(n_experts, 8) experts; such calls
                                allocate nothing. Larger calls grow it once. */
+  int32_t bf16_compute;     /* 1 = f16 and f32 weights may be computed through
+                               bf16 (weights and activations rounded to bf16,
+                               AMX tiles where present) for many-token calls;
+                               0 = accurate fp32 (default). bf16 weights always
+                               use bf16 dot products. See docs/PRECISION.md. */
 } colibri_open_options_t;
 
 /* Defaults: n_threads 0, lock_memory 1, huge_pages 1, verify_checksums 1,
- * pin_threads 0, reserve_tokens 64. */
+ * pin_threads 0, reserve_tokens 64, bf16_compute 0. */
 COLIBRI_API void colibri_open_options_default(colibri_open_options_t* options);
 
 /* Opens the model directory `path` (holding colibri.json). On success
@@ -165,6 +170,11 @@ typedef struct colibri_stats_s {
 COLIBRI_API colibri_status_t colibri_model_info(const colibri_model_t* model,
                                                 colibri_model_info_t* out_info);
 COLIBRI_API colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* out_stats);
+
+/* Which kernels the model runs, e.g. "decode avx512, prefill avx512-gemm from
+ * 32 tokens/expert". Owned by the model; valid until colibri_free. NULL model
+ * gives "". Thread-safe. */
+COLIBRI_API const char* colibri_model_kernels(const colibri_model_t* model);
 
 /* Re-hashes every weight file named in the manifest's checksums and checks
  * sizes, independent of open. Thread-safe (reads files only). */

@@ -224,6 +224,10 @@ colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* ou
   return COLIBRI_OK;
 }
 
+const char* colibri_model_kernels(const colibri_model_t* model) {
+  return model != nullptr ? model->impl.kernels_description().c_str() : "";
+}
+
 colibri_status_t colibri_verify_dir(const char* path) {
   if (path == nullptr) return null_argument("colibri_verify_dir", "path");
   return guarded("colibri_verify_dir", [&] {

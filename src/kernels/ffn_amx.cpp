@@ -6,8 +6,8 @@
 //            expert store writes, so bf16 weights are loaded straight from
 //            the model with the row stride (gate rows: every other row), no
 //            packing at all. f16/f32 weights, and a partial last panel of any
-//            type, are first converted into a zero-padded 16-row bf16 panel
-//            (one pass over 16*K elements, reused by all token blocks).
+//            type, are first converted into a zero-padded 16-row bf16 panel,
+//            once per panel (and K chunk) for all token blocks.
 //   B tile = 16 K pairs x 16 tokens x 2 (the "VNNI" layout tdpbf16ps wants
 //            for its second operand): the gathered activations, rounded to
 //            bf16 once per call into a per-thread buffer, one contiguous 1 KB
@@ -15,17 +15,24 @@
 //            missing tokens of the last block are zero.
 // Tiles: 0-3 accumulators, 4-5 weights, 6-7 activations: a 2x2 register
 // blocking (gate/up or two down panels x two token blocks), so every loaded
-// tile feeds two tdpbf16ps. Accumulators are stored to a stack buffer, the
+// tile feeds two tdpbf16ps. Accumulators go to a per-thread buffer; the
 // epilogue (silu(g)*u, or the weighted scatter-add into y with tokens in
-// order) works on 16x16 blocks transposed in registers to token-major.
+// order) works on 16x16 blocks transposed in registers to token-major. For
+// long K with many tokens, K is split into L2-sized chunks (see make_plan).
+//
+// Tried and dropped (slower on Emerald Rapids, single thread): software
+// prefetch of the next panel (the hardware streams the row-major weights
+// better on its own), packing bf16 weights into contiguous tiles when
+// several token-block passes reuse them, and interleaving the two token
+// blocks' activation tiles.
 //
 // Reproducibility: every output element is one tdpbf16ps chain over K in
-// the same 32-element steps, whatever row range, thread or token block
-// position it falls in, so results do not depend on the engine's partition.
+// the same 32-element steps, whatever row range, thread, token block or K
+// chunking it falls in, so results do not depend on the engine's partition.
 //
 // Tile configuration: loaded once per thread (thread_local flag), never
-// released. The process must have been granted the tile state first
-// (amx_available(), amx_detect.cpp).
+// released. The process must have been granted the tile state first; the
+// first call of each thread makes sure of that through amx_available().
 //
 // Linkage rules as in ffn_avx512.cpp: everything in an anonymous namespace,
 // no inline helpers from other headers, no std templates, so no function of
@@ -87,6 +94,10 @@ struct alignas(64) TileConfig {
 // All 8 tiles 16 rows x 64 bytes.
 void configure_tiles() {
   if (t_tiles_configured) return;
+  // Makes sure the process asked Linux for the tile state (once per
+  // process; a no-op after the first call). Callers must have checked that
+  // it returns true: without AMX the tile instructions below fault.
+  (void)amx_available();
   TileConfig cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.palette_id = 1;

@@ -5,8 +5,17 @@
 
 #include "kernels/kernels.h"
 
+#include "kernels/amx.h"
+#include "kernels/gemm.h"
+
 namespace colibri::kernels {
 namespace {
+
+// Tokens per expert from which the prefill kernels beat the decode kernels,
+// measured on the development machine (docs/KERNELS.md): below these the
+// per-call panel packing costs more than the better inner loop saves.
+constexpr int32_t kGemmMinTokens = 64;
+constexpr int32_t kAmxMinTokens = 8;
 
 char ascii_lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
 
@@ -103,6 +112,28 @@ const KernelTable& kernel_table_for(Isa isa, WeightType wt, Precision p) {
   (void)p;
 #endif
   return kernel_table(isa);
+}
+
+const KernelTable* prefill_table_for(Isa isa, WeightType wt, bool bf16_compute, int32_t* min_tokens) {
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  if (isa < Isa::kAvx512 || !isa_supported(Isa::kAvx512)) return nullptr;
+  if ((wt == WeightType::kBF16 || bf16_compute) && amx_available()) {
+    *min_tokens = kAmxMinTokens;
+    return &amx_bf16_kernels();
+  }
+  // bf16 weights without AMX stay on the bf16 dot-product (or fp32) decode
+  // kernels: the fp32 GEMM would drop the bf16 precision contract's speed
+  // without its accuracy being asked for.
+  if (wt == WeightType::kBF16 && bf16_compute_available(isa)) return nullptr;
+  *min_tokens = kGemmMinTokens;
+  return &avx512_gemm_kernels();
+#else
+  (void)isa;
+  (void)wt;
+  (void)bf16_compute;
+  (void)min_tokens;
+  return nullptr;
+#endif
 }
 
 }  // namespace colibri::kernels

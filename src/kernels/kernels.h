@@ -114,6 +114,14 @@ const KernelTable& kernel_table_for(Isa isa, WeightType wt, Precision p = Precis
 // True when kernel_table_for(isa, kBF16, kDefault) is the bf16-compute table.
 bool bf16_compute_available(Isa isa);
 
+// The prefill (many tokens per expert) table for weights of type `wt` at
+// level `isa`, or nullptr when the decode table is best for every token
+// count. *min_tokens receives the tokens per expert from which it wins
+// (measured; docs/KERNELS.md). bf16 weights, or any weights when
+// `bf16_compute`, use AMX tiles where amx_available(); otherwise f32/f16
+// weights use the fp32 AVX-512 GEMM.
+const KernelTable* prefill_table_for(Isa isa, WeightType wt, bool bf16_compute, int32_t* min_tokens);
+
 // Per-ISA tables (defined in ffn_<isa>.cpp).
 const KernelTable& scalar_kernels();
 #if defined(COLIBRI_HAVE_X86_KERNELS)

@@ -109,8 +109,24 @@ void Engine::run_locked(const InferArgs& a) {
   }
   if (hidden_.size() < slots * ldh) hidden_.resize(slots * ldh);
 
+  // The prefill kernels convert the activations of a call's tokens once per
+  // kernel call, a cost of the same order as their tile math per row block;
+  // so when they run, items are made coarse (about 8 per thread in phase 1,
+  // 2 per thread in phase 2) and each call covers many rows. The decode
+  // kernels have no such cost and prefer fine items for balance.
+  int32_t max_tokens = 0;
+  for (const int32_t e : active_experts_) {
+    max_tokens = std::max(max_tokens, expert_offsets_[static_cast<size_t>(e) + 1] - expert_offsets_[static_cast<size_t>(e)]);
+  }
+  const bool coarse = prefill_ != nullptr && max_tokens >= prefill_min_tokens_;
+  const int64_t active = static_cast<int64_t>(active_experts_.size());
+
   // Phase 1: (expert, block of d_ff rows).
-  const int32_t f_rows = rows_per_item(static_cast<int64_t>(active_experts_.size()) * F, threads, F);
+  int32_t f_rows = rows_per_item(active * F, threads, F);
+  if (coarse) {
+    const int64_t splits = std::max<int64_t>(1, (8LL * threads + active - 1) / active);
+    f_rows = std::min(F, round_up(static_cast<int32_t>((F + splits - 1) / splits), 16));
+  }
   phase1_items_.clear();
   for (size_t i = 0; i < active_experts_.size(); ++i) {
     for (int32_t f = 0; f < F; f += f_rows) phase1_items_.push_back({static_cast<int32_t>(i), f});
@@ -126,7 +142,8 @@ void Engine::run_locked(const InferArgs& a) {
   });
 
   // Phase 2: blocks of d_model rows, every active expert in ascending order.
-  const int32_t d_rows = rows_per_item(D, threads, D);
+  int32_t d_rows = rows_per_item(D, threads, D);
+  if (coarse) d_rows = std::min(D, round_up((D + 2 * threads - 1) / (2 * threads), 16));
   const int64_t d_items = (D + d_rows - 1) / d_rows;
   pool_.parallel_for(d_items, threads, [&](int64_t item, int) {
     const int32_t d_begin = static_cast<int32_t>(item) * d_rows;

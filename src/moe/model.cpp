@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -38,9 +39,23 @@ Model::Model(const std::string& dir, const colibri_open_options_t& o, std::strin
   pool_ = std::make_unique<ThreadPool>(threads, o.pin_threads != 0);
   // bf16 weights get the bf16-compute kernels where the CPU has them
   // (docs/PRECISION.md); Engine::kernels().name says which table runs.
-  engine_ = std::make_unique<Engine>(
-      *store_, manifest_.n_layers, manifest_.n_experts, *pool_,
-      kernels::kernel_table_for(kernels::default_isa(), store_->shape().weight_type));
+  const kernels::Isa isa = kernels::default_isa();
+  const kernels::WeightType wt = store_->shape().weight_type;
+  engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_,
+                                     kernels::kernel_table_for(isa, wt));
+  int32_t min_tokens = 0;
+  const kernels::KernelTable* prefill = kernels::prefill_table_for(isa, wt, o.bf16_compute != 0, &min_tokens);
+  engine_->set_prefill_kernels(prefill, min_tokens);
+  kernels_description_ = std::string("decode ") + engine_->kernels().name;
+  if (prefill != nullptr) {
+    kernels_description_ += std::string(", prefill ") + prefill->name + " from " +
+                            std::to_string(min_tokens) + " tokens/expert";
+  }
+  if (o.reserve_tokens < 0) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "options.reserve_tokens must be >= 0, got " +
+                                           std::to_string(o.reserve_tokens));
+  }
+  engine_->reserve(o.reserve_tokens, std::min(manifest_.n_experts, 8));
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

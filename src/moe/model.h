@@ -24,6 +24,7 @@ class Model {
   const ExpertStore& store() const { return *store_; }
   int threads() const { return pool_->size(); }
   double load_seconds() const { return load_seconds_; }
+  const std::string& kernels_description() const { return kernels_description_; }
   std::atomic<uint64_t>& infer_calls() { return infer_calls_; }
   uint64_t infer_calls_count() const { return infer_calls_.load(std::memory_order_relaxed); }
 
@@ -33,6 +34,7 @@ class Model {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<Engine> engine_;
   double load_seconds_ = 0.0;
+  std::string kernels_description_;
   std::atomic<uint64_t> infer_calls_{0};
 };
 

@@ -257,6 +257,7 @@ void run_bench(const BenchArgs& a) {
   }
   const BenchResult r = bench(h, s);
   const char* isa = colibri::kernels::isa_name(colibri::kernels::default_isa());
+  const char* kernels = colibri_model_kernels(h.model);
   if (a.json) {
     nlohmann::json doc = bench_json(r);
     doc["model"] = a.model;
@@ -264,12 +265,13 @@ void run_bench(const BenchArgs& a) {
     doc["iters"] = a.iters;
     doc["threads"] = info.n_threads;
     doc["isa"] = isa;
+    doc["kernels"] = kernels;
     std::printf("%s\n", doc.dump(2).c_str());
   } else {
     std::printf("model        %s (%d experts, d_model %d, d_ff %d, %s), %d tokens, %d iterations, %d threads\n",
                 a.model.c_str(), info.n_experts, info.d_model, info.d_ff, colibri_dtype_name(info.dtype),
                 s.T, a.iters, info.n_threads);
-    print_bench(r, isa);
+    print_bench(r, kernels);
   }
 }
 
@@ -342,7 +344,6 @@ void run_demo(const DemoArgs& a) {
   const colibri_model_info_t info = model_info(h);
   colibri_stats_t stats;
   check(colibri_stats(h.model, &stats), "demo");
-  const char* isa = colibri::kernels::isa_name(colibri::kernels::default_isa());
   std::printf("model    %s\n", dir.c_str());
   std::printf("shape    %d experts, d_model %d, d_ff %d, f16; %d tokens (batch %d x seq %d), top-%d\n",
               kExperts, kDModel, kDFF, T, kBatch, kSeq, kTopK);
@@ -350,7 +351,8 @@ void run_demo(const DemoArgs& a) {
               human_bytes(stats.bytes_mapped).c_str(), human_bytes(stats.bytes_huge_pages).c_str(),
               huge_page_kind_name(stats.huge_page_kind), human_bytes(stats.bytes_locked).c_str(),
               stats.load_seconds);
-  std::printf("engine   %d threads, %s kernels, routing from %s (%zu bytes)\n", info.n_threads, isa,
+  std::printf("engine   %d threads, kernels: %s; routing from %s (%zu bytes)\n", info.n_threads,
+              colibri_model_kernels(h.model),
               bin_path.c_str(), blob.size());
   std::fflush(stdout);
 
