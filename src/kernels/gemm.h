@@ -1,7 +1,7 @@
 // Prefill (many tokens per expert) kernel tables. Same semantics as the
 // KernelTable functions in kernels.h; they trade a per-call packing step for
 // FMA-bound inner loops, so they only pay off above a token count per expert
-// that the engine chooses (see docs/PERFORMANCE_NOTES.md).
+// that the engine chooses (see docs/KERNELS.md).
 #pragma once
 
 #include "kernels/kernels.h"

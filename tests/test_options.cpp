@@ -1,0 +1,104 @@
+// Open options that change which kernels run: bf16_compute and
+// reserve_tokens. Results stay within the core tolerances, and the kernels the
+// model reports match the option.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "colibri.h"
+#include "io/model_writer.h"
+#include "kernels/amx.h"
+#include "reference.h"
+
+namespace {
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/colibri-options-XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+};
+
+// T tokens routed so that every expert gets many tokens: the prefill path.
+double run_relative_error(const std::string& dir, const colibri_open_options_t& o, int T, int k, int E,
+                          int D, std::string* kernels) {
+  colibri_model_t* m = nullptr;
+  EXPECT_EQ(colibri_open(dir.c_str(), &o, &m), COLIBRI_OK) << colibri_last_error();
+  if (m == nullptr) return INFINITY;
+  *kernels = colibri_model_kernels(m);
+  std::mt19937 rng(42);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(T) * D), y(x.size(), NAN), w(static_cast<size_t>(T) * k);
+  std::vector<int32_t> ids(w.size());
+  for (float& v : x) v = u(rng);
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < k; ++j) {
+      ids[static_cast<size_t>(t) * k + j] = (t + j * 3) % E;
+      w[static_cast<size_t>(t) * k + j] = u(rng);
+    }
+  }
+  colibri_infer_t r;
+  colibri_infer_default(&r);
+  r.n_tokens = T;
+  r.input = x.data();
+  r.output = y.data();
+  r.top_k = k;
+  r.expert_ids = ids.data();
+  r.expert_weights = w.data();
+  EXPECT_EQ(colibri_infer(m, &r), COLIBRI_OK) << colibri_last_error();
+  colibri_free(m);
+  const std::vector<double> ref = colibri_test::reference_layer(dir, 0, T, x.data(), k, ids.data(), w.data());
+  return colibri_test::relative_l2(y.data(), ref);
+}
+
+TEST(OpenOptions, Bf16ComputeOnF16ModelIsOptInAndWithinTolerance) {
+  TempDir dir;
+  colibri::ModelWriteSpec spec;
+  spec.n_experts = 4;
+  spec.d_model = 96;
+  spec.d_ff = 80;
+  spec.dtype = COLIBRI_DTYPE_F16;
+  colibri::write_random_model(dir.path, spec, 3);
+  colibri_open_options_t o;
+  colibri_open_options_default(&o);
+  EXPECT_EQ(o.bf16_compute, 0);
+  EXPECT_EQ(o.reserve_tokens, 64);
+  std::string kernels;
+  const double accurate = run_relative_error(dir.path, o, 256, 2, 4, 96, &kernels);
+  EXPECT_LE(accurate, 1e-5) << kernels;  // fp32 paths only: f16 weights used exactly
+  EXPECT_EQ(kernels.find("bf16"), std::string::npos) << kernels;
+  o.bf16_compute = 1;
+  const double rounded = run_relative_error(dir.path, o, 256, 2, 4, 96, &kernels);
+  EXPECT_LE(rounded, 5e-3) << kernels;
+  if (colibri::kernels::amx_available()) {
+    EXPECT_NE(kernels.find("amx-bf16"), std::string::npos) << kernels;
+    EXPECT_GT(rounded, accurate);  // the option did change the arithmetic
+  }
+}
+
+TEST(OpenOptions, ReserveTokensZeroAndLargeCallsStillCorrect) {
+  TempDir dir;
+  colibri::ModelWriteSpec spec;
+  spec.n_experts = 3;
+  spec.d_model = 33;
+  spec.d_ff = 47;
+  spec.dtype = COLIBRI_DTYPE_F32;
+  colibri::write_random_model(dir.path, spec, 4);
+  colibri_open_options_t o;
+  colibri_open_options_default(&o);
+  o.reserve_tokens = 0;  // every call grows scratch
+  std::string kernels;
+  EXPECT_LE(run_relative_error(dir.path, o, 300, 2, 3, 33, &kernels), 1e-5);
+  o.reserve_tokens = -1;
+  colibri_model_t* m = nullptr;
+  EXPECT_EQ(colibri_open(dir.path.c_str(), &o, &m), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(m, nullptr);
+  EXPECT_NE(std::string(colibri_last_error()).find("reserve_tokens"), std::string::npos);
+}
+
+}  // namespace
