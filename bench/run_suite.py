@@ -1,0 +1,869 @@
+#!/usr/bin/python3
+"""Colibri's benchmark suite: Colibri against a PyTorch MoE block and against
+this machine's own limits, measured in one invocation.
+
+For each shape it
+  1. generates (or reuses) a Colibri model per weight dtype with `colibri gen`
+     (cached under --work-dir; every dtype is a rounding of the same random
+     floats, seed 1),
+  2. writes one fixed routing per token count (uniformly random distinct
+     experts per token, softmax-normalised weights) as .route text and
+     compiles it with `colibri route compile`,
+  3. runs `colibri bench --json --routing ...` for every dtype and every ISA
+     level the machine supports,
+  4. checks Colibri's output (`colibri infer`, default ISA) against PyTorch's
+     on the same input,
+  5. runs the PyTorch block (bench/pytorch_moe.py) in float32 and bfloat16 on
+     the same weights and routing,
+and runs colibri_probe before the first shape and after the last, because
+the host's bandwidth moves with other load and a fraction of the limit means
+something only against a limit measured the same hour.
+
+Reported per row: latency percentiles, tokens/s, speed-up over PyTorch
+(torch p50 / colibri p50), and distance from the machine's limit: decode
+rows (T=1) against the probe's read bandwidth (huge pages), prefill rows
+against the peak FLOP/s of the precision the kernel computes in.
+
+Outputs in --out-dir: results.json (everything), results.md (the table),
+speedup.png (speed-up over PyTorch per shape).
+
+  bench/run_suite.py --build-dir build --out-dir bench/results
+  bench/run_suite.py --smoke --build-dir build --out-dir /tmp/x   # < 1 minute check
+
+The interpreter is Debian's /usr/bin/python3 on purpose: that is the one with
+python3-torch, python3-numpy and python3-matplotlib (scripts/setup.sh).
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import pytorch_moe  # noqa: E402  (after the path tweak)
+
+# name -> experts, top-k, d_model, d_ff, token counts
+SHAPES = {
+    "seed": (16, 2, 1024, 4096, [1024]),
+    "mixtral": (8, 2, 4096, 14336, [1, 128]),
+    "qwen3-moe": (128, 8, 2048, 768, [1, 128]),
+    "olmoe": (64, 8, 2048, 1024, [1, 128]),
+}
+SMOKE_SHAPES = {"smoke": (8, 2, 64, 128, [1, 16])}
+
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "float32": 4, "bfloat16": 2}
+
+T0 = time.time()
+
+
+def log(msg):
+    print("[%6.1fs] %s" % (time.time() - T0, msg), file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ machine
+
+
+def cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def supported_isas():
+    """The kernel levels Colibri can run here, by the same CPUID rules as
+    src/kernels/cpu_features.cpp (colibri bench's JSON confirms each)."""
+    f = cpu_flags()
+    isas = ["scalar"]
+    if {"avx2", "fma", "f16c"} <= f:
+        isas.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= f:
+            isas.append("avx512")
+    return isas
+
+
+def mem_total_bytes():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def git_revision(root):
+    try:
+        rev = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain"], capture_output=True, text=True, timeout=30)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ------------------------------------------------------------ subprocesses
+
+
+def run_cmd(cmd, timeout, what):
+    """Runs cmd; returns stdout. Raises RuntimeError with stderr on failure."""
+    log("$ " + " ".join(shlex.quote(c) for c in cmd))
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("%s: timed out after %d s" % (what, timeout))
+    if p.returncode != 0:
+        raise RuntimeError("%s: exit %d: %s" % (what, p.returncode, p.stderr.strip()[-2000:]))
+    return p.stdout
+
+
+class LoadMeter:
+    """How busy the machine was with OTHER work over an interval.
+
+    This 2-core machine is shared: other people's builds and tests run on the
+    same CPUs without showing up in our process list, and a 2-thread decode
+    run whose second worker is descheduled waits a whole host time slice.
+    /proc/stat counts every process on the machine (and steal, time the host
+    gave our vCPUs to someone else); subtracting our own CPU time (this
+    process and the children it waited for) leaves the others' share.
+    """
+
+    def __init__(self):
+        self.seen_quiet = True
+        self.hz = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            self.ncpu = sum(1 for line in f if line.startswith("cpu") and line[3].isdigit())
+
+    @staticmethod
+    def _busy_ticks():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal ...; guest time is
+        # already inside user.
+        return sum(v[:8]) - v[3] - v[4]
+
+    def snapshot(self):
+        t = os.times()
+        return (time.monotonic(), self._busy_ticks(), t.user + t.system + t.children_user + t.children_system)
+
+    def other_load(self, a, b):
+        wall = b[0] - a[0]
+        if wall <= 0:
+            return 0.0
+        others = (b[1] - a[1]) / self.hz - (b[2] - a[2])
+        return min(1.0, max(0.0, others / (wall * self.ncpu)))
+
+    def wait_for_quiet(self, threshold, max_wait):
+        """Waits (up to max_wait s) for a half-second in which others used
+        less than threshold of the machine; returns the last reading."""
+        deadline = time.monotonic() + max_wait
+        while True:
+            a = self.snapshot()
+            time.sleep(0.5)
+            load = self.other_load(a, self.snapshot())
+            if load < threshold or time.monotonic() >= deadline:
+                return load
+
+
+def measured(meter, a, what, fn):
+    """Runs fn() up to 1 + a.retries times, until one attempt ran while others
+    used less than a.quiet_threshold of the machine; returns (result, load)
+    of the least disturbed attempt. Measurements taken under load are kept
+    (and flagged by their load) rather than dropped: the machine may never
+    be quiet. Once a full wait has found no quiet moment, later waits are
+    short and disturbed attempts are not repeated until the machine has been
+    seen quiet again: under steady load, waiting and retrying only add hours."""
+    best = None
+    for attempt in range(1 + a.retries):
+        # --smoke (max_wait 0) skips the half-second sample: it checks that
+        # everything runs, not how fast.
+        patience = a.max_wait if meter.seen_quiet else min(a.max_wait, 5.0)
+        before = meter.wait_for_quiet(a.quiet_threshold, patience) if a.max_wait > 0 else 0.0
+        meter.seen_quiet = before < a.quiet_threshold
+        if not meter.seen_quiet:
+            log("  machine busy (others %.0f%%) after %.0f s; measuring anyway" % (100 * before, patience))
+        s0 = meter.snapshot()
+        res = fn()
+        load = meter.other_load(s0, meter.snapshot())
+        if best is None or load < best[1]:
+            best = (res, load)
+        if load < a.quiet_threshold:
+            break
+        again = attempt < a.retries and meter.seen_quiet
+        log("  %s: others used %.0f%% of the machine meanwhile%s" % (what, 100 * load, "; again" if again else ""))
+        if not again:
+            break
+    return best
+
+
+def run_probe(probe, threads, quick):
+    cmd = [probe, "--threads", str(threads)] + (["--quick"] if quick else [])
+    return json.loads(run_cmd(cmd, 600, "colibri_probe"))
+
+
+def onednn_bf16_kernel(threads):
+    """The oneDNN implementation PyTorch's bf16 linear runs here (e.g.
+    "brg:avx512_core_amx_bf16"), from ONEDNN_VERBOSE in a child process: on
+    CPUs with AMX, PyTorch bf16 is an AMX baseline and is compared with the
+    AMX peak, not the vdpbf16ps one."""
+    code = ("import torch; torch.set_num_threads(%d); "
+            "torch.nn.functional.linear(torch.ones(64, 256).bfloat16(), torch.ones(128, 256).bfloat16())" % threads)
+    env = dict(os.environ, ONEDNN_VERBOSE="1", DNNL_VERBOSE="1")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    for line in p.stdout.splitlines():
+        f = line.split(",")
+        if len(f) > 5 and f[1] == "exec" and f[3] in ("matmul", "inner_product"):
+            return f[4]
+    return ""
+
+
+# ------------------------------------------------------------ models, routes
+
+
+def model_dir_for(work, name, E, D, F, dtype):
+    return os.path.join(work, "%s-e%d-d%d-f%d-%s" % (name, E, D, F, dtype))
+
+
+def ensure_model(colibri, work, name, E, D, F, dtype):
+    """A cached model directory with the right manifest, generated if absent.
+    Generation writes to a temporary directory renamed at the end, so an
+    interrupted run never leaves a half-written model that looks cached."""
+    d = model_dir_for(work, name, E, D, F, dtype)
+    try:
+        m = pytorch_moe.read_manifest(d)
+        if (m["n_experts"], m["d_model"], m["d_ff"], m["dtype"]) == (E, D, F, dtype):
+            # Sizes and checksums: a truncated file would otherwise only show
+            # up as a confusing failure later.
+            run_cmd([colibri, "verify", "--model", d], 600, "colibri verify")
+            log("reusing %s" % d)
+            return d
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        log("(re)generating %s: %s" % (d, str(e).splitlines()[0] if str(e) else type(e).__name__))
+    tmp = d + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(d, ignore_errors=True)
+    t = time.time()
+    run_cmd(
+        [colibri, "gen", "--out", tmp, "--experts", str(E), "--d-model", str(D), "--d-ff", str(F),
+         "--dtype", dtype, "--seed", "1"],
+        3600, "colibri gen",
+    )
+    os.rename(tmp, d)
+    log("generated %s in %.1f s" % (d, time.time() - t))
+    return d
+
+
+def make_routing(T, k, E, seed):
+    """Uniformly random distinct experts per token (a fresh uniform draw of k
+    out of E) with softmax-normalised weights of random logits, as a trained
+    router's renormalised top-k would give. float32 weights, printed with 9
+    significant digits so the text round-trips exactly."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int64)
+    logits = rng.normal(size=(T, k))
+    w = np.exp(logits - logits.max(axis=1, keepdims=True))
+    w = (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+    return ids, w
+
+
+def ensure_routing(colibri, work, name, T, k, E):
+    """Writes name-T<T>.route (if absent) and compiles it; returns (route,
+    bin, ids, weights) with ids and weights read back from the text, the
+    exact values Colibri's compiler sees."""
+    base = os.path.join(work, "%s-e%d-k%d-T%d" % (name, E, k, T))
+    route, binf = base + ".route", base + ".bin"
+    if not os.path.exists(route):
+        # Seed from the shape, so the routing is the same on every machine.
+        ids, w = make_routing(T, k, E, seed=1000003 * T + 7919 * E + k)
+        lines = ["# %s: %d tokens, top-%d of %d experts, uniformly random, softmax weights" % (name, T, k, E)]
+        for t in range(T):
+            lines.append(", ".join([str(t)] + [str(int(e)) for e in ids[t]] + ["%.9g" % x for x in w[t]]))
+        with open(route + ".tmp", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.rename(route + ".tmp", route)
+    if not os.path.exists(binf) or os.path.getmtime(binf) < os.path.getmtime(route):
+        run_cmd([colibri, "route", "compile", route, "-o", binf, "--experts", str(E)], 120, "colibri route compile")
+    ids, w = pytorch_moe.read_route(route)
+    return route, binf, ids, w
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def fmt(x, digits=2):
+    if x is None:
+        return ""
+    if isinstance(x, str):
+        return x
+    if not math.isfinite(x):
+        return "nan"
+    if abs(x) >= 1000:
+        return "%.0f" % x
+    if abs(x) >= 100:
+        return "%.1f" % x
+    return ("%." + str(digits) + "f") % x
+
+
+def limits_from(probes, threshold):
+    """The figures rows are compared with: the best of this run's probes that
+    ran on a quiet machine (all of them if none did). Best, because a probe
+    disturbed by someone else's work would make every kernel look closer to
+    the limit than it is."""
+    quiet = [p for p in probes if p.get("other_load", 0.0) < threshold] or probes
+
+    def best(key):
+        vals = [p["summary"].get(key) for p in quiet if p["summary"].get(key) is not None]
+        return max(vals) if vals else None
+
+    return {
+        "read_gbytes_per_s": best("read_gbytes_per_s_huge"),
+        "read_gbytes_per_s_4k": best("read_gbytes_per_s_4k"),
+        "triad_gbytes_per_s": best("triad_gbytes_per_s"),
+        "fp32_gflop_per_s": best("fp32_gflop_per_s"),
+        "bf16_gflop_per_s": best("bf16_gflop_per_s"),
+        "amx_bf16_gflop_per_s": best("amx_bf16_gflop_per_s"),
+        "llc_bytes": max((p.get("llc_bytes") or 0) for p in probes) if probes else 0,
+        "probes_used": len(quiet),
+    }
+
+
+def add_limit_metrics(row, limits):
+    p50 = row["p50_ms"] / 1e3
+    row["gbytes_per_s"] = row["bytes_per_call"] / p50 / 1e9
+    row["gflop_per_s"] = row["flop_per_call"] / p50 / 1e9
+    bw = limits.get("read_gbytes_per_s")
+    peak = limits.get({"bf16": "bf16_gflop_per_s", "amx_bf16": "amx_bf16_gflop_per_s"}.get(row["compute"],
+                                                                                         "fp32_gflop_per_s"))
+    row["fraction_of_bandwidth"] = row["gbytes_per_s"] / bw if bw else None
+    row["fraction_of_peak"] = row["gflop_per_s"] / peak if peak else None
+    # Decode is bound by reading weights, prefill by arithmetic: the limit
+    # that matters for the row.
+    if row["T"] == 1:
+        row["limit"], f = "bandwidth", row["fraction_of_bandwidth"]
+        text = "BW"
+        # A fixed routing re-reads the same experts every call; when they fit
+        # in the last-level cache the row measures cache, not DRAM, bandwidth.
+        if row["routing"] == "fixed" and limits.get("llc_bytes") and row["bytes_per_call"] <= limits["llc_bytes"]:
+            row["llc_resident"] = True
+            text = "BW, fits LLC"
+    else:
+        row["limit"], f = row["compute"] + " peak", row["fraction_of_peak"]
+        text = row["limit"]
+    row["fraction_of_limit"] = f
+    row["limit_text"] = "" if f is None else "%.0f%% %s" % (100 * f, text)
+
+
+# ------------------------------------------------------------------ outputs
+
+
+TABLE_COLUMNS = [
+    ("shape", "shape"), ("T", "T"), ("routing", "routing"), ("engine", "engine"), ("weights", "weights"),
+    ("isa", "isa"), ("p50 ms", "p50_ms"), ("p90 ms", "p90_ms"), ("p99 ms", "p99_ms"), ("tokens/s", "tokens_per_s"),
+    ("x torch fp32", "speedup_vs_torch_fp32"), ("x torch bf16", "speedup_vs_torch_bf16"),
+    ("GB/s", "gbytes_per_s"), ("GFLOP/s", "gflop_per_s"), ("% of limit", "limit_text"),
+    ("others' load", "load_text"), ("check", "check_text"),
+]
+
+
+def markdown_table(rows):
+    out = ["| " + " | ".join(c for c, _ in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    for r in rows:
+        cells = []
+        for _, key in TABLE_COLUMNS:
+            v = r.get(key)
+            if key == "tokens_per_s" and v is not None:
+                cells.append("%.0f" % v)
+            elif key == "T":
+                cells.append(str(v))
+            elif key.startswith("speedup") and v is not None:
+                cells.append("%.2f" % v)
+            else:
+                cells.append(fmt(v))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def limits_text(probes, limits):
+    out = []
+    for p in probes:
+        s = p["summary"]
+        out.append(
+            "- probe (%s, others' load %.0f%%): read %s GB/s with huge pages (THP %s%% backed), %s GB/s with "
+            "4 KiB pages, one thread %s GB/s; triad %s GB/s; fp32 FMA %s GFLOP/s; bf16 dot (vdpbf16ps) %s GFLOP/s; "
+            "AMX bf16 %s GFLOP/s"
+            % (p["label"], 100 * p.get("other_load", 0.0), fmt(s["read_gbytes_per_s_huge"]),
+               fmt(100 * p["read_huge"]["thp_fraction"], 0), fmt(s["read_gbytes_per_s_4k"]),
+               fmt(p.get("read_huge_1thread", {}).get("gbytes_per_s")), fmt(s["triad_gbytes_per_s"]),
+               fmt(s["fp32_gflop_per_s"]), fmt(s["bf16_gflop_per_s"]), fmt(s.get("amx_bf16_gflop_per_s")))
+        )
+    out.append(
+        "- limits used (best of the %d probes on a quiet machine, or of all if none was): read %s GB/s, "
+        "fp32 %s GFLOP/s, bf16 %s GFLOP/s, AMX bf16 %s GFLOP/s; last-level cache %s MiB"
+        % (limits["probes_used"], fmt(limits["read_gbytes_per_s"]), fmt(limits["fp32_gflop_per_s"]),
+           fmt(limits["bf16_gflop_per_s"]), fmt(limits["amx_bf16_gflop_per_s"]),
+           fmt(limits["llc_bytes"] / 2**20, 0) if limits["llc_bytes"] else "?")
+    )
+    return "\n".join(out)
+
+
+def plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def group_of(r):
+        return "%s\nT=%d%s" % (r["shape"], r["T"], "\ncycled" if r["routing"] == "cycled" else "")
+
+    groups = []
+    for r in rows:
+        g = group_of(r)
+        if g not in groups:
+            groups.append(g)
+    # One bar per Colibri configuration; scalar is left out (it exists to
+    # check the fallback, and would flatten the scale).
+    series = []
+    for r in rows:
+        if r["engine"] == "colibri" and r["isa"] != "scalar":
+            s = (r["weights"], r["isa"])
+            if s not in series:
+                series.append(s)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(groups) + 3), 8), sharex=True)
+    width = 0.8 / max(1, len(series))
+    for ax, key, label in (
+        (axes[0], "speedup_vs_torch_fp32", "vs PyTorch fp32"),
+        (axes[1], "speedup_vs_torch_bf16", "vs PyTorch bf16"),
+    ):
+        for i, (wt, isa) in enumerate(series):
+            xs, ys = [], []
+            for gi, g in enumerate(groups):
+                for r in rows:
+                    if (r["engine"], r["weights"], r["isa"]) == ("colibri", wt, isa) and \
+                            group_of(r) == g and r.get(key):
+                        xs.append(gi + (i - (len(series) - 1) / 2) * width)
+                        ys.append(r[key])
+            bars = ax.bar(xs, ys, width, label="Colibri %s %s" % (wt, isa))
+            for b, y in zip(bars, ys):
+                ax.annotate("%.1f" % y, (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel("speed-up " + label + "\n(torch p50 / colibri p50)")
+        ax.grid(axis="y", which="both", alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[1].set_xticks(range(len(groups)))
+    axes[1].set_xticklabels(groups)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build-dir", default="build", help="CMake build directory (with -DCOLIBRI_BUILD_BENCHMARKS=ON)")
+    ap.add_argument("--work-dir", help="cache of generated models and routings (default BUILD/bench-work)")
+    ap.add_argument("--out-dir", help="where results.{json,md} and speedup.png go (default BUILD/bench-results)")
+    ap.add_argument("--shapes", help="comma-separated subset of: " + ", ".join(SHAPES))
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--iters", type=int, default=100, help="timed iterations of decode rows (T=1)")
+    ap.add_argument("--prefill-iters", type=int, default=20, help="timed iterations of rows with T>1")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--dtypes", default="f16,bf16", help="Colibri weight dtypes (f16, bf16, f32)")
+    ap.add_argument("--isas", help="comma-separated ISA levels (default: every level this CPU supports)")
+    ap.add_argument(
+        "--scalar", choices=["decode", "all", "none"], default="decode",
+        help="where the scalar kernels run. Default decode: T=1 rows with at most 5 iterations. Scalar exists "
+             "to check the fallback, not to be fast; a prefill call of the seed shape (51 GFLOP) takes it "
+             "tens of seconds, so prefill rows skip it unless 'all'.",
+    )
+    ap.add_argument("--torch-max-seconds", type=float, default=60.0,
+                    help="cap on each PyTorch measurement (iterations are cut, to at least 3)")
+    ap.add_argument("--quiet-threshold", type=float, default=0.2,
+                    help="share of the machine other processes may use during a measurement before it is retried")
+    ap.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine before each measurement")
+    ap.add_argument("--retries", type=int, default=2, help="extra attempts of a measurement disturbed by other load")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    ap.add_argument("--no-check", action="store_true", help="skip the output check against PyTorch")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, 3 iterations, quick probe: checks that everything runs (never a timed pass/fail)")
+    a = ap.parse_args(argv)
+    a.work_dir = a.work_dir or os.path.join(a.build_dir, "bench-work")
+    a.out_dir = a.out_dir or os.path.join(a.build_dir, "bench-results")
+    if a.smoke:
+        a.shapes_table = SMOKE_SHAPES
+        a.iters = a.prefill_iters = 3
+        a.warmup = 1
+        a.max_wait, a.retries = 0.0, 0
+        if a.scalar == "decode":
+            a.scalar = "all"
+    else:
+        a.shapes_table = SHAPES
+    if a.shapes:
+        names = [s.strip() for s in a.shapes.split(",") if s.strip()]
+        unknown = [n for n in names if n not in a.shapes_table]
+        if unknown:
+            ap.error("unknown shape(s) %s; known: %s" % (", ".join(unknown), ", ".join(a.shapes_table)))
+        a.shapes_table = {n: a.shapes_table[n] for n in names}
+    a.dtype_list = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    for d in a.dtype_list:
+        if d not in ("f16", "bf16", "f32"):
+            ap.error("unknown dtype %s" % d)
+    if a.threads < 1:
+        ap.error("--threads must be >= 1")
+    return a
+
+
+# --------------------------------------------------------------------- main
+
+# Decode rows are run twice: with the shape's fixed routing (the same
+# experts every call: exactly what PyTorch is checked against), and with
+# routings that change every call. The second is what a real decode loop
+# does, and the one that measures DRAM: a fixed top-8 of qwen3-moe or olmoe
+# is 75-100 MB, small enough to stay in a large last-level cache.
+CYCLED = 8
+
+
+class Job:
+    """One measurement that fills rows; kept so a measurement disturbed by
+    other load can be taken again at the end of the run."""
+
+    def __init__(self, what, fn, apply):
+        self.what, self.fn, self.apply, self.load = what, fn, apply, None
+
+    def run(self, meter, a):
+        res, load = measured(meter, a, self.what, self.fn)
+        if self.load is None or load < self.load:
+            self.load = load
+            self.apply(res, load)
+            return True
+        return False
+
+
+def colibri_bench(colibri, model, routing, isa, threads, iters, warmup):
+    """routing: ("fixed", routing.bin) or ("cycled", (k, seed)) for colibri
+    bench's own random routings, a new one each call."""
+    cmd = [colibri, "bench", "--json", "--model", model, "--isa", isa, "--threads", str(threads),
+           "--iters", str(iters), "--warmup", str(warmup), "--no-verify"]
+    if routing[0] == "fixed":
+        cmd += ["--routing", routing[1]]
+    else:
+        k, seed = routing[1]
+        cmd += ["--tokens", "1", "--top-k", str(k), "--seed", str(seed)]
+    return json.loads(run_cmd(cmd, 1800, "colibri bench"))
+
+
+LATENCY_KEYS = ("p50_ms", "p90_ms", "p99_ms", "min_ms", "mean_ms", "max_ms", "tokens_per_s")
+
+
+def main(argv=None):
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    colibri = os.path.join(a.build_dir, "tools", "colibri")
+    probe = os.path.join(a.build_dir, "bench", "colibri_probe")
+    for exe in (colibri, probe):
+        if not os.access(exe, os.X_OK):
+            sys.exit("run_suite: %s not found; build with\n  cmake -S . -B %s -DCOLIBRI_BUILD_BENCHMARKS=ON && "
+                     "cmake --build %s" % (exe, a.build_dir, a.build_dir))
+    os.makedirs(a.work_dir, exist_ok=True)
+    os.makedirs(a.out_dir, exist_ok=True)
+    isas = supported_isas()
+    if a.isas:
+        want = [s.strip() for s in a.isas.split(",")]
+        isas = [i for i in isas if i in want]
+    best_isa = isas[-1]
+
+    torch_mod = None if a.no_torch else pytorch_moe.import_torch(a.threads)
+    machine = {
+        "cpu": cpu_model(),
+        "cpus_online": len(os.sched_getaffinity(0)),
+        "memory_bytes": mem_total_bytes(),
+        "kernel": platform.release(),
+        "isas": isas,
+        "cpu_flags_of_interest": sorted(cpu_flags() & {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                                       "avx512dq", "avx512_bf16", "avx512_vnni", "amx_bf16",
+                                                       "amx_tile", "avx512_fp16"}),
+        "load_average_start": os.getloadavg(),
+    }
+    doc = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(c) for c in [sys.argv[0]] + (sys.argv[1:] if argv is None else argv)),
+        "git": git_revision(os.path.dirname(HERE)),
+        "threads": a.threads,
+        "smoke": a.smoke,
+        "machine": machine,
+        "settings": {"iters_decode": a.iters, "iters_prefill": a.prefill_iters, "warmup": a.warmup,
+                     "dtypes": a.dtype_list, "scalar": a.scalar, "torch_max_seconds": a.torch_max_seconds,
+                     "quiet_threshold": a.quiet_threshold, "max_wait": a.max_wait, "retries": a.retries,
+                     "cycled_routings": CYCLED},
+        "torch": pytorch_moe.torch_info() if torch_mod else None,
+        "probes": [],
+        "shapes": {},
+        "rows": [],
+        "errors": [],
+    }
+    meter = LoadMeter()
+    bf16_kernel = onednn_bf16_kernel(a.threads) if torch_mod else ""
+    doc["torch_bf16_kernel"] = bf16_kernel
+    torch_bf16_compute = "amx_bf16" if "amx" in bf16_kernel else "bf16"
+    rows, jobs = doc["rows"], []
+
+    def run_job(job, **where):
+        try:
+            job.run(meter, a)
+            return True
+        except (RuntimeError, ValueError, MemoryError) as e:
+            doc["errors"].append(dict(where, error=str(e)))
+            log("ERROR %s: %s" % (job.what, e))
+            return False
+
+    def probe_job(label):
+        def apply(res, load):
+            res["label"], res["other_load"] = label, load
+            doc["probes"].append(res)
+        run_job(Job("probe (%s)" % label, lambda: run_probe(probe, a.threads, a.smoke), apply), stage="probe " + label)
+
+    log("probe (start) ...")
+    probe_job("start")
+
+    for name, (E, k, D, F, Ts) in a.shapes_table.items():
+        log("=== %s: E=%d k=%d d_model=%d d_ff=%d T=%s" % (name, E, k, D, F, Ts))
+        doc["shapes"][name] = {"experts": E, "top_k": k, "d_model": D, "d_ff": F, "tokens": Ts}
+        try:
+            models = {dt: ensure_model(colibri, a.work_dir, name, E, D, F, dt) for dt in a.dtype_list}
+        except RuntimeError as e:
+            doc["errors"].append({"shape": name, "stage": "gen", "error": str(e)})
+            log("ERROR %s" % e)
+            continue
+        base = {"shape": name, "E": E, "k": k, "D": D, "F": F}
+        routes = {}
+        for T in Ts:
+            route, binf, ids, w = ensure_routing(colibri, a.work_dir, name, T, k, E)
+            x = np.random.default_rng(T + 17).uniform(-1, 1, size=(T, D)).astype(np.float32)
+            routes[T] = {"bin": binf, "ids": ids, "weights": w, "distinct": len(np.unique(ids)), "x": x}
+        cycled = [make_routing(1, k, E, seed=424242 + i) for i in range(CYCLED)] if 1 in Ts else []
+        cycles = [("fixed", T) for T in Ts] + ([("cycled", 1)] if cycled else [])
+
+        # Colibri first, while no PyTorch weights are in memory.
+        for kind, T in cycles:
+            iters = a.iters if T == 1 else a.prefill_iters
+            for dt in a.dtype_list:
+                for isa in isas:
+                    n, wu = iters, a.warmup
+                    if isa == "scalar":
+                        if a.scalar == "none" or (a.scalar == "decode" and T != 1) or kind == "cycled":
+                            continue
+                        if not a.smoke:
+                            n, wu = min(iters, 5), 1
+                    row = dict(base, T=T, routing=kind, engine="colibri", weights=dt, isa=isa, iters=n)
+                    # T=1: k distinct experts whatever the routing.
+                    distinct = routes[T]["distinct"] if kind == "fixed" else k
+                    row["bytes_per_call"] = distinct * 3 * D * F * DTYPE_BYTES[dt]
+                    row["flop_per_call"] = 6.0 * D * F * T * k
+                    spec = ("fixed", routes[T]["bin"]) if kind == "fixed" else ("cycled", (k, 4242))
+
+                    def apply(j, load, row=row, isa=isa):
+                        if j.get("isa") != isa:
+                            doc["errors"].append({"row": [row["shape"], row["T"], row["weights"], isa],
+                                                  "error": "colibri ran %s kernels" % j.get("isa")})
+                        row.update({key: j[key] for key in LATENCY_KEYS})
+                        row["other_load"], row["raw"] = load, j
+                        c = str(j.get("compute", "")).lower()
+                        row["compute"] = "amx_bf16" if "amx" in c else ("bf16" if "bf16" in c else "fp32")
+                        log("  colibri %s %s %s T=%d: p50 %.3f ms (others %.0f%%)"
+                            % (row["weights"], isa, row["routing"], row["T"], row["p50_ms"], 100 * load))
+
+                    job = Job("colibri %s %s %s T=%d" % (dt, isa, kind, T),
+                              lambda m=models[dt], s=spec, i=isa, n=n, wu=wu:
+                              colibri_bench(colibri, m, s, i, a.threads, n, wu), apply)
+                    if run_job(job, shape=name, T=T, dtype=dt, isa=isa, routing=kind):
+                        rows.append(row)
+                        jobs.append(job)
+
+        # Output check: colibri infer (default ISA) on an input PyTorch also gets.
+        colibri_out = {}
+        if not a.no_check:
+            for T in Ts:
+                xpath = os.path.join(a.work_dir, "%s-T%d-input.f32" % (name, T))
+                routes[T]["x"].tofile(xpath)
+                for dt in a.dtype_list:
+                    ypath = os.path.join(a.work_dir, "%s-T%d-%s-output.f32" % (name, T, dt))
+                    try:
+                        run_cmd([colibri, "infer", "--model", models[dt], "--routing", routes[T]["bin"],
+                                 "--input", xpath, "--output", ypath, "--threads", str(a.threads)], 600, "colibri infer")
+                        colibri_out[(T, dt)] = np.fromfile(ypath, dtype=np.float32).reshape(T, D)
+                        os.remove(ypath)
+                    except RuntimeError as e:
+                        doc["errors"].append({"shape": name, "T": T, "dtype": dt, "stage": "infer", "error": str(e)})
+                        log("ERROR %s" % e)
+                os.remove(xpath)
+
+        # PyTorch: fp32 on the f16 weights (exactly representable, so the
+        # same numbers Colibri's f16 rows multiply), bf16 on the bf16 ones.
+        torch_out = {}
+        if torch_mod:
+            for tdt in ("float32", "bfloat16"):
+                if tdt == "bfloat16":
+                    src = "bf16" if "bf16" in models else a.dtype_list[0]
+                else:
+                    src = "f16" if "f16" in models else ("f32" if "f32" in models else a.dtype_list[0])
+                reqs, trows = [], {}
+                for kind, T in cycles:
+                    req = {"label": (kind, T), "iters": a.iters if T == 1 else a.prefill_iters}
+                    if kind == "fixed":
+                        req.update(ids=routes[T]["ids"], weights=routes[T]["weights"],
+                                   x=None if a.no_check else routes[T]["x"])
+                        distinct = routes[T]["distinct"]
+                    else:
+                        req.update(ids=[c[0] for c in cycled], weights=[c[1] for c in cycled])
+                        distinct = k
+                    reqs.append(req)
+                    trows[(kind, T)] = dict(
+                        base, T=T, routing=kind, engine="torch", weights=tdt, isa="", source_weights=src,
+                        bytes_per_call=distinct * 3 * D * F * DTYPE_BYTES[tdt], flop_per_call=6.0 * D * F * T * k,
+                        compute="fp32" if tdt == "float32" else torch_bf16_compute)
+
+                def apply(res, load, trows=trows, tdt=tdt):
+                    for label, row in trows.items():
+                        t = res[label]
+                        out = t.pop("output", None)
+                        if out is not None:
+                            torch_out[(label[1], tdt)] = out
+                        row.update({key: t[key] for key in LATENCY_KEYS})
+                        row.update(iters=t["iters"], load_s=t["load_s"], other_load=load)
+                        log("  torch %s %s T=%d: p50 %.3f ms (%d iters, others %.0f%%)"
+                            % (tdt, label[0], label[1], row["p50_ms"], row["iters"], 100 * load))
+
+                def fn(src=src, reqs=reqs, tdt=tdt, first=[True]):
+                    # The outputs for the check are computed on the first run
+                    # only; a re-run for a quieter measurement needs none.
+                    rq = reqs if first[0] else [dict(r, x=None) for r in reqs]
+                    first[0] = False
+                    return pytorch_moe.run(models[src], rq, tdt, a.threads, iters=a.iters, warmup=min(a.warmup, 2),
+                                           max_seconds=a.torch_max_seconds)
+
+                log("  torch %s on %s weights ..." % (tdt, src))
+                job = Job("torch %s %s" % (name, tdt), fn, apply)
+                try:
+                    job.run(meter, a)
+                except Exception as e:  # noqa: BLE001  (a torch failure must not lose the other results)
+                    doc["errors"].append({"shape": name, "engine": "torch", "dtype": tdt, "error": repr(e)})
+                    log("ERROR torch %s: %r" % (tdt, e))
+                    continue
+                rows.extend(trows.values())
+                jobs.append(job)
+                gc.collect()
+
+        # Output check against PyTorch on the same input.
+        for row in rows:
+            if row["shape"] != name or row["engine"] != "colibri" or row["routing"] != "fixed" or row["isa"] != best_isa:
+                continue
+            T = row["T"]
+            ref_dt = "float32" if row["weights"] in ("f16", "f32") else "bfloat16"
+            ref, got = torch_out.get((T, ref_dt)), colibri_out.get((T, row["weights"]))
+            if ref is None or got is None:
+                continue
+            err = float(np.max(np.abs(got - ref))) / (float(np.max(np.abs(ref))) or 1.0)
+            row["check_max_rel_err"], row["check_against"] = err, "torch " + ref_dt
+            # f16 weights in torch fp32 are the same numbers: only the
+            # summation order differs. torch bf16 also rounds every
+            # activation to bf16, so ~1e-2 is what agreement looks like.
+            tol = 1e-4 if row["weights"] in ("f16", "f32") else 5e-2
+            row["check_text"] = ("ok " if err <= tol else "MISMATCH ") + "%.1e" % err
+            if err > tol:
+                doc["errors"].append({"shape": name, "T": T, "dtype": row["weights"],
+                                      "error": "output differs from torch %s: max rel err %.3g" % (ref_dt, err)})
+        del routes, colibri_out, torch_out
+        gc.collect()
+        if not a.smoke:
+            probe_job("after " + name)
+
+    if not a.smoke:
+        # Second chance for measurements that other work disturbed: the
+        # machine is often quieter later, and a quieter attempt replaces it.
+        late = [j for j in jobs if j.load is not None and j.load >= a.quiet_threshold]
+        if late:
+            log("=== measuring again %d rows disturbed by other load" % len(late))
+            for job in late:
+                try:
+                    job.run(meter, a)
+                except Exception as e:  # noqa: BLE001  (the first measurement stands)
+                    log("ERROR again %s: %r" % (job.what, e))
+        log("probe (end) ...")
+        probe_job("end")
+
+    limits = limits_from(doc["probes"], a.quiet_threshold) if doc["probes"] else {}
+    doc["limits"] = limits
+    rows = [r for r in rows if "p50_ms" in r]
+    for row in rows:
+        add_limit_metrics(row, limits)
+        row["load_text"] = "%.0f%%" % (100 * row["other_load"])
+        if row["engine"] == "colibri":
+            for tdt, key in (("float32", "speedup_vs_torch_fp32"), ("bfloat16", "speedup_vs_torch_bf16")):
+                tr = [t for t in rows if t["engine"] == "torch" and t["weights"] == tdt and
+                      (t["shape"], t["T"], t["routing"]) == (row["shape"], row["T"], row["routing"])]
+                row[key] = tr[0]["p50_ms"] / row["p50_ms"] if tr else None
+    shape_order = list(a.shapes_table)
+    dtype_order = ["f16", "bf16", "f32", "float32", "bfloat16"]
+    isa_order = ["scalar", "avx2", "avx512", ""]
+    rows.sort(key=lambda r: (shape_order.index(r["shape"]), r["T"], r["routing"] != "fixed", r["engine"] != "colibri",
+                             dtype_order.index(r["weights"]), isa_order.index(r["isa"]) if r["isa"] in isa_order else 9))
+    doc["rows"] = rows
+    machine["load_average_end"] = os.getloadavg()
+    doc["elapsed_s"] = round(time.time() - T0, 1)
+
+    title = "Colibri vs PyTorch: %s, %d threads, %s%s" % (
+        machine["cpu"], a.threads, doc["date"][:10], " (SMOKE: not a measurement)" if a.smoke else "")
+    md = "\n".join([
+        "# " + title, "",
+        "Command: `%s` (git %s, %.0f min)" % (doc["command"], doc["git"], doc["elapsed_s"] / 60), "",
+        limits_text(doc["probes"], limits) if limits else "- no probe", "",
+        "Speed-up = PyTorch p50 / Colibri p50, same weights and routing. "
+        "routing: fixed = one routing, the same every call (PyTorch computes the same thing; check column); "
+        "cycled = a different random top-k every call, %d in turn, as in a real decode loop (the same amount "
+        "of work for both engines, not the same experts). "
+        "%% of limit: decode (T=1) rows as bytes of the distinct experts' weights / p50 / probe read bandwidth "
+        "(huge pages; 'fits LLC' = those bytes fit in the last-level cache, so the row reads cache, not DRAM); "
+        "other rows as FLOP / p50 / peak of the precision computed in (fp32 FMA for Colibri unless its JSON "
+        "says otherwise; PyTorch bf16 runs oneDNN %s). "
+        "others' load: share of the machine other processes used while the row was measured (rows above "
+        "%.0f%% were measured again, the least disturbed attempt kept). "
+        "check: max |colibri - torch| / max |torch| on one input (default ISA)."
+        % (CYCLED, bf16_kernel or "?", 100 * a.quiet_threshold), "",
+        markdown_table(rows), "",
+    ] + (["Errors:", ""] + ["- " + json.dumps(e) for e in doc["errors"]] + [""] if doc["errors"] else []))
+    with open(os.path.join(a.out_dir, "results.md"), "w") as f:
+        f.write(md)
+    try:
+        plot(rows, os.path.join(a.out_dir, "speedup.png"), title)
+    except Exception as e:  # noqa: BLE001  (no chart is no reason to lose the numbers)
+        doc["errors"].append({"stage": "plot", "error": repr(e)})
+        log("ERROR plot: %r" % e)
+    with open(os.path.join(a.out_dir, "results.json"), "w") as f:
+        json.dump(doc, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+    print(md)
+    log("wrote %s/results.{json,md} and speedup.png in %.0f s" % (a.out_dir, time.time() - T0))
+    return 1 if any("MISMATCH" in r.get("check_text", "") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
