@@ -10,14 +10,18 @@ For each shape it
      experts per token, softmax-normalised weights) as .route text and
      compiles it with `colibri route compile`,
   3. runs `colibri bench --json --routing ...` for every dtype and every ISA
-     level the machine supports,
+     level the machine supports; decode (T=1) also with a routing that
+     changes every call (see CYCLED),
   4. checks Colibri's output (`colibri infer`, default ISA) against PyTorch's
      on the same input,
   5. runs the PyTorch block (bench/pytorch_moe.py) in float32 and bfloat16 on
-     the same weights and routing,
-and runs colibri_probe before the first shape and after the last, because
-the host's bandwidth moves with other load and a fraction of the limit means
-something only against a limit measured the same hour.
+     the same weights and routings,
+and runs colibri_probe before the first shape, after each and at the end:
+the host's bandwidth moves with other load, and a fraction of the limit means
+something only against a limit measured the same hour. The machine is shared,
+so every measurement waits for a quiet moment, records how much of the
+machine other processes took meanwhile, and is taken again at the end of the
+run if that was too much.
 
 Reported per row: latency percentiles, tokens/s, speed-up over PyTorch
 (torch p50 / colibri p50), and distance from the machine's limit: decode
@@ -41,6 +45,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -371,6 +376,16 @@ def add_limit_metrics(row, limits):
         text = row["limit"]
     row["fraction_of_limit"] = f
     row["limit_text"] = "" if f is None else "%.0f%% %s" % (100 * f, text)
+    # Prefill of many small experts reads more weight bytes than it has
+    # arithmetic to hide them behind (qwen3-moe T=128 reads every expert for
+    # ~8 tokens each), so the peak alone flatters nobody: the roofline time
+    # is the larger of streaming the weights once and computing at peak.
+    if bw and peak:
+        roof_s = max(row["bytes_per_call"] / (bw * 1e9), row["flop_per_call"] / (peak * 1e9))
+        row["roofline_ms"] = roof_s * 1e3
+        row["fraction_of_roofline"] = roof_s / p50
+        if row["T"] != 1:
+            row["limit_text"] += ", roofline %.0f%%" % (100 * row["fraction_of_roofline"])
 
 
 # ------------------------------------------------------------------ outputs
@@ -378,7 +393,7 @@ def add_limit_metrics(row, limits):
 
 TABLE_COLUMNS = [
     ("shape", "shape"), ("T", "T"), ("routing", "routing"), ("engine", "engine"), ("weights", "weights"),
-    ("isa", "isa"), ("p50 ms", "p50_ms"), ("p90 ms", "p90_ms"), ("p99 ms", "p99_ms"), ("tokens/s", "tokens_per_s"),
+    ("isa", "isa"), ("kernel", "kernel"), ("p50 ms", "p50_ms"), ("p90 ms", "p90_ms"), ("p99 ms", "p99_ms"), ("tokens/s", "tokens_per_s"),
     ("x torch fp32", "speedup_vs_torch_fp32"), ("x torch bf16", "speedup_vs_torch_bf16"),
     ("GB/s", "gbytes_per_s"), ("GFLOP/s", "gflop_per_s"), ("% of limit", "limit_text"),
     ("others' load", "load_text"), ("check", "check_text"),
@@ -520,11 +535,14 @@ def parse_args(argv):
     else:
         a.shapes_table = SHAPES
     if a.shapes:
+        # The smoke shape may also be named without --smoke: a quick run of
+        # the full procedure (second pass, probes between shapes).
+        known = dict(SHAPES, **SMOKE_SHAPES)
         names = [s.strip() for s in a.shapes.split(",") if s.strip()]
-        unknown = [n for n in names if n not in a.shapes_table]
+        unknown = [n for n in names if n not in known]
         if unknown:
-            ap.error("unknown shape(s) %s; known: %s" % (", ".join(unknown), ", ".join(a.shapes_table)))
-        a.shapes_table = {n: a.shapes_table[n] for n in names}
+            ap.error("unknown shape(s) %s; known: %s" % (", ".join(unknown), ", ".join(known)))
+        a.shapes_table = {n: known[n] for n in names}
     a.dtype_list = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     for d in a.dtype_list:
         if d not in ("f16", "bf16", "f32"):
@@ -574,6 +592,18 @@ def colibri_bench(colibri, model, routing, isa, threads, iters, warmup):
 
 
 LATENCY_KEYS = ("p50_ms", "p90_ms", "p99_ms", "min_ms", "mean_ms", "max_ms", "tokens_per_s")
+
+
+def kernel_for_call(kernels, T, k, E):
+    """The kernel table most of a call's experts run, from colibri bench's
+    "kernels" description ("decode X, prefill Y from N tokens/expert"): the
+    prefill table when the average expert gets at least N tokens."""
+    m = re.match(r"decode ([\w-]+)(?:, prefill ([\w-]+) from (\d+) tokens/expert)?", kernels or "")
+    if not m:
+        return ""
+    if m.group(2) and T * k / float(E) >= int(m.group(3)):
+        return m.group(2).lower()
+    return m.group(1).lower()
 
 
 def main(argv=None):
@@ -687,7 +717,8 @@ def main(argv=None):
                                                   "error": "colibri ran %s kernels" % j.get("isa")})
                         row.update({key: j[key] for key in LATENCY_KEYS})
                         row["other_load"], row["raw"] = load, j
-                        c = str(j.get("compute", "")).lower()
+                        row["kernel"] = kernel_for_call(j.get("kernels", ""), row["T"], row["k"], row["E"])
+                        c = str(j.get("compute", "")).lower() or row["kernel"]
                         row["compute"] = "amx_bf16" if "amx" in c else ("bf16" if "bf16" in c else "fp32")
                         log("  colibri %s %s %s T=%d: p50 %.3f ms (others %.0f%%)"
                             % (row["weights"], isa, row["routing"], row["T"], row["p50_ms"], 100 * load))
@@ -740,25 +771,28 @@ def main(argv=None):
                     trows[(kind, T)] = dict(
                         base, T=T, routing=kind, engine="torch", weights=tdt, isa="", source_weights=src,
                         bytes_per_call=distinct * 3 * D * F * DTYPE_BYTES[tdt], flop_per_call=6.0 * D * F * T * k,
-                        compute="fp32" if tdt == "float32" else torch_bf16_compute)
+                        compute="fp32" if tdt == "float32" else torch_bf16_compute,
+                        kernel="" if tdt == "float32" else bf16_kernel)
 
-                def apply(res, load, trows=trows, tdt=tdt):
+                def apply(res, load, trows=trows, tdt=tdt, outs=torch_out):
                     for label, row in trows.items():
                         t = res[label]
                         out = t.pop("output", None)
                         if out is not None:
-                            torch_out[(label[1], tdt)] = out
+                            outs[(label[1], tdt)] = out
                         row.update({key: t[key] for key in LATENCY_KEYS})
                         row.update(iters=t["iters"], load_s=t["load_s"], other_load=load)
                         log("  torch %s %s T=%d: p50 %.3f ms (%d iters, others %.0f%%)"
                             % (tdt, label[0], label[1], row["p50_ms"], row["iters"], 100 * load))
 
-                def fn(src=src, reqs=reqs, tdt=tdt, first=[True]):
+                # Defaults bind this shape's values: the job may run again
+                # at the end, when the loop variables name the last shape.
+                def fn(model_dir=models[src], reqs=reqs, tdt=tdt, first=[True]):
                     # The outputs for the check are computed on the first run
                     # only; a re-run for a quieter measurement needs none.
                     rq = reqs if first[0] else [dict(r, x=None) for r in reqs]
                     first[0] = False
-                    return pytorch_moe.run(models[src], rq, tdt, a.threads, iters=a.iters, warmup=min(a.warmup, 2),
+                    return pytorch_moe.run(model_dir, rq, tdt, a.threads, iters=a.iters, warmup=min(a.warmup, 2),
                                            max_seconds=a.torch_max_seconds)
 
                 log("  torch %s on %s weights ..." % (tdt, src))
@@ -844,7 +878,8 @@ def main(argv=None):
         "%% of limit: decode (T=1) rows as bytes of the distinct experts' weights / p50 / probe read bandwidth "
         "(huge pages; 'fits LLC' = those bytes fit in the last-level cache, so the row reads cache, not DRAM); "
         "other rows as FLOP / p50 / peak of the precision computed in (fp32 FMA for Colibri unless its JSON "
-        "says otherwise; PyTorch bf16 runs oneDNN %s). "
+        "says otherwise; PyTorch bf16 runs oneDNN %s), and as roofline time / p50, the roofline time being the "
+        "larger of reading the weights once at the probe's bandwidth and computing at that peak. "
         "others' load: share of the machine other processes used while the row was measured (rows above "
         "%.0f%% were measured again, the least disturbed attempt kept). "
         "check: max |colibri - torch| / max |torch| on one input (default ISA)."
