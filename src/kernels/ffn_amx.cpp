@@ -35,7 +35,8 @@
 // first call of each thread makes sure of that through amx_available().
 //
 // Linkage rules as in ffn_avx512.cpp: everything in an anonymous namespace,
-// no inline helpers from other headers, no std templates, so no function of
+// no inline helpers from other headers (avx512_common.h is the exception:
+// its helpers sit in an anonymous namespace too), no std templates, so no function of
 // this ISA-flagged TU can be picked by the linker for a flag-less caller.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -53,6 +54,7 @@
 #include <cstdint>
 
 #include "kernels/amx.h"
+#include "kernels/avx512_common.h"
 
 namespace colibri::kernels {
 namespace {
@@ -63,24 +65,9 @@ constexpr size_t kTileElems = static_cast<size_t>(kTile) * kKStep;  // bf16 per 
 
 #define COLIBRI_UNROLL _Pragma("GCC unroll 16")
 
-// Grow-only per-thread buffer, 64-byte aligned. Allocated on a thread's
-// first call (or for a larger shape); later calls reuse it.
-struct Buffer {
-  void* data = nullptr;
-  size_t bytes = 0;
-  ~Buffer() { free(data); }
-  void* get(size_t n) {
-    if (n > bytes) {
-      free(data);
-      data = aligned_alloc(64, (n + 63) / 64 * 64);
-      bytes = data != nullptr ? n : 0;
-    }
-    return data;
-  }
-};
-thread_local Buffer t_act;    // activations, bf16 VNNI tiles
-thread_local Buffer t_panel;  // converted / padded weight panels
-thread_local Buffer t_acc;    // fp32 accumulator tiles kept between K chunks
+thread_local ScratchBuffer t_act;    // activations, bf16 VNNI tiles
+thread_local ScratchBuffer t_panel;  // converted / padded weight panels
+thread_local ScratchBuffer t_acc;    // fp32 accumulator tiles kept between K chunks
 thread_local bool t_tiles_configured = false;
 
 struct alignas(64) TileConfig {
@@ -117,34 +104,6 @@ inline __mmask16 mask16(int32_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xffff)
                      : count <= 0 ? static_cast<__mmask16>(0)
                                   : static_cast<__mmask16>((1u << count) - 1u);
-}
-
-// In-register transpose of a 16x16 block of 32-bit elements: r[i] holds row
-// i on entry and column i on exit (same as ffn_avx512_gemm.cpp).
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
-  }
 }
 
 // 32 fp32 -> 32 bf16 (RNE; as every bf16 instruction, subnormals flush to 0),
@@ -275,30 +234,6 @@ void tile_gemm(Panel A0, Panel A1, const uint16_t* B0, const uint16_t* B1, int32
   if (NA > 1) _tile_stored(1, c + 256, 64);
   if (NB > 1) _tile_stored(2, c + 512, 64);
   if (NA > 1 && NB > 1) _tile_stored(3, c + 768, 64);
-}
-
-// exp(x) for 16 lanes (as ffn_avx512_gemm.cpp): 2^(x log2 e) split into an
-// integer power, applied with vscalefps (saturates to 0 / inf), and a
-// degree-6 polynomial for 2^f on f in [-0.5, 0.5] (relative error ~2e-7).
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// silu(g) * u = g / (1 + exp(-g)) * u; for g very negative exp(-g) is inf
-// and the quotient is -0, the limit.
-inline __m512 silu_mul(__m512 g, __m512 u) {
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
 // h[i0 + t][f .. f+valid) = silu(cg) * cu for t < count, from the 16x16

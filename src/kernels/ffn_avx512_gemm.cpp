@@ -12,7 +12,8 @@
 // is spread over all the expert's tokens.
 //
 // Same linkage rules as ffn_avx512.cpp: everything in an anonymous namespace,
-// no inline helpers from other headers, no std templates, so no function of
+// no inline helpers from other headers (avx512_common.h is the exception:
+// its helpers sit in an anonymous namespace too), no std templates, so no function of
 // this ISA-flagged TU can be picked by the linker for a flag-less caller.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -23,11 +24,11 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-#include <stdlib.h>
 
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/avx512_common.h"
 #include "kernels/gemm.h"
 
 namespace colibri::kernels {
@@ -39,24 +40,7 @@ constexpr int kPanelRows = 16;
 // registers; GCC does not do that on its own for arrays of __m512.
 #define COLIBRI_UNROLL _Pragma("GCC unroll 16")
 
-// Grow-only per-thread panel buffer. Allocated on a thread's first prefill
-// call (or when a wider model appears); later calls reuse it, so the hot
-// path allocates nothing in steady state.
-struct PanelBuffer {
-  float* data = nullptr;
-  size_t floats = 0;
-  ~PanelBuffer() { free(data); }
-  float* get(size_t n) {
-    if (n > floats) {
-      free(data);
-      // 64-byte aligned, size rounded to the alignment as aligned_alloc wants.
-      data = static_cast<float*>(aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
-      floats = data != nullptr ? n : 0;
-    }
-    return data;
-  }
-};
-thread_local PanelBuffer t_panels;
+thread_local ScratchBuffer t_panels;
 
 // Loads 16 consecutive weights of one row as fp32.
 inline __m512 load16(const void* row, size_t k, WeightType t) {
@@ -73,35 +57,6 @@ inline __m512 load16(const void* row, size_t k, WeightType t) {
     }
   }
   return _mm512_setzero_ps();
-}
-
-// In-register transpose of a 16x16 fp32 block: r[i] holds row i on entry
-// and column i on exit.
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-  }
-  // r now holds, per 128-bit lane, 4x4 transposed sub-blocks; combine lanes.
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
-  }
 }
 
 // panel[k*16 + r] = W[row0 + r][k] for r < valid (zeros for r >= valid),
@@ -127,33 +82,6 @@ void pack_panel(const void* w, size_t stride, size_t elem, int32_t row0, int32_t
 }
 
 constexpr int kMaxNT = 8;
-
-// exp(x) for 16 lanes: 2^(x log2 e) split into an integer power, applied
-// with vscalefps (which saturates to 0 / inf instead of wrapping), and a
-// degree-6 polynomial for 2^f on f in [-0.5, 0.5] (relative error ~2e-7, the
-// level of fp32 rounding). A scalar expf per element cost as much as the
-// FMAs themselves for d_model around 1024.
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  // Taylor coefficients of 2^f = e^(f ln 2).
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// silu(g) * u = g / (1 + exp(-g)) * u. For g very negative exp(-g) is inf
-// and the quotient is -0, the limit.
-inline __m512 silu_mul(__m512 g, __m512 u) {
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
-}
 
 // acc_a[j] += Pa[k] * x_j[k] and acc_b[j] += Pb[k] * x_j[k] over k < K for
 // NT tokens. Pb may equal nullptr (one panel). x_j = act[j].
@@ -205,7 +133,7 @@ void gate_up_gemm(const ExpertShape& s, const void* gate_up, const float* x, siz
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t K = s.d_model;
   const size_t K16 = static_cast<size_t>((K + 15) / 16 * 16);
-  float* G = t_panels.get(2 * K16 * kPanelRows);
+  float* G = static_cast<float*>(t_panels.get(2 * K16 * kPanelRows * sizeof(float)));
   if (G == nullptr) return;  // cannot happen in practice; the engine pre-warms
   float* U = G + K16 * kPanelRows;
   const size_t elem = s.weight_type == WeightType::kF32 ? 4 : 2;
@@ -268,7 +196,7 @@ void down_gemm(const ExpertShape& s, const void* down, const float* h, size_t ld
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t K = s.d_ff;
   const size_t K16 = static_cast<size_t>((K + 15) / 16 * 16);
-  float* A = t_panels.get(2 * K16 * kPanelRows);
+  float* A = static_cast<float*>(t_panels.get(2 * K16 * kPanelRows * sizeof(float)));
   if (A == nullptr) return;
   float* B = A + K16 * kPanelRows;
   const size_t elem = s.weight_type == WeightType::kF32 ? 4 : 2;

@@ -1,0 +1,92 @@
+// Small AVX-512 building blocks shared by the prefill kernels
+// (ffn_avx512_gemm.cpp, ffn_amx.cpp). Include ONLY from translation units
+// compiled with AVX-512 flags, after <immintrin.h>.
+//
+// Everything is in an anonymous namespace on purpose: each including TU
+// gets its own internal copy, compiled with its own flags, so the linker can
+// never merge one TU's copy into code that runs on a CPU without AVX-512
+// (which an ordinary inline function, with vague linkage, would allow).
+#pragma once
+
+#include <stdlib.h>
+
+#include <cstddef>
+
+namespace colibri::kernels {
+namespace {
+
+// Grow-only per-thread buffer, 64-byte aligned. Allocated on a thread's
+// first call (or for a larger shape); later calls reuse it, so the hot path
+// allocates nothing in steady state.
+struct ScratchBuffer {
+  void* data = nullptr;
+  size_t bytes = 0;
+  ~ScratchBuffer() { free(data); }
+  void* get(size_t n) {
+    if (n > bytes) {
+      free(data);
+      data = aligned_alloc(64, (n + 63) / 64 * 64);  // size a multiple of the alignment
+      bytes = data != nullptr ? n : 0;
+    }
+    return data;
+  }
+};
+
+// In-register transpose of a 16x16 block of 32-bit elements: r[i] holds row
+// i on entry and column i on exit.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  // r now holds, per 128-bit lane, 4x4 transposed sub-blocks; combine lanes.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// exp(x) for 16 lanes: 2^(x log2 e) split into an integer power, applied
+// with vscalefps (which saturates to 0 / inf instead of wrapping), and a
+// degree-6 polynomial for 2^f on f in [-0.5, 0.5] (relative error ~2e-7, the
+// level of fp32 rounding). A scalar expf per element cost as much as the
+// FMAs themselves for d_model around 1024.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  // Taylor coefficients of 2^f = e^(f ln 2).
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u. For g very negative exp(-g) is inf
+// and the quotient is -0, the limit.
+inline __m512 silu_mul(__m512 g, __m512 u) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+}  // namespace
+}  // namespace colibri::kernels
