@@ -19,37 +19,15 @@
 #include "colibri.h"
 #include "io/model_writer.h"
 
+#include "test_util.h"
+
 namespace {
 
 using nlohmann::json;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string base = testing::TempDir();
-    if (base.empty()) base = "/tmp/";
-    if (base.back() != '/') base += '/';
-    std::string tmpl = base + "colibri_api_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (::mkdtemp(buf.data()) == nullptr) {
-      ADD_FAILURE() << "mkdtemp(" << tmpl << ") failed";
-      return;
-    }
-    path_ = buf.data();
-  }
-  ~TempDir() {
-    if (!path_.empty()) {
-      std::error_code ec;
-      std::filesystem::remove_all(path_, ec);
-    }
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+// A fresh directory, removed on destruction.
+struct TempDir : colibri_test::TempDir {
+  TempDir() : colibri_test::TempDir("colibri_api") {}
 };
 
 std::string read_file(const std::string& path) {

@@ -29,38 +29,14 @@
 #include "moe/model.h"
 #include "util/half.h"
 
+#include "test_util.h"
+
 namespace {
 
 // ----------------------------------------------------------------- helpers
-
-// A fresh directory under the test temp dir, removed on destruction.
-class TempDir {
- public:
-  TempDir() {
-    std::string base = testing::TempDir();
-    if (base.empty()) base = "/tmp/";
-    if (base.back() != '/') base += '/';
-    std::string tmpl = base + "colibri_engine_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (::mkdtemp(buf.data()) == nullptr) {
-      ADD_FAILURE() << "mkdtemp(" << tmpl << ") failed";
-      return;
-    }
-    path_ = buf.data();
-  }
-  ~TempDir() {
-    if (!path_.empty()) {
-      std::error_code ec;
-      std::filesystem::remove_all(path_, ec);
-    }
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+// A fresh directory, removed on destruction.
+struct TempDir : colibri_test::TempDir {
+  TempDir() : colibri_test::TempDir("colibri_engine") {}
 };
 
 const char* dtype_str(colibri_dtype_t d) {

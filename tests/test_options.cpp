@@ -12,16 +12,13 @@
 #include "io/model_writer.h"
 #include "kernels/amx.h"
 #include "reference.h"
+#include "test_util.h"
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/colibri-options-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+struct TempDir : colibri_test::TempDir {
+  TempDir() : colibri_test::TempDir("colibri_options"), path(colibri_test::TempDir::path()) {}
+  const std::string path;
 };
 
 // T tokens routed so that every expert gets many tokens: the prefill path.
