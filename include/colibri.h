@@ -112,6 +112,95 @@ COLIBRI_API colibri_model_t* colibri_init(const char* path);
  * calls on the same model. */
 COLIBRI_API void colibri_free(colibri_model_t* model);
 
+/* ------------------------------------------------- built-in router (v2) */
+
+/* A model may carry, per layer, its router (gate weights [n_experts][d_model]
+ * in float32) and the rule of the family it comes from; colibri_infer then
+ * routes by itself when the caller gives no routing. Rules (see
+ * docs/ROUTER.md; ties in top-k go to the lower expert index):
+ *   MIXTRAL            softmax over all experts, top-k, renormalised to sum 1
+ *   QWEN2_MOE, QWEN3_MOE, OLMOE
+ *                      softmax, top-k, renormalised only if norm_topk_prob
+ *   DEEPSEEK_V2        softmax; greedy top-k (n_group <= 1) or group-limited
+ *                      (group score = max in group, keep topk_group groups);
+ *                      renormalised if norm_topk_prob, else times
+ *                      routed_scaling_factor
+ *   DEEPSEEK_V3        sigmoid; choice on sigmoid + e_score_correction_bias;
+ *                      group score = sum of the group's top two; experts of
+ *                      dropped groups never chosen; weights = unbiased sigmoid
+ *                      scores, renormalised if norm_topk_prob, times
+ *                      routed_scaling_factor */
+typedef enum colibri_router_family {
+  COLIBRI_ROUTER_NONE = 0,
+  COLIBRI_ROUTER_MIXTRAL = 1,
+  COLIBRI_ROUTER_QWEN2_MOE = 2,
+  COLIBRI_ROUTER_QWEN3_MOE = 3,
+  COLIBRI_ROUTER_OLMOE = 4,
+  COLIBRI_ROUTER_DEEPSEEK_V2 = 5,
+  COLIBRI_ROUTER_DEEPSEEK_V3 = 6
+} colibri_router_family_t;
+
+typedef struct colibri_router_desc_s {
+  colibri_router_family_t family; /* NONE = the model has no router */
+  int32_t top_k;                  /* experts per token, 1 .. n_experts */
+  int32_t norm_topk_prob;         /* 1 = renormalise the chosen weights */
+  int32_t n_group;                /* DeepSeek: expert groups (<= 1: no grouping) */
+  int32_t topk_group;             /* DeepSeek: groups kept, 1 .. n_group */
+  float routed_scaling_factor;    /* DeepSeek; 1 elsewhere */
+} colibri_router_desc_t;
+
+/* Defaults: family NONE, top_k 0, norm_topk_prob 0, n_group 1, topk_group 1,
+ * routed_scaling_factor 1. */
+COLIBRI_API void colibri_router_desc_default(colibri_router_desc_t* router);
+COLIBRI_API const char* colibri_router_family_name(colibri_router_family_t family);
+
+/* ------------------------------------------------ models from memory (v2) */
+
+/* One expert's three matrices, each row-major as nn.Linear.weight, in the
+ * model's dtype: gate [d_ff][d_model], up [d_ff][d_model], down
+ * [d_model][d_ff]. The fused layout's gate_up_proj[e] ([2*d_ff][d_model],
+ * gate first) is gate = gate_up_proj[e], up = gate + d_ff*d_model. */
+typedef struct colibri_expert_weights_s {
+  const void* gate;
+  const void* up;
+  const void* down;
+} colibri_expert_weights_t;
+
+typedef struct colibri_layer_weights_s {
+  const colibri_expert_weights_t* experts; /* [n_experts] */
+  const float* router;      /* [n_experts][d_model]; required when the model
+                               has a router, else ignored */
+  const float* router_bias; /* [n_experts] e_score_correction_bias; DeepSeek-V3
+                               only (NULL = zeros) */
+  colibri_expert_weights_t shared; /* used when shared_d_ff > 0; d_ff is
+                                      shared_d_ff */
+  const float* shared_gate; /* [d_model] or NULL: with it the shared expert's
+                               output is scaled by sigmoid(shared_gate . x)
+                               (Qwen2-MoE); without, added as is (DeepSeek) */
+} colibri_layer_weights_t;
+
+typedef struct colibri_model_desc_s {
+  int32_t n_layers;
+  int32_t n_experts;
+  int32_t d_model;
+  int32_t d_ff;
+  colibri_dtype_t dtype;     /* of the expert buffers and of the model */
+  int32_t shared_d_ff;       /* 0 = no shared expert */
+  colibri_router_desc_t router;
+  const colibri_layer_weights_t* layers; /* [n_layers] */
+} colibri_model_desc_t;
+
+/* Zeroes *desc and sets router defaults. */
+COLIBRI_API void colibri_model_desc_default(colibri_model_desc_t* desc);
+
+/* Builds a model from buffers: the weights are copied (packed, huge-page
+ * backed and locked as colibri_open does), so the caller may free them when
+ * this returns. Same options and ownership rules as colibri_open.
+ * Thread-safe. */
+COLIBRI_API colibri_status_t colibri_open_memory(const colibri_model_desc_t* desc,
+                                                 const colibri_open_options_t* options,
+                                                 colibri_model_t** out_model);
+
 /* ------------------------------------------------------------ inference */
 
 typedef struct colibri_infer_s {
@@ -127,7 +216,9 @@ typedef struct colibri_infer_s {
 
   /* ... or a compiled routing blob (routing.bin bytes); used when
    * routing_blob != NULL, in which case top_k/expert_ids/expert_weights are
-   * ignored and n_tokens must equal the blob's token count. */
+   * ignored and n_tokens must equal the blob's token count.
+   * With neither (expert_ids and routing_blob both NULL) the model's own
+   * router chooses; a model without one returns INVALID_ARGUMENT. */
   const void* routing_blob;
   size_t routing_blob_size;
 
@@ -137,11 +228,21 @@ typedef struct colibri_infer_s {
 /* Zeroes *infer (n_threads 0, no routing). */
 COLIBRI_API void colibri_infer_default(colibri_infer_t* infer);
 
-/* y[t] = sum_j w[t][j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t][j].
+/* y[t] = sum_j w[t][j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t][j],
+ * plus, when the model has a shared expert, s[t] * shared(x[t]) with s[t] =
+ * sigmoid(shared_gate . x[t]) (or 1 without a shared gate).
  * Safe to call concurrently from several threads on one model (calls are
  * serialised on the model's thread pool; each call gets its own scratch).
  * On error the output is left untouched. */
 COLIBRI_API colibri_status_t colibri_infer(colibri_model_t* model, const colibri_infer_t* infer);
+
+/* Runs only the model's router on `input` ([n_tokens][d_model] float32) of
+ * `layer`: writes the chosen ids and weights, [n_tokens][top_k] each
+ * (top_k from colibri_model_info's router_top_k). Same thread safety as
+ * colibri_infer. */
+COLIBRI_API colibri_status_t colibri_route(colibri_model_t* model, int32_t layer, int32_t n_tokens,
+                                           const float* input, int32_t* out_expert_ids,
+                                           float* out_expert_weights);
 
 /* ----------------------------------------------------------- inspection */
 
@@ -153,6 +254,9 @@ typedef struct colibri_model_info_s {
   colibri_dtype_t dtype;
   int32_t n_threads;
   int32_t format_version;
+  colibri_router_family_t router_family; /* NONE without a built-in router */
+  int32_t router_top_k;                  /* 0 without a router */
+  int32_t shared_d_ff;                   /* 0 without a shared expert */
 } colibri_model_info_t;
 
 typedef struct colibri_stats_s {

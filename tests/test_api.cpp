@@ -255,8 +255,12 @@ TEST_F(ApiTest, WrongFormatOrVersion) {
   expect_manifest_rejected(doc, {"format"});
 
   doc = manifest_;
-  doc["version"] = 2;
+  doc["version"] = 3;
   expect_manifest_rejected(doc, {"version"});
+  // v2 parts in a v1 manifest.
+  doc = manifest_;
+  doc["router"] = {{"family", "mixtral"}, {"top_k", 2}};
+  expect_manifest_rejected(doc, {"router", "version"});
   doc["version"] = 0;
   expect_manifest_rejected(doc, {"version"});
   doc["version"] = "1";

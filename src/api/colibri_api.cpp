@@ -19,6 +19,8 @@ struct colibri_model {
   colibri::Model impl;
   colibri_model(const std::string& dir, const colibri_open_options_t& o, std::string* warnings)
       : impl(dir, o, warnings) {}
+  colibri_model(const colibri_model_desc_t& desc, const colibri_open_options_t& o, std::string* warnings)
+      : impl(desc, o, warnings) {}
 };
 
 struct colibri_routing {
@@ -120,6 +122,44 @@ colibri_status_t colibri_open(const char* path, const colibri_open_options_t* op
   });
 }
 
+void colibri_router_desc_default(colibri_router_desc_t* r) {
+  if (r == nullptr) return;
+  std::memset(r, 0, sizeof *r);
+  r->family = COLIBRI_ROUTER_NONE;
+  r->n_group = 1;
+  r->topk_group = 1;
+  r->routed_scaling_factor = 1.0f;
+}
+
+const char* colibri_router_family_name(colibri_router_family_t family) {
+  return colibri::router_family_name(family);
+}
+
+void colibri_model_desc_default(colibri_model_desc_t* d) {
+  if (d == nullptr) return;
+  std::memset(d, 0, sizeof *d);
+  d->dtype = COLIBRI_DTYPE_F32;
+  colibri_router_desc_default(&d->router);
+}
+
+colibri_status_t colibri_open_memory(const colibri_model_desc_t* desc, const colibri_open_options_t* options,
+                                     colibri_model_t** out_model) {
+  if (out_model == nullptr) return null_argument("colibri_open_memory", "out_model");
+  *out_model = nullptr;
+  if (desc == nullptr) return null_argument("colibri_open_memory", "desc");
+  colibri_open_options_t defaults;
+  colibri_open_options_default(&defaults);
+  const colibri_open_options_t& o = options != nullptr ? *options : defaults;
+  t_last_warning.clear();
+  return guarded("colibri_open_memory", [&] {
+    std::string warnings;
+    auto* model = new colibri_model(*desc, o, &warnings);
+    t_last_warning = std::move(warnings);
+    *out_model = model;
+    return COLIBRI_OK;
+  });
+}
+
 colibri_model_t* colibri_init(const char* path) {
   colibri_model_t* model = nullptr;
   colibri_open(path, nullptr, &model);
@@ -171,6 +211,15 @@ colibri_status_t colibri_infer(colibri_model_t* model, const colibri_infer_t* in
       model->impl.engine().infer(a);
       return COLIBRI_OK;
     }
+    if (in.expert_ids == nullptr && in.expert_weights == nullptr && m.has_router()) {
+      model->impl.engine().infer(a);  // the built-in router chooses
+      return COLIBRI_OK;
+    }
+    if (in.expert_ids == nullptr && in.expert_weights == nullptr) {
+      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT,
+                    "colibri_infer: no routing given (expert_ids, expert_weights and routing_blob are NULL) and "
+                    "the model has no built-in router");
+    }
     if (in.top_k < 1 || in.top_k > m.n_experts) {
       colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_infer: top_k " + std::to_string(in.top_k) +
                                                       " is out of range [1, " +
@@ -192,6 +241,23 @@ colibri_status_t colibri_infer(colibri_model_t* model, const colibri_infer_t* in
   return status;
 }
 
+colibri_status_t colibri_route(colibri_model_t* model, int32_t layer, int32_t n_tokens, const float* input,
+                               int32_t* out_ids, float* out_weights) {
+  if (model == nullptr) return null_argument("colibri_route", "model");
+  if (n_tokens < 0) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_route: n_tokens must be >= 0, got " + std::to_string(n_tokens));
+  }
+  if (n_tokens > 0) {
+    if (input == nullptr) return null_argument("colibri_route", "input");
+    if (out_ids == nullptr) return null_argument("colibri_route", "out_expert_ids");
+    if (out_weights == nullptr) return null_argument("colibri_route", "out_expert_weights");
+  }
+  return guarded("colibri_route", [&] {
+    model->impl.engine().route(layer, n_tokens, input, out_ids, out_weights, 0);
+    return COLIBRI_OK;
+  });
+}
+
 colibri_status_t colibri_model_info(const colibri_model_t* model, colibri_model_info_t* out) {
   if (model == nullptr) return null_argument("colibri_model_info", "model");
   if (out == nullptr) return null_argument("colibri_model_info", "out_info");
@@ -203,6 +269,9 @@ colibri_status_t colibri_model_info(const colibri_model_t* model, colibri_model_
   out->dtype = m.dtype;
   out->n_threads = model->impl.threads();
   out->format_version = m.version;
+  out->router_family = m.router.family;
+  out->router_top_k = m.has_router() ? m.router.top_k : 0;
+  out->shared_d_ff = m.shared_d_ff;
   t_last_error.clear();
   return COLIBRI_OK;
 }

@@ -1,5 +1,6 @@
 #include "io/manifest.h"
 
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -46,21 +47,134 @@ int32_t require_dim(const json& doc, const std::string& source, const char* fiel
   return static_cast<int32_t>(n);
 }
 
-// True if `file` is exactly the name of one of the model's expert files.
+// True if `file` is exactly the name of one of the model's weight files.
 // Parsed rather than enumerated: a model may have millions of experts.
-bool names_expert_file(const Manifest& m, const std::string& file) {
-  int layer = 0, expert = 0, consumed = 0;
-  if (m.n_layers == 1) {
-    if (std::sscanf(file.c_str(), "expert_%d.bin%n", &expert, &consumed) != 1) return false;
-  } else if (std::sscanf(file.c_str(), "layer_%d/expert_%d.bin%n", &layer, &expert, &consumed) != 2) {
-    return false;
+bool names_model_file(const Manifest& m, const std::string& file) {
+  int layer = 0, consumed = 0;
+  std::string rest = file;
+  if (m.n_layers > 1) {
+    if (std::sscanf(file.c_str(), "layer_%d/%n", &layer, &consumed) != 1 || consumed == 0) return false;
+    if (layer < 0 || layer >= m.n_layers) return false;
+    rest = file.substr(static_cast<size_t>(consumed));
   }
-  if (consumed != static_cast<int>(file.size())) return false;
-  if (layer < 0 || layer >= m.n_layers || expert < 0 || expert >= m.n_experts) return false;
+  if ((m.has_router() && file == m.router_file(layer)) || (m.has_shared() && file == m.shared_file(layer)) ||
+      (m.has_shared() && m.shared_gate && file == m.shared_gate_file(layer))) {
+    return true;
+  }
+  int expert = 0;
+  consumed = 0;
+  if (std::sscanf(rest.c_str(), "expert_%d.bin%n", &expert, &consumed) != 1) return false;
+  if (consumed != static_cast<int>(rest.size())) return false;
+  if (expert < 0 || expert >= m.n_experts) return false;
   return m.expert_file(layer, expert) == file;  // rejects "expert_3.bin", "expert_+03.bin"
 }
 
+bool require_bool(const json& doc, const std::string& source, const char* field, bool fallback) {
+  auto it = doc.find(field);
+  if (it == doc.end()) return fallback;
+  if (!it->is_boolean()) bad_field(source, field, "must be true or false");
+  return it->get<bool>();
+}
+
+colibri_router_desc_t parse_router(const json& r, const std::string& source, int32_t n_experts) {
+  const std::string where = source + ": router";
+  if (!r.is_object()) bad_field(source, "router", "must be an object");
+  colibri_router_desc_t d{};
+  d.n_group = 1;
+  d.topk_group = 1;
+  d.routed_scaling_factor = 1.0f;
+  const json& family = require(r, where, "family");
+  if (!family.is_string() || !parse_router_family(family.get<std::string>(), &d.family) ||
+      d.family == COLIBRI_ROUTER_NONE) {
+    bad_field(where, "family", "unknown router family " + family.dump() +
+                                   " (expected mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or deepseek_v3)");
+  }
+  d.top_k = require_dim(r, where, "top_k", kMaxExperts);
+  d.norm_topk_prob = require_bool(r, where, "norm_topk_prob", d.family == COLIBRI_ROUTER_MIXTRAL) ? 1 : 0;
+  if (r.contains("n_group")) d.n_group = require_dim(r, where, "n_group", kMaxExperts);
+  if (r.contains("topk_group")) d.topk_group = require_dim(r, where, "topk_group", kMaxExperts);
+  if (auto it = r.find("routed_scaling_factor"); it != r.end()) {
+    if (!it->is_number()) bad_field(where, "routed_scaling_factor", "must be a number");
+    d.routed_scaling_factor = it->get<float>();
+  }
+  validate_router(d, n_experts, where, COLIBRI_ERR_FORMAT);
+  return d;
+}
+
 }  // namespace
+
+const char* router_family_name(colibri_router_family_t family) {
+  switch (family) {
+    case COLIBRI_ROUTER_NONE: return "none";
+    case COLIBRI_ROUTER_MIXTRAL: return "mixtral";
+    case COLIBRI_ROUTER_QWEN2_MOE: return "qwen2_moe";
+    case COLIBRI_ROUTER_QWEN3_MOE: return "qwen3_moe";
+    case COLIBRI_ROUTER_OLMOE: return "olmoe";
+    case COLIBRI_ROUTER_DEEPSEEK_V2: return "deepseek_v2";
+    case COLIBRI_ROUTER_DEEPSEEK_V3: return "deepseek_v3";
+  }
+  return "unknown";
+}
+
+bool parse_router_family(const std::string& name, colibri_router_family_t* out) {
+  for (int f = COLIBRI_ROUTER_NONE; f <= COLIBRI_ROUTER_DEEPSEEK_V3; ++f) {
+    const auto family = static_cast<colibri_router_family_t>(f);
+    if (name == router_family_name(family)) {
+      *out = family;
+      return true;
+    }
+  }
+  return false;
+}
+
+void validate_router(const colibri_router_desc_t& r, int32_t n_experts, const std::string& where,
+                     colibri_status_t status) {
+  auto bad = [&](const std::string& what) { fail(status, where + ": " + what); };
+  if (r.family < COLIBRI_ROUTER_NONE || r.family > COLIBRI_ROUTER_DEEPSEEK_V3) {
+    bad("unknown family " + std::to_string(static_cast<int>(r.family)));
+  }
+  if (r.family == COLIBRI_ROUTER_NONE) return;
+  if (r.top_k < 1 || r.top_k > n_experts) {
+    bad("top_k " + std::to_string(r.top_k) + " is out of range [1, n_experts " + std::to_string(n_experts) + "]");
+  }
+  const bool deepseek = r.family == COLIBRI_ROUTER_DEEPSEEK_V2 || r.family == COLIBRI_ROUTER_DEEPSEEK_V3;
+  if (!deepseek && (r.n_group > 1 || r.topk_group > 1)) bad("n_group/topk_group apply to DeepSeek routers only");
+  if (r.n_group < 1 || r.n_group > n_experts || n_experts % r.n_group != 0) {
+    bad("n_group " + std::to_string(r.n_group) + " must divide n_experts " + std::to_string(n_experts));
+  }
+  if (r.topk_group < 1 || r.topk_group > r.n_group) {
+    bad("topk_group " + std::to_string(r.topk_group) + " is out of range [1, n_group " + std::to_string(r.n_group) + "]");
+  }
+  if (static_cast<int64_t>(r.topk_group) * (n_experts / r.n_group) < r.top_k) {
+    bad("top_k " + std::to_string(r.top_k) + " exceeds the experts of topk_group " + std::to_string(r.topk_group) +
+        " groups (" + std::to_string(n_experts / r.n_group) + " experts each)");
+  }
+  if (r.family == COLIBRI_ROUTER_DEEPSEEK_V3 && r.n_group > 1 && n_experts / r.n_group < 2) {
+    bad("deepseek_v3 group scores need at least 2 experts per group");
+  }
+  if (!(r.routed_scaling_factor > 0.0f) || !std::isfinite(r.routed_scaling_factor)) {
+    bad("routed_scaling_factor must be a positive finite number");
+  }
+  if (!deepseek && r.routed_scaling_factor != 1.0f) bad("routed_scaling_factor applies to DeepSeek routers only");
+}
+
+uint64_t Manifest::router_file_bytes() const {
+  const uint64_t e = static_cast<uint64_t>(n_experts);
+  return 4 * e * static_cast<uint64_t>(d_model) + (router_has_bias() ? 4 * e : 0);
+}
+
+uint64_t Manifest::shared_file_bytes() const {
+  return 3ull * static_cast<uint64_t>(d_model) * static_cast<uint64_t>(shared_d_ff) * dtype_size();
+}
+
+uint64_t Manifest::shared_gate_file_bytes() const { return 4ull * static_cast<uint64_t>(d_model); }
+
+std::string Manifest::layer_file(int32_t layer, const char* name) const {
+  if (n_layers == 1) return name;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "layer_%02d/", layer);
+  return buf + std::string(name);
+}
 
 bool parse_dtype(const std::string& name, colibri_dtype_t* out) {
   if (name == "f32") *out = COLIBRI_DTYPE_F32;
@@ -102,10 +216,10 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
   Manifest m;
   const json& version = require(doc, source, "version");
   if (!version.is_number_integer()) bad_field(source, "version", "must be an integer");
-  if (version.get<int64_t>() != kManifestVersion) {
-    bad_field(source, "version", "unsupported version " + version.dump() + " (this build reads 1)");
+  if (version.get<int64_t>() != 1 && version.get<int64_t>() != 2) {
+    bad_field(source, "version", "unsupported version " + version.dump() + " (this build reads 1 and 2)");
   }
-  m.version = kManifestVersion;
+  m.version = static_cast<int32_t>(version.get<int64_t>());
   m.n_layers = require_dim(doc, source, "n_layers", kMaxLayers);
   m.n_experts = require_dim(doc, source, "n_experts", kMaxExperts);
   m.d_model = require_dim(doc, source, "d_model", kMaxDim);
@@ -132,13 +246,32 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
     total *= factor;
   }
 
+  if (m.version >= 2) {
+    if (auto it = doc.find("router"); it != doc.end() && !it->is_null()) {
+      m.router = parse_router(*it, source, m.n_experts);
+    }
+    if (auto it = doc.find("shared_expert"); it != doc.end() && !it->is_null()) {
+      if (!it->is_object()) bad_field(source, "shared_expert", "must be an object");
+      m.shared_d_ff = require_dim(*it, source + ": shared_expert", "d_ff", kMaxDim);
+      m.shared_gate = require_bool(*it, source + ": shared_expert", "gate", false);
+      if (m.shared_file_bytes() > kMaxModelBytes / static_cast<uint64_t>(m.n_layers)) {
+        fail(COLIBRI_ERR_FORMAT, source + ": shared expert too large");
+      }
+    }
+    if (auto it = doc.find("source"); it != doc.end()) m.source_json = it->dump();
+  } else {
+    for (const char* v2_field : {"router", "shared_expert"}) {
+      if (doc.contains(v2_field)) bad_field(source, v2_field, "needs \"version\": 2");
+    }
+  }
+
   if (auto it = doc.find("checksums"); it != doc.end()) {
     if (!it->is_object()) bad_field(source, "checksums", "must be an object");
     for (const auto& [file, value] : it->items()) {
       const std::string field = "checksums." + file;
       // Only the model's own files: a key like "../x" must not make us read
       // outside the directory.
-      if (!names_expert_file(m, file)) bad_field(source, field, "names no expert file of this model");
+      if (!names_model_file(m, file)) bad_field(source, field, "names no weight file of this model");
       if (!value.is_string()) bad_field(source, field, "must be a string \"xxh64:<16 hex>\"");
       const auto hash = parse_checksum(value.get<std::string>());
       if (!hash) bad_field(source, field, "malformed checksum " + value.dump() + " (expected \"xxh64:<16 hex>\")");
@@ -163,6 +296,17 @@ std::string manifest_to_json(const Manifest& m) {
   doc["d_ff"] = m.d_ff;
   doc["dtype"] = colibri_dtype_name(m.dtype);
   doc["activation"] = m.activation;
+  if (m.has_router()) {
+    const colibri_router_desc_t& r = m.router;
+    doc["router"] = {{"family", router_family_name(r.family)},
+                     {"top_k", r.top_k},
+                     {"norm_topk_prob", r.norm_topk_prob != 0},
+                     {"n_group", r.n_group},
+                     {"topk_group", r.topk_group},
+                     {"routed_scaling_factor", r.routed_scaling_factor}};
+  }
+  if (m.has_shared()) doc["shared_expert"] = {{"d_ff", m.shared_d_ff}, {"gate", m.shared_gate}};
+  if (!m.source_json.empty()) doc["source"] = json::parse(m.source_json);
   if (!m.checksums.empty()) {
     json sums = json::object();
     for (const auto& [file, hash] : m.checksums) sums[file] = format_checksum(hash);

@@ -11,7 +11,9 @@ namespace colibri {
 
 inline constexpr const char* kManifestName = "colibri.json";
 inline constexpr const char* kManifestFormat = "colibri-moe";
-inline constexpr int kManifestVersion = 1;
+// Written for models with a router or a shared expert; v1 otherwise, so
+// older readers still open plain expert models. Both are read.
+inline constexpr int kManifestVersion = 2;
 
 // Limits that keep every size computation in range; far above real models.
 inline constexpr int64_t kMaxLayers = 4096;
@@ -27,13 +29,38 @@ struct Manifest {
   int32_t d_ff = 0;
   colibri_dtype_t dtype = COLIBRI_DTYPE_F16;
   std::string activation = "swiglu";
+  // v2: built-in router (family NONE = none) and shared expert (0 = none).
+  colibri_router_desc_t router{};
+  int32_t shared_d_ff = 0;
+  bool shared_gate = false;
+  std::string source_json;  // provenance, kept verbatim ("" = none)
   std::map<std::string, uint64_t> checksums;  // relative path -> xxh64
 
+  bool has_router() const { return router.family != COLIBRI_ROUTER_NONE; }
+  bool has_shared() const { return shared_d_ff > 0; }
+  bool router_has_bias() const { return router.family == COLIBRI_ROUTER_DEEPSEEK_V3; }
   size_t dtype_size() const { return dtype == COLIBRI_DTYPE_F32 ? 4 : 2; }
   uint64_t expert_file_bytes() const;
-  // "expert_03.bin" for one layer, "layer_01/expert_03.bin" for several.
+  // f32 [E][D], then f32 [E] bias for DeepSeek-V3.
+  uint64_t router_file_bytes() const;
+  uint64_t shared_file_bytes() const;       // 3 * D * shared_d_ff * dtype
+  uint64_t shared_gate_file_bytes() const;  // f32 [D]
+  // "expert_03.bin" for one layer, "layer_01/expert_03.bin" for several;
+  // likewise router.bin, shared_expert.bin, shared_gate.bin.
   std::string expert_file(int32_t layer, int32_t expert) const;
+  std::string layer_file(int32_t layer, const char* name) const;
+  std::string router_file(int32_t layer) const { return layer_file(layer, "router.bin"); }
+  std::string shared_file(int32_t layer) const { return layer_file(layer, "shared_expert.bin"); }
+  std::string shared_gate_file(int32_t layer) const { return layer_file(layer, "shared_gate.bin"); }
 };
+
+// "mixtral", "qwen2_moe", ... (the Hugging Face model_type); "none".
+const char* router_family_name(colibri_router_family_t family);
+bool parse_router_family(const std::string& name, colibri_router_family_t* out);
+// Throws Error(COLIBRI_ERR_INVALID_ARGUMENT or `status`) with `where`
+// prefixed when the router's parameters do not fit n_experts.
+void validate_router(const colibri_router_desc_t& router, int32_t n_experts, const std::string& where,
+                     colibri_status_t status);
 
 // Parses and validates manifest JSON text; `source` names it in errors.
 // Throws Error(COLIBRI_ERR_FORMAT) naming the field at fault.

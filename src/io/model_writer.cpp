@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "io/checksum.h"
@@ -62,36 +64,81 @@ void make_directories(const std::string& dir) {
   }
 }
 
-void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,
-                     const std::function<void(int32_t, int32_t, float*)>& fill) {
+void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const ModelFill& fill) {
   Manifest m;
   m.n_layers = spec.n_layers;
   m.n_experts = spec.n_experts;
   m.d_model = spec.d_model;
   m.d_ff = spec.d_ff;
   m.dtype = spec.dtype;
+  m.router = spec.router;
+  m.shared_d_ff = spec.shared_d_ff;
+  m.shared_gate = spec.shared_d_ff > 0 && spec.shared_gate;
+  m.version = m.has_router() || m.has_shared() ? 2 : 1;
+  if (!spec.source_json.empty()) {
+    if (!nlohmann::json::accept(spec.source_json)) {
+      fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: source_json is not valid JSON");
+    }
+    if (m.version == 1) m.version = 2;
+    m.source_json = spec.source_json;
+  }
+  if (!fill.expert) fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: no expert fill function");
+  if (m.has_router() && !fill.router) fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: no router fill function");
+  if (m.has_shared() && !fill.shared) fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: no shared fill function");
   // Round-trip through the parser's checks, so we never write a manifest we
   // would refuse to read.
   parse_manifest(manifest_to_json(m), "model being written");
 
+  uint64_t total = static_cast<uint64_t>(m.n_layers) *
+                   (static_cast<uint64_t>(m.n_experts) * m.expert_file_bytes() +
+                    (m.has_router() ? m.router_file_bytes() : 0) + (m.has_shared() ? m.shared_file_bytes() : 0) +
+                    (m.shared_gate ? m.shared_gate_file_bytes() : 0));
+  uint64_t done = 0;
+  auto write_one = [&](const std::string& name, const std::vector<uint8_t>& bytes) {
+    write_file_atomic(dir + "/" + name, bytes.data(), bytes.size());
+    if (spec.checksums) m.checksums[name] = xxh64(bytes.data(), bytes.size());
+    done += bytes.size();
+    if (fill.progress) fill.progress(done, total);
+  };
+
   make_directories(dir);
-  const size_t n = 3 * static_cast<size_t>(spec.d_model) * static_cast<size_t>(spec.d_ff);
-  std::vector<float> w(n);
+  const size_t D = static_cast<size_t>(spec.d_model);
+  const size_t E = static_cast<size_t>(spec.n_experts);
+  std::vector<float> w(3 * D * static_cast<size_t>(std::max(spec.d_ff, m.shared_d_ff)));
+  std::vector<float> router;
+  if (m.has_router()) router.assign(E * D + (m.router_has_bias() ? E : 0), 0.0f);
+  std::vector<float> gate(m.shared_gate ? D : 0);
   for (int32_t l = 0; l < spec.n_layers; ++l) {
     if (spec.n_layers > 1) {
       const std::string first = m.expert_file(l, 0);
       make_directories(dir + "/" + first.substr(0, first.find('/')));
     }
+    if (m.has_router()) {
+      std::fill(router.begin(), router.end(), 0.0f);
+      fill.router(l, router.data(), m.router_has_bias() ? router.data() + E * D : nullptr);
+      write_one(m.router_file(l), encode_weights(router.data(), router.size(), COLIBRI_DTYPE_F32));
+    }
     for (int32_t e = 0; e < spec.n_experts; ++e) {
-      fill(l, e, w.data());
-      const std::vector<uint8_t> bytes = encode_weights(w.data(), n, spec.dtype);
-      const std::string name = m.expert_file(l, e);
-      write_file_atomic(dir + "/" + name, bytes.data(), bytes.size());
-      if (spec.checksums) m.checksums[name] = xxh64(bytes.data(), bytes.size());
+      const size_t n = 3 * D * static_cast<size_t>(spec.d_ff);
+      fill.expert(l, e, w.data());
+      write_one(m.expert_file(l, e), encode_weights(w.data(), n, spec.dtype));
+    }
+    if (m.has_shared()) {
+      const size_t n = 3 * D * static_cast<size_t>(m.shared_d_ff);
+      fill.shared(l, w.data(), m.shared_gate ? gate.data() : nullptr);
+      write_one(m.shared_file(l), encode_weights(w.data(), n, spec.dtype));
+      if (m.shared_gate) write_one(m.shared_gate_file(l), encode_weights(gate.data(), D, COLIBRI_DTYPE_F32));
     }
   }
   const std::string json = manifest_to_json(m);
   write_file_atomic(dir + "/" + kManifestName, json.data(), json.size());
+}
+
+void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,
+                     const std::function<void(int32_t, int32_t, float*)>& fill) {
+  ModelFill f;
+  f.expert = fill;
+  write_model_dir(dir, spec, f);
 }
 
 void random_expert_weights(const ModelWriteSpec& spec, uint64_t seed, int32_t layer,
@@ -107,9 +154,29 @@ void random_expert_weights(const ModelWriteSpec& spec, uint64_t seed, int32_t la
 }
 
 void write_random_model(const std::string& dir, const ModelWriteSpec& spec, uint64_t seed) {
-  write_model_dir(dir, spec, [&](int32_t l, int32_t e, float* w) {
-    random_expert_weights(spec, seed, l, e, w);
-  });
+  ModelFill f;
+  f.expert = [&](int32_t l, int32_t e, float* w) { random_expert_weights(spec, seed, l, e, w); };
+  // Router, bias and shared gate at the scale of an nn.Linear of fan-in
+  // d_model, from streams no expert uses.
+  const float a_in = std::sqrt(3.0f / static_cast<float>(spec.d_model));
+  f.router = [&](int32_t l, float* router, float* bias) {
+    uint64_t state = seed * 0x100000001b3ull ^ (static_cast<uint64_t>(l) << 32) ^ 0x5eedf00dull;
+    const size_t n = static_cast<size_t>(spec.n_experts) * static_cast<size_t>(spec.d_model);
+    for (size_t i = 0; i < n; ++i) router[i] = a_in * uniform_pm1(state);
+    if (bias != nullptr) {
+      for (int32_t e = 0; e < spec.n_experts; ++e) bias[e] = 0.1f * uniform_pm1(state);
+    }
+  };
+  f.shared = [&](int32_t l, float* w, float* gate) {
+    ModelWriteSpec shared = spec;
+    shared.d_ff = spec.shared_d_ff;
+    random_expert_weights(shared, seed ^ 0xa5a5a5a5ull, l, spec.n_experts, w);
+    if (gate != nullptr) {
+      uint64_t state = seed * 0x100000001b3ull ^ (static_cast<uint64_t>(l) << 32) ^ 0x6a7eull;
+      for (int32_t d = 0; d < spec.d_model; ++d) gate[d] = a_in * uniform_pm1(state);
+    }
+  };
+  write_model_dir(dir, spec, f);
 }
 
 }  // namespace colibri

@@ -18,11 +18,36 @@ struct ModelWriteSpec {
   int32_t d_ff = 0;
   colibri_dtype_t dtype = COLIBRI_DTYPE_F16;
   bool checksums = true;
+  // Format v2 parts; a model with neither is written as v1.
+  colibri_router_desc_t router{};  // family NONE = no built-in router
+  int32_t shared_d_ff = 0;         // 0 = no shared expert
+  bool shared_gate = false;        // Qwen2-MoE's sigmoid gate on the shared expert
+  // Optional provenance, stored as the manifest's "source" object (ignored
+  // when read): e.g. {"format": "hf", "model_type": "mixtral", "layers": [..]}.
+  std::string source_json;
 };
 
-// fill(layer, expert, w) writes 3*d_model*d_ff floats: gate [F][D], up [F][D],
-// down [D][F]. Creates `dir` (and layer subfolders) as needed; the manifest
-// is written last, so a directory whose writing failed has no manifest.
+// Called once per file, in order, to fill float32 buffers that the writer
+// rounds to the model's dtype (weights) or keeps in f32 (router, gate).
+struct ModelFill {
+  // 3*d_model*d_ff floats: gate [F][D], up [F][D], down [D][F]. Required.
+  std::function<void(int32_t layer, int32_t expert, float* w)> expert;
+  // router [E][D]; bias [E] is non-null only for DeepSeek-V3 (fill with
+  // e_score_correction_bias). Required when spec.router.family != NONE.
+  std::function<void(int32_t layer, float* router, float* bias)> router;
+  // 3*d_model*shared_d_ff floats, same layout as an expert; gate [D] is
+  // non-null only when spec.shared_gate. Required when shared_d_ff > 0.
+  std::function<void(int32_t layer, float* w, float* gate)> shared;
+  // Optional: after each file, bytes written so far of `total`.
+  std::function<void(uint64_t done, uint64_t total)> progress;
+};
+
+// Writes the model directory: `dir` (and layer subfolders) are created as
+// needed; one expert is in memory at a time; the manifest is written last,
+// so a directory whose writing failed has no manifest.
+void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const ModelFill& fill);
+
+// v1 convenience: experts only.
 void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,
                      const std::function<void(int32_t layer, int32_t expert, float* w)>& fill);
 

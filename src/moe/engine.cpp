@@ -1,6 +1,7 @@
 #include "moe/engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "moe/routing.h"
@@ -32,6 +33,109 @@ Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, Th
   active_experts_.reserve(static_cast<size_t>(n_experts));
 }
 
+void Engine::set_router(const colibri_router_desc_t& desc) {
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  router_ = RouterRule(desc, n_experts_);
+  // Router weights are f32 and computed in fp32 whatever the experts' type:
+  // the choice of experts should not depend on the weight format.
+  router_decode_ = &kernels::kernel_table_for(kernels_->isa, kernels::WeightType::kF32, kernels::Precision::kFp32);
+  router_prefill_ = kernels::prefill_table_for(kernels_->isa, kernels::WeightType::kF32, false, &router_prefill_min_);
+}
+
+// Grows the per-token scratch (router logits, shared expert) to `tokens`.
+void Engine::reserve_tokens_locked(int32_t tokens) {
+  const size_t T = static_cast<size_t>(tokens);
+  if (identity_.size() < T) {
+    const size_t old = identity_.size();
+    identity_.resize(T);
+    for (size_t t = old; t < T; ++t) identity_[t] = static_cast<int32_t>(t);
+    ones_.assign(T, 1.0f);
+  }
+  if (has_router()) {
+    const size_t slots = T * static_cast<size_t>(router_.top_k());
+    if (logits_.size() < T * static_cast<size_t>(n_experts_)) logits_.resize(T * static_cast<size_t>(n_experts_));
+    if (blob_ids_.size() < slots) {
+      blob_ids_.resize(slots);
+      blob_weights_.resize(slots);
+    }
+  }
+  const int32_t Fs = store_.shared_shape().d_ff;
+  if (Fs > 0) {
+    if (shared_scale_.size() < T) shared_scale_.resize(T);
+    const size_t need = T * static_cast<size_t>(round_up(Fs, 16));
+    if (shared_hidden_.size() < need) shared_hidden_.resize(need);
+  }
+}
+
+void Engine::check_layer(int32_t layer) const {
+  if (layer < 0 || layer >= n_layers_) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) +
+                                           " is out of range [0, " + std::to_string(n_layers_) + ")");
+  }
+}
+
+void Engine::route_locked(int32_t layer, int32_t n_tokens, const float* input, int threads) {
+  reserve_tokens_locked(n_tokens);
+  const int32_t E = n_experts_;
+  const kernels::ExpertShape& rs = store_.router_shape();
+  const size_t T = static_cast<size_t>(n_tokens);
+  std::fill(logits_.begin(), logits_.begin() + static_cast<std::ptrdiff_t>(T * static_cast<size_t>(E)), 0.0f);
+  // logits[t][e] = router_e . x_t: the router is the "down" block of an
+  // expert with E output rows, so the down kernels compute it, split over
+  // rows of E.
+  const kernels::KernelTable& table =
+      router_prefill_ != nullptr && n_tokens >= router_prefill_min_ ? *router_prefill_ : *router_decode_;
+  if (static_cast<double>(T) * E * rs.d_ff < 262144.0) threads = 1;
+  const int32_t rows = rows_per_item(E, threads, E);
+  const uint8_t* w = store_.router(layer);
+  pool_.parallel_for((E + rows - 1) / rows, threads, [&](int64_t item, int) {
+    const int32_t e0 = static_cast<int32_t>(item) * rows;
+    table.down(rs, w, input, static_cast<size_t>(rs.d_ff), identity_.data(), ones_.data(), n_tokens, e0,
+               std::min(E, e0 + rows), logits_.data(), static_cast<size_t>(E));
+  });
+  const float* bias = store_.router_bias(layer);
+  const size_t k = static_cast<size_t>(router_.top_k());
+  for (size_t t = 0; t < T; ++t) {
+    router_.select(logits_.data() + t * static_cast<size_t>(E), bias, blob_ids_.data() + t * k,
+                   blob_weights_.data() + t * k);
+  }
+}
+
+void Engine::route(int32_t layer, int32_t n_tokens, const float* input, int32_t* ids, float* weights, int threads) {
+  check_layer(layer);
+  if (!has_router()) fail(COLIBRI_ERR_INVALID_ARGUMENT, "this model has no built-in router");
+  if (n_tokens == 0) return;
+  std::lock_guard<std::mutex> lock(call_mutex_);
+  if (threads <= 0 || threads > pool_.size()) threads = pool_.size();
+  route_locked(layer, n_tokens, input, threads);
+  const size_t slots = static_cast<size_t>(n_tokens) * static_cast<size_t>(router_.top_k());
+  std::copy(blob_ids_.begin(), blob_ids_.begin() + static_cast<std::ptrdiff_t>(slots), ids);
+  std::copy(blob_weights_.begin(), blob_weights_.begin() + static_cast<std::ptrdiff_t>(slots), weights);
+}
+
+// s[t] = sigmoid(shared_gate . x_t) (Qwen2-MoE), or 1 without a gate.
+void Engine::compute_shared_scale(const InferArgs& a) {
+  const float* g = store_.shared_gate(a.layer);
+  const size_t D = static_cast<size_t>(store_.shape().d_model);
+  for (int32_t t = 0; t < a.n_tokens; ++t) {
+    if (g == nullptr) {
+      shared_scale_[static_cast<size_t>(t)] = 1.0f;
+      continue;
+    }
+    const float* x = a.input + static_cast<size_t>(t) * D;
+    // Four partial sums: shorter dependency chains, and the compiler may
+    // keep them in one vector.
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    size_t d = 0;
+    for (; d + 4 <= D; d += 4) {
+      for (size_t j = 0; j < 4; ++j) acc[j] += g[d + j] * x[d + j];
+    }
+    for (; d < D; ++d) acc[0] += g[d] * x[d];
+    const float dot = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    shared_scale_[static_cast<size_t>(t)] = 1.0f / (1.0f + std::exp(-dot));
+  }
+}
+
 void Engine::reserve(int32_t tokens, int32_t top_k) {
   std::lock_guard<std::mutex> lock(call_mutex_);
   const size_t slots = static_cast<size_t>(tokens) * static_cast<size_t>(top_k);
@@ -46,10 +150,12 @@ void Engine::reserve(int32_t tokens, int32_t top_k) {
     blob_weights_.resize(slots);
   }
   if (hidden_.size() < slots * ldh) hidden_.resize(slots * ldh);
+  reserve_tokens_locked(tokens);
   // At most one phase-1 item per 16 rows of each active expert, and no
   // more experts are active than there are slots.
   const size_t active = std::min(static_cast<size_t>(n_experts_), slots);
-  const size_t max_items = active * static_cast<size_t>((F + 15) / 16);
+  const size_t shared_rows = static_cast<size_t>(store_.shared_shape().d_ff);
+  const size_t max_items = active * static_cast<size_t>((F + 15) / 16) + (shared_rows + 15) / 16;
   if (phase1_items_.capacity() < max_items) phase1_items_.reserve(max_items);
 }
 
@@ -105,14 +211,24 @@ void Engine::run_locked(const InferArgs& a) {
   // Handing work to another thread costs a few microseconds (more when the
   // core is busy with something else); a call this small finishes sooner on
   // the caller alone.
+  const kernels::ExpertShape& shared_shape = store_.shared_shape();
+  const uint8_t* shared_gate_up = store_.shared_gate_up(a.layer);
+  const int32_t Fs = shared_gate_up != nullptr ? shared_shape.d_ff : 0;
+  const size_t ldh_s = static_cast<size_t>(round_up(Fs, 16));
   constexpr double kSingleThreadMacs = 262144.0;
-  if (static_cast<double>(slots) * 3.0 * D * F < kSingleThreadMacs) threads = 1;
+  if ((static_cast<double>(slots) * F + static_cast<double>(a.n_tokens) * Fs) * 3.0 * D < kSingleThreadMacs) {
+    threads = 1;
+  }
 
-  if (active_experts_.empty()) {
+  if (active_experts_.empty() && Fs == 0) {
     std::fill(a.output, a.output + static_cast<size_t>(a.n_tokens) * static_cast<size_t>(D), 0.0f);
     return;
   }
   if (hidden_.size() < slots * ldh) hidden_.resize(slots * ldh);
+  if (Fs > 0) {
+    reserve_tokens_locked(a.n_tokens);
+    compute_shared_scale(a);
+  }
 
   // The prefill kernels convert the activations of a call's tokens once per
   // kernel call, a cost of the same order as their tile math per row block;
@@ -123,21 +239,32 @@ void Engine::run_locked(const InferArgs& a) {
   for (const int32_t e : active_experts_) {
     max_tokens = std::max(max_tokens, expert_offsets_[static_cast<size_t>(e) + 1] - expert_offsets_[static_cast<size_t>(e)]);
   }
+  if (Fs > 0) max_tokens = std::max(max_tokens, a.n_tokens);
   const bool coarse = prefill_ != nullptr && max_tokens >= prefill_min_tokens_;
   const int64_t active = static_cast<int64_t>(active_experts_.size());
 
-  // Phase 1: (expert, block of d_ff rows).
-  int32_t f_rows = rows_per_item(active * F, threads, F);
+  // Phase 1: (expert, block of d_ff rows), the shared expert's blocks first
+  // (it is the longest job when present).
+  const int64_t all_rows = active * F + Fs;
+  const int64_t jobs = active + (Fs > 0 ? 1 : 0);
+  int32_t f_rows = rows_per_item(all_rows, threads, std::max(F, Fs));
   if (coarse) {
-    const int64_t splits = std::max<int64_t>(1, (8LL * threads + active - 1) / active);
-    f_rows = std::min(F, round_up(static_cast<int32_t>((F + splits - 1) / splits), 16));
+    const int64_t splits = std::max<int64_t>(1, (8LL * threads + jobs - 1) / jobs);
+    f_rows = round_up(static_cast<int32_t>((std::max(F, Fs) + splits - 1) / splits), 16);
   }
   phase1_items_.clear();
+  for (int32_t f = 0; f < Fs; f += f_rows) phase1_items_.push_back({-1, f});
   for (size_t i = 0; i < active_experts_.size(); ++i) {
     for (int32_t f = 0; f < F; f += f_rows) phase1_items_.push_back({static_cast<int32_t>(i), f});
   }
   pool_.parallel_for(static_cast<int64_t>(phase1_items_.size()), threads, [&](int64_t item, int) {
     const Phase1Item& it = phase1_items_[static_cast<size_t>(item)];
+    if (it.active < 0) {
+      table_for(a.n_tokens).gate_up(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(),
+                                    a.n_tokens, it.f_begin, std::min(Fs, it.f_begin + f_rows),
+                                    shared_hidden_.data(), ldh_s);
+      return;
+    }
     const int32_t e = active_experts_[static_cast<size_t>(it.active)];
     const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
     const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
@@ -164,24 +291,37 @@ void Engine::run_locked(const InferArgs& a) {
              slot_token_.data() + begin, slot_weight_.data() + begin, n, d_begin, d_end, a.output,
              static_cast<size_t>(D));
     }
+    if (Fs > 0) {
+      table_for(a.n_tokens).down(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s,
+                                 identity_.data(), shared_scale_.data(), a.n_tokens, d_begin, d_end, a.output,
+                                 static_cast<size_t>(D));
+    }
   });
 }
 
-void Engine::infer(const InferArgs& a) {
-  if (a.layer < 0 || a.layer >= n_layers_) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layer " + std::to_string(a.layer) +
-                                           " is out of range [0, " + std::to_string(n_layers_) + ")");
+void Engine::infer(const InferArgs& args) {
+  check_layer(args.layer);
+  if (args.n_tokens == 0) return;
+  if (args.expert_ids == nullptr && !has_router()) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "no routing given (expert_ids and routing_blob are NULL) and this model "
+                                       "has no built-in router");
   }
-  if (a.n_tokens == 0) return;
   std::lock_guard<std::mutex> lock(call_mutex_);
+  if (args.expert_ids != nullptr) {
+    run_locked(args);
+    return;
+  }
+  int threads = (args.threads <= 0 || args.threads > pool_.size()) ? pool_.size() : args.threads;
+  route_locked(args.layer, args.n_tokens, args.input, threads);
+  InferArgs a = args;
+  a.top_k = router_.top_k();
+  a.expert_ids = blob_ids_.data();
+  a.expert_weights = blob_weights_.data();
   run_locked(a);
 }
 
 void Engine::infer_blob(const InferArgs& args, const void* blob, size_t blob_size) {
-  if (args.layer < 0 || args.layer >= n_layers_) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layer " + std::to_string(args.layer) +
-                                           " is out of range [0, " + std::to_string(n_layers_) + ")");
-  }
+  check_layer(args.layer);
   const RoutingHeader header = parse_routing_header(blob, blob_size, n_experts_, "routing blob");
   if (header.n_tokens != args.n_tokens) {
     fail(COLIBRI_ERR_INVALID_ARGUMENT, "routing blob: has " + std::to_string(header.n_tokens) +

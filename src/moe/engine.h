@@ -6,7 +6,7 @@
 //    for the expert's tokens.
 // 3. Phase 2 over blocks of d_model rows: each item zeroes its columns of the
 //    output and adds every active expert's w * (down h), experts in ascending
-//    order. Threads own disjoint output columns, so there are no atomics on
+//    order, then the shared expert's (if any). Threads own disjoint output columns, so there are no atomics on
 //    the output and the result does not depend on the thread count.
 #pragma once
 
@@ -16,6 +16,7 @@
 
 #include "kernels/kernels.h"
 #include "moe/expert_store.h"
+#include "moe/router.h"
 #include "runtime/thread_pool.h"
 
 namespace colibri {
@@ -26,7 +27,7 @@ struct InferArgs {
   const float* input = nullptr;
   float* output = nullptr;
   int32_t top_k = 0;
-  const int32_t* expert_ids = nullptr;  // [T][k], -1 = empty slot
+  const int32_t* expert_ids = nullptr;  // [T][k], -1 = empty slot; nullptr = built-in router
   const float* expert_weights = nullptr;
   int threads = 0;  // 0 = all of the pool
 };
@@ -49,6 +50,14 @@ class Engine {
   // engine's scratch space.
   void infer_blob(const InferArgs& args, const void* blob, size_t blob_size);
 
+  // The built-in router alone: ids/weights [T][router top_k]. Throws
+  // INVALID_ARGUMENT when the model has no router.
+  void route(int32_t layer, int32_t n_tokens, const float* input, int32_t* ids, float* weights, int threads);
+
+  // Installs the built-in router (the store must hold its weights).
+  void set_router(const colibri_router_desc_t& desc);
+  bool has_router() const { return router_.desc().family != COLIBRI_ROUTER_NONE; }
+
   const kernels::KernelTable& kernels() const { return *kernels_; }
 
   // Kernels for experts that received at least `min_tokens` tokens in a
@@ -63,12 +72,17 @@ class Engine {
 
  private:
   struct Phase1Item {
-    int32_t active;  // index into active_experts_
+    int32_t active;  // index into active_experts_; -1 = the shared expert
     int32_t f_begin;
   };
 
   void run_locked(const InferArgs& args);
   void bucket(const InferArgs& args);
+  // Router logits -> router_ids_/router_weights_ for a.n_tokens tokens.
+  void route_locked(int32_t layer, int32_t n_tokens, const float* input, int threads);
+  void compute_shared_scale(const InferArgs& a);
+  void check_layer(int32_t layer) const;
+  void reserve_tokens_locked(int32_t tokens);
 
   const ExpertStore& store_;
   int32_t n_layers_;
@@ -90,8 +104,18 @@ class Engine {
   std::vector<int32_t> active_experts_;  // experts with at least one slot, ascending
   std::vector<Phase1Item> phase1_items_;
   std::vector<float> hidden_;            // [slots][ldh] silu(gate x) * up x
-  std::vector<int32_t> blob_ids_;        // decoded routing.bin
+  std::vector<int32_t> blob_ids_;        // decoded routing.bin, or the router's choice
   std::vector<float> blob_weights_;
+  // Built-in router and shared expert.
+  RouterRule router_;
+  const kernels::KernelTable* router_decode_ = nullptr;   // f32 weights, fp32 compute
+  const kernels::KernelTable* router_prefill_ = nullptr;
+  int32_t router_prefill_min_ = 0;
+  std::vector<float> logits_;          // [T][E]
+  std::vector<int32_t> identity_;      // 0, 1, 2, ... (token index of the shared expert / router)
+  std::vector<float> ones_;            // weight 1 per token (router logits)
+  std::vector<float> shared_scale_;    // [T] sigmoid(shared_gate . x) or 1
+  std::vector<float> shared_hidden_;   // [T][ldh_shared]
 };
 
 }  // namespace colibri

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <vector>
 
 #include "io/checksum.h"
 #include "io/mapped_file.h"
@@ -51,76 +52,60 @@ size_t packed_expert_bytes(const kernels::ExpertShape& s) {
          static_cast<size_t>(s.d_model) * s.down_stride * kernels::weight_type_size(s.weight_type);
 }
 
-void pack_expert(const uint8_t* file_bytes, const kernels::ExpertShape& s, uint8_t* dst) {
+void pack_expert_parts(const uint8_t* gate, const uint8_t* up, const uint8_t* down, const kernels::ExpertShape& s,
+                       uint8_t* dst) {
   const size_t elem = kernels::weight_type_size(s.weight_type);
   const size_t D = static_cast<size_t>(s.d_model);
   const size_t F = static_cast<size_t>(s.d_ff);
-  const uint8_t* gate = file_bytes;
-  const uint8_t* up = gate + F * D * elem;
-  const uint8_t* down = up + F * D * elem;
   // Gate row f -> packed row 2f, up row f -> packed row 2f+1.
   copy_rows(gate, F, D, s.gate_up_stride, 2, elem, dst);
   copy_rows(up, F, D, s.gate_up_stride, 2, elem, dst + s.gate_up_stride * elem);
   copy_rows(down, D, F, s.down_stride, 1, elem, dst + packed_gate_up_bytes(s));
 }
 
-ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
-                         const StoreOptions& options, std::string* warnings)
-    : shape_(kernels::make_expert_shape(m.d_model, m.d_ff, weight_type_of(m.dtype))),
-      n_experts_(m.n_experts) {
+void pack_expert(const uint8_t* file_bytes, const kernels::ExpertShape& s, uint8_t* dst) {
+  const size_t elem = kernels::weight_type_size(s.weight_type);
+  const size_t FD = static_cast<size_t>(s.d_model) * static_cast<size_t>(s.d_ff) * elem;
+  pack_expert_parts(file_bytes, file_bytes + FD, file_bytes + 2 * FD, s, dst);
+}
+
+namespace {
+
+// Router rows [E][D] f32 into the "down" block of the router shape.
+void pack_router(const uint8_t* rows, const kernels::ExpertShape& rs, uint8_t* dst) {
+  copy_rows(rows, static_cast<size_t>(rs.d_model), static_cast<size_t>(rs.d_ff), rs.down_stride, 1, 4, dst);
+}
+
+void read_floats(const uint8_t* src, size_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+
+}  // namespace
+
+void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
+  const kernels::WeightType wt = weight_type_of(m.dtype);
+  shape_ = kernels::make_expert_shape(m.d_model, m.d_ff, wt);
+  n_layers_ = m.n_layers;
+  n_experts_ = m.n_experts;
   gate_up_bytes_ = packed_gate_up_bytes(shape_);
   expert_bytes_ = packed_expert_bytes(shape_);
-  const uint64_t file_bytes = m.expert_file_bytes();
-
-  // Check every file's presence and size before committing memory, so a bad
-  // directory fails fast and names the first bad file.
-  for (int32_t l = 0; l < m.n_layers; ++l) {
-    for (int32_t e = 0; e < m.n_experts; ++e) {
-      const std::string path = model_dir + "/" + m.expert_file(l, e);
-      struct stat st {};
-      if (::stat(path.c_str(), &st) != 0) {
-        fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open expert file", errno));
-      }
-      if (static_cast<uint64_t>(st.st_size) != file_bytes) {
-        fail(COLIBRI_ERR_FORMAT,
-             path + ": " + (static_cast<uint64_t>(st.st_size) < file_bytes ? "truncated" : "oversized") +
-                 " expert file: " + std::to_string(st.st_size) + " bytes, expected " +
-                 std::to_string(file_bytes) + " (3 * d_model " + std::to_string(m.d_model) +
-                 " * d_ff " + std::to_string(m.d_ff) + " * " + std::to_string(m.dtype_size()) + ")");
-      }
-    }
+  has_router_ = m.has_router();
+  if (has_router_) {
+    // d_model = E output rows, d_ff = D inputs: only the down block is used.
+    router_shape_ = kernels::make_expert_shape(m.n_experts, m.d_model, kernels::WeightType::kF32);
+    router_bytes_ = static_cast<size_t>(m.n_experts) * router_shape_.down_stride * 4;
+    if (m.router_has_bias()) router_bias_.assign(static_cast<size_t>(m.n_layers) * m.n_experts, 0.0f);
   }
-
+  if (m.has_shared()) {
+    shared_shape_ = kernels::make_expert_shape(m.d_model, m.shared_d_ff, wt);
+    shared_bytes_ = packed_expert_bytes(shared_shape_);
+    if (m.shared_gate) shared_gate_.assign(static_cast<size_t>(m.n_layers) * m.d_model, 0.0f);
+  }
   const uint64_t total = static_cast<uint64_t>(expert_bytes_) * static_cast<uint64_t>(m.n_experts) *
-                         static_cast<uint64_t>(m.n_layers);
+                             static_cast<uint64_t>(m.n_layers) +
+                         static_cast<uint64_t>(router_bytes_ + shared_bytes_) * static_cast<uint64_t>(m.n_layers);
   region_ = WeightRegion(static_cast<size_t>(total), options.huge_pages);
+}
 
-  for (int32_t l = 0; l < m.n_layers; ++l) {
-    for (int32_t e = 0; e < m.n_experts; ++e) {
-      const std::string name = m.expert_file(l, e);
-      const std::string path = model_dir + "/" + name;
-      MappedFile file(path);
-      // Re-check: the file may have changed since the stat above.
-      if (file.size() != file_bytes) {
-        fail(COLIBRI_ERR_FORMAT, path + ": expert file changed size while opening");
-      }
-      if (options.verify_checksums) {
-        if (auto it = m.checksums.find(name); it != m.checksums.end()) {
-          const auto t0 = std::chrono::steady_clock::now();
-          const uint64_t actual = xxh64(file.data(), file.size());
-          stats_.verify_seconds += seconds_since(t0);
-          if (actual != it->second) {
-            fail(COLIBRI_ERR_CHECKSUM, path + ": checksum mismatch: manifest says " +
-                                           format_checksum(it->second) + ", file is " +
-                                           format_checksum(actual));
-          }
-        }
-      }
-      pack_expert(file.data(), shape_, const_cast<uint8_t*>(base(l, e)));
-      stats_.bytes_files += file.size();
-    }
-  }
-
+void ExpertStore::finish(const StoreOptions& options, std::string* warnings) {
   if (options.lock_memory) {
     std::string why;
     if (region_.lock(&why)) {
@@ -131,6 +116,119 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
     }
   }
   stats_.bytes_huge_pages = region_.measure_huge_pages();
+}
+
+ExpertStore::ExpertStore(const colibri_model_desc_t& desc, const Manifest& m, const StoreOptions& options,
+                         std::string* warnings) {
+  layout(m, options);
+  const size_t FD = static_cast<size_t>(m.d_model) * static_cast<size_t>(m.d_ff) * m.dtype_size();
+  for (int32_t l = 0; l < m.n_layers; ++l) {
+    const colibri_layer_weights_t& lw = desc.layers[l];
+    for (int32_t e = 0; e < m.n_experts; ++e) {
+      const colibri_expert_weights_t& ew = lw.experts[e];
+      pack_expert_parts(static_cast<const uint8_t*>(ew.gate), static_cast<const uint8_t*>(ew.up),
+                        static_cast<const uint8_t*>(ew.down), shape_, mutable_at(base(l, e)));
+      stats_.bytes_files += 3 * FD;
+    }
+    if (has_router_) {
+      pack_router(reinterpret_cast<const uint8_t*>(lw.router), router_shape_, mutable_at(router(l)));
+      if (!router_bias_.empty() && lw.router_bias != nullptr) {
+        std::memcpy(router_bias_.data() + static_cast<size_t>(l) * m.n_experts, lw.router_bias,
+                    static_cast<size_t>(m.n_experts) * sizeof(float));
+      }
+    }
+    if (shared_bytes_ != 0) {
+      pack_expert_parts(static_cast<const uint8_t*>(lw.shared.gate), static_cast<const uint8_t*>(lw.shared.up),
+                        static_cast<const uint8_t*>(lw.shared.down), shared_shape_, mutable_at(shared_gate_up(l)));
+      if (!shared_gate_.empty()) {
+        std::memcpy(shared_gate_.data() + static_cast<size_t>(l) * m.d_model, lw.shared_gate,
+                    static_cast<size_t>(m.d_model) * sizeof(float));
+      }
+    }
+  }
+  finish(options, warnings);
+}
+
+ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
+                         const StoreOptions& options, std::string* warnings) {
+  // Every file the manifest implies, with its size: checked before memory
+  // is committed, so a bad directory fails fast and names the first bad file.
+  struct Part {
+    std::string name;
+    uint64_t bytes;
+  };
+  std::vector<Part> parts;
+  for (int32_t l = 0; l < m.n_layers; ++l) {
+    if (m.has_router()) parts.push_back({m.router_file(l), m.router_file_bytes()});
+    for (int32_t e = 0; e < m.n_experts; ++e) parts.push_back({m.expert_file(l, e), m.expert_file_bytes()});
+    if (m.has_shared()) {
+      parts.push_back({m.shared_file(l), m.shared_file_bytes()});
+      if (m.shared_gate) parts.push_back({m.shared_gate_file(l), m.shared_gate_file_bytes()});
+    }
+  }
+  for (const Part& part : parts) {
+    const std::string path = model_dir + "/" + part.name;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open weight file", errno));
+    }
+    if (static_cast<uint64_t>(st.st_size) != part.bytes) {
+      fail(COLIBRI_ERR_FORMAT,
+           path + ": " + (static_cast<uint64_t>(st.st_size) < part.bytes ? "truncated" : "oversized") +
+               " weight file: " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(part.bytes) +
+               (part.bytes == m.expert_file_bytes()
+                    ? " (3 * d_model " + std::to_string(m.d_model) + " * d_ff " + std::to_string(m.d_ff) + " * " +
+                          std::to_string(m.dtype_size()) + ")"
+                    : std::string()));
+    }
+  }
+
+  layout(m, options);
+
+  size_t next = 0;
+  for (int32_t l = 0; l < m.n_layers; ++l) {
+    auto open_checked = [&](const std::string& name) {
+      const std::string path = model_dir + "/" + name;
+      MappedFile file(path);
+      // Re-check: the file may have changed since the stat above.
+      if (file.size() != parts[next].bytes) fail(COLIBRI_ERR_FORMAT, path + ": weight file changed size while opening");
+      ++next;
+      if (options.verify_checksums) {
+        if (auto it = m.checksums.find(name); it != m.checksums.end()) {
+          const auto t0 = std::chrono::steady_clock::now();
+          const uint64_t actual = xxh64(file.data(), file.size());
+          stats_.verify_seconds += seconds_since(t0);
+          if (actual != it->second) {
+            fail(COLIBRI_ERR_CHECKSUM, path + ": checksum mismatch: manifest says " + format_checksum(it->second) +
+                                           ", file is " + format_checksum(actual));
+          }
+        }
+      }
+      stats_.bytes_files += file.size();
+      return file;
+    };
+    if (m.has_router()) {
+      MappedFile file = open_checked(m.router_file(l));
+      pack_router(file.data(), router_shape_, mutable_at(router(l)));
+      if (!router_bias_.empty()) {
+        read_floats(file.data() + static_cast<size_t>(m.n_experts) * m.d_model * 4, static_cast<size_t>(m.n_experts),
+                    router_bias_.data() + static_cast<size_t>(l) * m.n_experts);
+      }
+    }
+    for (int32_t e = 0; e < m.n_experts; ++e) {
+      MappedFile file = open_checked(m.expert_file(l, e));
+      pack_expert(file.data(), shape_, mutable_at(base(l, e)));
+    }
+    if (m.has_shared()) {
+      MappedFile file = open_checked(m.shared_file(l));
+      pack_expert(file.data(), shared_shape_, mutable_at(shared_gate_up(l)));
+      if (m.shared_gate) {
+        MappedFile g = open_checked(m.shared_gate_file(l));
+        read_floats(g.data(), static_cast<size_t>(m.d_model), shared_gate_.data() + static_cast<size_t>(l) * m.d_model);
+      }
+    }
+  }
+  finish(options, warnings);
 }
 
 }  // namespace colibri

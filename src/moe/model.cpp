@@ -31,6 +31,85 @@ Model::Model(const std::string& dir, const colibri_open_options_t& o, std::strin
   so.huge_pages = o.huge_pages != 0;
   so.lock_memory = o.lock_memory != 0;
   store_ = std::make_unique<ExpertStore>(dir, manifest_, so, warnings);
+  start(o);
+  load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+namespace {
+
+[[noreturn]] void bad_desc(const std::string& what) {
+  fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_open_memory: " + what);
+}
+
+void require_expert(const colibri_expert_weights_t& w, const std::string& name) {
+  if (w.gate == nullptr) bad_desc(name + ".gate is NULL");
+  if (w.up == nullptr) bad_desc(name + ".up is NULL");
+  if (w.down == nullptr) bad_desc(name + ".down is NULL");
+}
+
+// The manifest a directory holding `desc` would have: the same limits apply.
+Manifest manifest_of(const colibri_model_desc_t& d) {
+  if (d.layers == nullptr) bad_desc("desc->layers is NULL");
+  if (d.dtype != COLIBRI_DTYPE_F32 && d.dtype != COLIBRI_DTYPE_F16 && d.dtype != COLIBRI_DTYPE_BF16) {
+    bad_desc("dtype " + std::to_string(static_cast<int>(d.dtype)) + " is not F32, F16 or BF16");
+  }
+  if (d.shared_d_ff < 0) bad_desc("shared_d_ff must be >= 0, got " + std::to_string(d.shared_d_ff));
+  Manifest m;
+  m.n_layers = d.n_layers;
+  m.n_experts = d.n_experts;
+  m.d_model = d.d_model;
+  m.d_ff = d.d_ff;
+  m.dtype = d.dtype;
+  m.router = d.router;
+  m.shared_d_ff = d.shared_d_ff;
+  m.version = 2;
+  // Dimension and size limits first (the manifest parser holds them), so
+  // the loops below never walk past what the caller could have allocated.
+  try {
+    parse_manifest(manifest_to_json(m), "colibri_open_memory: desc");
+  } catch (const Error& e) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, e.what());
+  }
+  validate_router(d.router, d.n_experts, "colibri_open_memory: router", COLIBRI_ERR_INVALID_ARGUMENT);
+  bool any_gate = false, all_gate = true;
+  for (int64_t l = 0; l < d.n_layers; ++l) {
+    const colibri_layer_weights_t& lw = d.layers[l];
+    const std::string layer = "layers[" + std::to_string(l) + "]";
+    if (lw.experts == nullptr) bad_desc(layer + ".experts is NULL");
+    for (int64_t e = 0; e < d.n_experts; ++e) {
+      require_expert(lw.experts[e], layer + ".experts[" + std::to_string(e) + "]");
+    }
+    if (m.has_router() && lw.router == nullptr) bad_desc(layer + ".router is NULL (the model has a router)");
+    if (m.has_shared()) {
+      require_expert(lw.shared, layer + ".shared");
+      any_gate |= lw.shared_gate != nullptr;
+      all_gate &= lw.shared_gate != nullptr;
+    }
+  }
+  if (any_gate && !all_gate) bad_desc("shared_gate must be given for every layer or for none");
+  m.shared_gate = m.has_shared() && any_gate;
+  return m;
+}
+
+}  // namespace
+
+Model::Model(const colibri_model_desc_t& desc, const colibri_open_options_t& o, std::string* warnings) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (o.n_threads < 0) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "options.n_threads must be >= 0 (0 = one per core), got " +
+                                           std::to_string(o.n_threads));
+  }
+  manifest_ = manifest_of(desc);
+  StoreOptions so;
+  so.verify_checksums = false;
+  so.huge_pages = o.huge_pages != 0;
+  so.lock_memory = o.lock_memory != 0;
+  store_ = std::make_unique<ExpertStore>(desc, manifest_, so, warnings);
+  start(o);
+  load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Model::start(const colibri_open_options_t& o) {
   // Workers spin between calls, so more threads than cores only steals time
   // from each other.
   const int cores = online_cores();
@@ -46,6 +125,7 @@ Model::Model(const std::string& dir, const colibri_open_options_t& o, std::strin
   int32_t min_tokens = 0;
   const kernels::KernelTable* prefill = kernels::prefill_table_for(isa, wt, o.bf16_compute != 0, &min_tokens);
   engine_->set_prefill_kernels(prefill, min_tokens);
+  if (manifest_.has_router()) engine_->set_router(manifest_.router);
   kernels_description_ = std::string("decode ") + engine_->kernels().name;
   if (prefill != nullptr) {
     kernels_description_ += std::string(", prefill ") + prefill->name + " from " +
@@ -56,7 +136,6 @@ Model::Model(const std::string& dir, const colibri_open_options_t& o, std::strin
                                            std::to_string(o.reserve_tokens));
   }
   engine_->reserve(o.reserve_tokens, std::min(manifest_.n_experts, 8));
-  load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace colibri

@@ -18,6 +18,8 @@ class Model {
  public:
   // Throws colibri::Error. Warnings (e.g. mlock refused) go to *warnings.
   Model(const std::string& dir, const colibri_open_options_t& options, std::string* warnings);
+  // From caller buffers (colibri_open_memory); validates `desc` first.
+  Model(const colibri_model_desc_t& desc, const colibri_open_options_t& options, std::string* warnings);
 
   const Manifest& manifest() const { return manifest_; }
   Engine& engine() { return *engine_; }
@@ -29,6 +31,9 @@ class Model {
   uint64_t infer_calls_count() const { return infer_calls_.load(std::memory_order_relaxed); }
 
  private:
+  // Everything after the store: pool, engine, kernel choice, scratch.
+  void start(const colibri_open_options_t& options);
+
   Manifest manifest_;
   std::unique_ptr<ExpertStore> store_;
   std::unique_ptr<ThreadPool> pool_;
