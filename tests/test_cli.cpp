@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -16,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "colibri.h"
 #include "reference.h"
 
 namespace {
@@ -150,6 +153,54 @@ TEST_F(CliTest, GenCompileInferMatchesReference) {
       EXPECT_LE(err, c.tol) << routing;
     }
   }
+}
+
+TEST_F(CliTest, InferWithoutRoutingUsesTheBuiltInRouter) {
+  const std::string model = path("routed");
+  RunResult g = run("gen --out " + model + " --experts 8 --d-model 40 --d-ff 24 --layers 2 --dtype f32 --router "
+                    "qwen2_moe --top-k 2 --shared-d-ff 48 --shared-gate --seed 3");
+  ASSERT_EQ(g.exit_code, 0) << g.err;
+  RunResult info = run("info --model " + model);
+  ASSERT_EQ(info.exit_code, 0) << info.err;
+  EXPECT_NE(info.out.find("qwen2_moe, top-2"), std::string::npos) << info.out;
+  EXPECT_NE(info.out.find("d_ff 48"), std::string::npos) << info.out;
+  const int T = 11;
+  const std::vector<float> x = random_input(T, 40, 8);
+  spit(path("x.bin"), as_bytes(x));
+  RunResult ri = run("infer --model " + model + " --input " + path("x.bin") + " --output " + path("y.bin") +
+                     " --layer 1");
+  ASSERT_EQ(ri.exit_code, 0) << ri.err;
+  const std::string y = slurp(path("y.bin"));
+  ASSERT_EQ(y.size(), x.size() * sizeof(float));
+  // Same as the library's own routing (checked against float64 in test_router).
+  colibri_model_t* m = nullptr;
+  ASSERT_EQ(colibri_open(model.c_str(), nullptr, &m), COLIBRI_OK) << colibri_last_error();
+  std::vector<float> want(x.size(), std::nanf(""));
+  colibri_infer_t in;
+  colibri_infer_default(&in);
+  in.layer = 1;
+  in.n_tokens = T;
+  in.input = x.data();
+  in.output = want.data();
+  ASSERT_EQ(colibri_infer(m, &in), COLIBRI_OK) << colibri_last_error();
+  colibri_free(m);
+  EXPECT_EQ(0, std::memcmp(y.data(), want.data(), y.size()));
+
+  // A model without a router needs --routing, and says so.
+  const std::string plain = path("plain");
+  ASSERT_EQ(run("gen --out " + plain + " --experts 4 --d-model 40 --d-ff 24").exit_code, 0);
+  RunResult bad = run("infer --model " + plain + " --input " + path("x.bin") + " --output " + path("z.bin"));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("no built-in router"), std::string::npos) << bad.err;
+  EXPECT_FALSE(exists(path("z.bin")));
+  // A ragged input (not whole rows) is refused.
+  spit(path("ragged.bin"), as_bytes(x).substr(0, 4 * 40 + 4));
+  bad = run("infer --model " + model + " --input " + path("ragged.bin") + " --output " + path("z.bin"));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("ragged.bin"), std::string::npos) << bad.err;
+  bad = run("gen --out " + path("x2") + " --experts 4 --d-model 8 --d-ff 8 --router gpt --top-k 1");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("gpt"), std::string::npos) << bad.err;
 }
 
 TEST_F(CliTest, RouteDumpJsonRoundTrip) {

@@ -52,6 +52,20 @@ struct Manifest {
   std::string router_file(int32_t layer) const { return layer_file(layer, "router.bin"); }
   std::string shared_file(int32_t layer) const { return layer_file(layer, "shared_expert.bin"); }
   std::string shared_gate_file(int32_t layer) const { return layer_file(layer, "shared_gate.bin"); }
+
+  // Every weight file of the model with its exact size, layer by layer:
+  // router, experts, shared expert, shared gate.
+  template <class Visit>
+  void for_each_weight_file(Visit&& visit) const {
+    for (int32_t l = 0; l < n_layers; ++l) {
+      if (has_router()) visit(router_file(l), router_file_bytes());
+      for (int32_t e = 0; e < n_experts; ++e) visit(expert_file(l, e), expert_file_bytes());
+      if (has_shared()) {
+        visit(shared_file(l), shared_file_bytes());
+        if (shared_gate) visit(shared_gate_file(l), shared_gate_file_bytes());
+      }
+    }
+  }
 };
 
 // "mixtral", "qwen2_moe", ... (the Hugging Face model_type); "none".

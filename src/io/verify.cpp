@@ -11,45 +11,42 @@ namespace colibri {
 
 void verify_model_dir(const std::string& dir, const std::function<void(const FileReport&)>& on_file) {
   const Manifest m = load_manifest(dir);
-  const uint64_t expected = m.expert_file_bytes();
   colibri_status_t first_status = COLIBRI_OK;
   std::string first_problem;
-  for (int32_t l = 0; l < m.n_layers; ++l) {
-    for (int32_t e = 0; e < m.n_experts; ++e) {
-      FileReport r;
-      r.file = m.expert_file(l, e);
-      const std::string path = dir + "/" + r.file;
-      colibri_status_t status = COLIBRI_OK;
-      try {
-        MappedFile f(path);
-        r.bytes = f.size();
-        if (f.size() != expected) {
-          status = COLIBRI_ERR_FORMAT;
-          r.problem = path + ": " + (f.size() < expected ? "truncated" : "oversized") + ": " +
-                      std::to_string(f.size()) + " bytes, expected " + std::to_string(expected);
-        } else if (auto it = m.checksums.find(r.file); it != m.checksums.end()) {
-          r.has_checksum = true;
-          const auto t0 = std::chrono::steady_clock::now();
-          const uint64_t actual = xxh64(f.data(), f.size());
-          r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-          if (actual != it->second) {
-            status = COLIBRI_ERR_CHECKSUM;
-            r.problem = path + ": checksum mismatch: manifest says " + format_checksum(it->second) +
-                        ", file is " + format_checksum(actual);
-          }
+  m.for_each_weight_file([&](const std::string& name, uint64_t expected) {
+    FileReport r;
+    r.file = name;
+    const std::string path = dir + "/" + r.file;
+    colibri_status_t status = COLIBRI_OK;
+    try {
+      MappedFile f(path);
+      r.bytes = f.size();
+      if (f.size() != expected) {
+        status = COLIBRI_ERR_FORMAT;
+        r.problem = path + ": " + (f.size() < expected ? "truncated" : "oversized") + ": " +
+                    std::to_string(f.size()) + " bytes, expected " + std::to_string(expected);
+      } else if (auto it = m.checksums.find(r.file); it != m.checksums.end()) {
+        r.has_checksum = true;
+        const auto t0 = std::chrono::steady_clock::now();
+        const uint64_t actual = xxh64(f.data(), f.size());
+        r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (actual != it->second) {
+          status = COLIBRI_ERR_CHECKSUM;
+          r.problem = path + ": checksum mismatch: manifest says " + format_checksum(it->second) +
+                      ", file is " + format_checksum(actual);
         }
-      } catch (const Error& err) {
-        status = err.status();
-        r.problem = err.what();
       }
-      r.ok = status == COLIBRI_OK;
-      if (!r.ok && first_status == COLIBRI_OK) {
-        first_status = status;
-        first_problem = r.problem;
-      }
-      if (on_file) on_file(r);
+    } catch (const Error& err) {
+      status = err.status();
+      r.problem = err.what();
     }
-  }
+    r.ok = status == COLIBRI_OK;
+    if (!r.ok && first_status == COLIBRI_OK) {
+      first_status = status;
+      first_problem = r.problem;
+    }
+    if (on_file) on_file(r);
+  });
   if (first_status != COLIBRI_OK) fail(first_status, first_problem);
 }
 

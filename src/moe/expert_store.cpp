@@ -158,14 +158,7 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
     uint64_t bytes;
   };
   std::vector<Part> parts;
-  for (int32_t l = 0; l < m.n_layers; ++l) {
-    if (m.has_router()) parts.push_back({m.router_file(l), m.router_file_bytes()});
-    for (int32_t e = 0; e < m.n_experts; ++e) parts.push_back({m.expert_file(l, e), m.expert_file_bytes()});
-    if (m.has_shared()) {
-      parts.push_back({m.shared_file(l), m.shared_file_bytes()});
-      if (m.shared_gate) parts.push_back({m.shared_gate_file(l), m.shared_gate_file_bytes()});
-    }
-  }
+  m.for_each_weight_file([&](const std::string& name, uint64_t bytes) { parts.push_back({name, bytes}); });
   for (const Part& part : parts) {
     const std::string path = model_dir + "/" + part.name;
     struct stat st {};

@@ -19,6 +19,11 @@ struct GenArgs {
   int experts = 0, d_model = 0, d_ff = 0, layers = 1;
   std::string dtype = "f16";
   uint64_t seed = 1;
+  // v2: a random router of a family's rule, and a shared expert.
+  std::string router;
+  int top_k = 0, n_group = 1, topk_group = 1, shared_d_ff = 0;
+  bool norm_topk_prob = false, shared_gate = false;
+  float scaling = 1.0f;
 };
 
 void run_gen(const GenArgs& a) {
@@ -30,6 +35,21 @@ void run_gen(const GenArgs& a) {
   if (!colibri::parse_dtype(a.dtype, &spec.dtype)) {
     throw CliError("gen: --dtype: unknown dtype \"" + a.dtype + "\" (expected f16, bf16 or f32)");
   }
+  colibri_router_desc_default(&spec.router);
+  if (!a.router.empty()) {
+    if (!colibri::parse_router_family(a.router, &spec.router.family) || spec.router.family == COLIBRI_ROUTER_NONE) {
+      throw CliError("gen: --router: unknown family \"" + a.router +
+                     "\" (expected mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or deepseek_v3)");
+    }
+    if (a.top_k < 1) throw CliError("gen: --router needs --top-k");
+    spec.router.top_k = a.top_k;
+    spec.router.norm_topk_prob = a.norm_topk_prob || spec.router.family == COLIBRI_ROUTER_MIXTRAL ? 1 : 0;
+    spec.router.n_group = a.n_group;
+    spec.router.topk_group = a.topk_group;
+    spec.router.routed_scaling_factor = a.scaling;
+  }
+  spec.shared_d_ff = a.shared_d_ff;
+  spec.shared_gate = a.shared_gate;
   try {
     colibri::write_random_model(a.out, spec, a.seed);
   } catch (const colibri::Error& e) {
@@ -82,6 +102,12 @@ void run_info(const std::string& dir, int threads) {
   std::printf("d_model      %d\n", info.d_model);
   std::printf("d_ff         %d\n", info.d_ff);
   std::printf("dtype        %s\n", colibri_dtype_name(info.dtype));
+  if (info.router_family != COLIBRI_ROUTER_NONE) {
+    std::printf("router       %s, top-%d\n", colibri_router_family_name(info.router_family), info.router_top_k);
+  } else {
+    std::printf("router       none (routing comes from the caller)\n");
+  }
+  if (info.shared_d_ff > 0) std::printf("shared       one shared expert, d_ff %d\n", info.shared_d_ff);
   std::printf("threads      %d\n", info.n_threads);
   std::printf("weights      %s in files, %s packed\n", human_bytes(stats.bytes_files).c_str(),
               human_bytes(stats.bytes_mapped).c_str());
@@ -103,6 +129,16 @@ void add_model_commands(CLI::App& app) {
   g->add_option("--layers", gen->layers, "Number of MoE layers")->check(CLI::Range(1, 4096));
   g->add_option("--dtype", gen->dtype, "Weight type: f16, bf16 or f32")->check(CLI::IsMember({"f16", "bf16", "f32"}));
   g->add_option("--seed", gen->seed, "Random seed");
+  g->add_option("--router", gen->router,
+                "Add a random built-in router with this family's rule: mixtral, qwen2_moe, qwen3_moe, olmoe, "
+                "deepseek_v2, deepseek_v3");
+  g->add_option("--top-k", gen->top_k, "Router: experts per token")->check(CLI::Range(1, 65536));
+  g->add_flag("--norm-topk-prob", gen->norm_topk_prob, "Router: renormalise the chosen weights");
+  g->add_option("--n-group", gen->n_group, "Router (DeepSeek): expert groups")->check(CLI::Range(1, 65536));
+  g->add_option("--topk-group", gen->topk_group, "Router (DeepSeek): groups kept")->check(CLI::Range(1, 65536));
+  g->add_option("--routed-scaling-factor", gen->scaling, "Router (DeepSeek): weight scale");
+  g->add_option("--shared-d-ff", gen->shared_d_ff, "Add a shared expert with this FFN size")->check(CLI::Range(0, 1 << 20));
+  g->add_flag("--shared-gate", gen->shared_gate, "Shared expert scaled by sigmoid(gate . x) (Qwen2-MoE)");
   g->callback([gen] { run_gen(*gen); });
 
   auto dir = std::make_shared<std::string>();

@@ -46,10 +46,23 @@ void run_infer(const InferArgs& a) {
   open_model(a.model, a.threads, true, &h);
   const colibri_model_info_t info = model_info(h);
   RoutingHandle r;
-  check(colibri_routing_load(a.routing.c_str(), info.n_experts, a.q4 ? 1 : 0, &r.routing), "infer");
-  const int32_t T = colibri_routing_n_tokens(r.routing);
   const std::vector<uint8_t> x = read_file(a.input);
-  const uint64_t want = static_cast<uint64_t>(T) * static_cast<uint64_t>(info.d_model) * 4;
+  const uint64_t row_bytes = static_cast<uint64_t>(info.d_model) * 4;
+  int32_t T = 0;
+  if (!a.routing.empty()) {
+    check(colibri_routing_load(a.routing.c_str(), info.n_experts, a.q4 ? 1 : 0, &r.routing), "infer");
+    T = colibri_routing_n_tokens(r.routing);
+  } else if (info.router_family == COLIBRI_ROUTER_NONE) {
+    throw CliError("infer: " + a.model + " has no built-in router: give --routing FILE");
+  } else {
+    // The model routes by itself; the input's size gives the token count.
+    if (x.size() % row_bytes != 0 || x.size() / row_bytes > static_cast<uint64_t>(INT32_MAX)) {
+      throw CliError(a.input + ": input is " + std::to_string(x.size()) + " bytes, not a whole number of rows of d_model*4 = " +
+                     std::to_string(row_bytes));
+    }
+    T = static_cast<int32_t>(x.size() / row_bytes);
+  }
+  const uint64_t want = static_cast<uint64_t>(T) * row_bytes;
   if (x.size() != want) {
     throw CliError(a.input + ": input is " + std::to_string(x.size()) + " bytes, expected T*d_model*4 = " +
                    std::to_string(T) + "*" + std::to_string(info.d_model) + "*4 = " + std::to_string(want));
@@ -63,9 +76,11 @@ void run_infer(const InferArgs& a) {
   req.n_tokens = T;
   req.input = in.data();
   req.output = out.data();
-  req.top_k = colibri_routing_top_k(r.routing);
-  req.expert_ids = colibri_routing_expert_ids(r.routing);
-  req.expert_weights = colibri_routing_expert_weights(r.routing);
+  if (r.routing != nullptr) {
+    req.top_k = colibri_routing_top_k(r.routing);
+    req.expert_ids = colibri_routing_expert_ids(r.routing);
+    req.expert_weights = colibri_routing_expert_weights(r.routing);
+  }
   check(colibri_infer(h.model, &req), "infer");
   write_file(a.output, out.data(), out.size() * sizeof(float));
 }
@@ -384,7 +399,8 @@ void add_run_commands(CLI::App& app) {
   auto ia = std::make_shared<InferArgs>();
   CLI::App* infer = app.add_subcommand("infer", "Run one MoE layer on raw float32 input");
   infer->add_option("--model", ia->model, "Model directory")->required();
-  infer->add_option("--routing", ia->routing, "routing.bin or .route file")->required();
+  infer->add_option("--routing", ia->routing,
+                    "routing.bin or .route file (optional for a model with a built-in router)");
   infer->add_option("--input", ia->input, "Raw little-endian float32 [T][d_model]")->required();
   infer->add_option("--output", ia->output, "Output file, same form")->required();
   infer->add_option("--layer", ia->layer, "Layer index")->check(CLI::NonNegativeNumber);
