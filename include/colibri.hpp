@@ -68,6 +68,11 @@ class Model {
     check(colibri_open(dir.c_str(), &options, &m_));
     warning_ = colibri_last_warning();
   }
+  // From caller buffers (copied; see colibri_open_memory).
+  explicit Model(const colibri_model_desc_t& desc, const colibri_open_options_t& options = default_open_options()) {
+    check(colibri_open_memory(&desc, &options, &m_));
+    warning_ = colibri_last_warning();
+  }
   Model(Model&& o) noexcept : m_(std::exchange(o.m_, nullptr)), warning_(std::move(o.warning_)) {}
   Model& operator=(Model&& o) noexcept {
     if (this != &o) {
@@ -112,6 +117,16 @@ class Model {
 
   void infer(int32_t layer, const Routing& routing, const float* input, float* output) {
     infer(layer, routing.n_tokens(), input, output, routing.top_k(), routing.ids(), routing.weights());
+  }
+
+  // The model's built-in router chooses (the model must have one).
+  void infer(int32_t layer, int32_t n_tokens, const float* input, float* output, int32_t n_threads = 0) {
+    infer(layer, n_tokens, input, output, 0, nullptr, nullptr, n_threads);
+  }
+
+  // The built-in router's choice alone: ids/weights [T][info().router_top_k].
+  void route(int32_t layer, int32_t n_tokens, const float* input, int32_t* ids, float* weights) {
+    check(colibri_route(m_, layer, n_tokens, input, ids, weights));
   }
 
   colibri_model_t* get() const { return m_; }
