@@ -244,6 +244,34 @@ COLIBRI_API colibri_status_t colibri_route(colibri_model_t* model, int32_t layer
                                            const float* input, int32_t* out_expert_ids,
                                            float* out_expert_weights);
 
+/* ------------------------------------------------------- hot swap (v2) */
+
+/* Where a new copy of one expert comes from: a file in the model's expert
+ * format (gate, up, down; exactly 3 * d_model * d_ff values of the model's
+ * dtype), or the same bytes in memory. */
+typedef struct colibri_swap_source_s {
+  const char* path;      /* the file, or NULL to use data/size */
+  const void* data;      /* expert-file bytes (copied; may be freed on return) */
+  size_t size;           /* bytes at data */
+  colibri_dtype_t dtype; /* dtype of data; must be the model's (ignored for path) */
+  int32_t has_checksum;  /* 1 = verify xxh64 of the bytes against checksum */
+  uint64_t checksum;
+} colibri_swap_source_t;
+
+/* Zeroes *source and sets has_checksum 0. */
+COLIBRI_API void colibri_swap_source_default(colibri_swap_source_t* source);
+
+/* Replaces one expert's weights while other threads keep calling
+ * colibri_infer on the same model. The new copy is read, checked (size,
+ * dtype, checksum when given) and packed into its own huge-page backed,
+ * locked memory before anything changes; then it is published between two
+ * calls, so every call sees the whole old expert or the whole new one. The
+ * old copy is freed once no call can read it. On any error the old expert
+ * keeps serving. Thread-safe against colibri_infer / colibri_route and other
+ * swaps; must not race colibri_free. */
+COLIBRI_API colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int32_t expert,
+                                                 const colibri_swap_source_t* source);
+
 /* ----------------------------------------------------------- inspection */
 
 typedef struct colibri_model_info_s {
@@ -268,6 +296,7 @@ typedef struct colibri_stats_s {
   double load_seconds;      /* wall time of colibri_open */
   double verify_seconds;    /* of which spent verifying checksums */
   uint64_t infer_calls;     /* successful colibri_infer calls so far */
+  uint64_t expert_swaps;    /* successful colibri_swap_expert calls so far */
 } colibri_stats_t;
 
 /* Both thread-safe. */

@@ -258,6 +258,42 @@ colibri_status_t colibri_route(colibri_model_t* model, int32_t layer, int32_t n_
   });
 }
 
+void colibri_swap_source_default(colibri_swap_source_t* source) {
+  if (source != nullptr) std::memset(source, 0, sizeof *source);
+}
+
+colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int32_t expert,
+                                     const colibri_swap_source_t* source) {
+  if (model == nullptr) return null_argument("colibri_swap_expert", "model");
+  if (source == nullptr) return null_argument("colibri_swap_expert", "source");
+  t_last_warning.clear();
+  return guarded("colibri_swap_expert", [&] {
+    const colibri::Manifest& m = model->impl.manifest();
+    const uint64_t* checksum = source->has_checksum != 0 ? &source->checksum : nullptr;
+    std::string warnings;
+    if (source->path != nullptr) {
+      // Read, not mapped: a file truncated while we read it gives a short
+      // read and an error, never SIGBUS.
+      const std::string bytes = colibri::read_small_file(source->path, m.expert_file_bytes());
+      model->impl.swap_expert(layer, expert, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
+                              source->path, checksum, &warnings);
+    } else {
+      if (source->data == nullptr) {
+        colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_swap_expert: source has neither path nor data");
+      }
+      if (source->dtype != m.dtype) {
+        colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, std::string("colibri_swap_expert: source dtype ") +
+                                                        colibri_dtype_name(source->dtype) + " is not the model's " +
+                                                        colibri_dtype_name(m.dtype));
+      }
+      model->impl.swap_expert(layer, expert, static_cast<const uint8_t*>(source->data), source->size,
+                              "colibri_swap_expert: source data", checksum, &warnings);
+    }
+    t_last_warning = std::move(warnings);
+    return COLIBRI_OK;
+  });
+}
+
 colibri_status_t colibri_model_info(const colibri_model_t* model, colibri_model_info_t* out) {
   if (model == nullptr) return null_argument("colibri_model_info", "model");
   if (out == nullptr) return null_argument("colibri_model_info", "out_info");
@@ -289,6 +325,7 @@ colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* ou
   out->load_seconds = model->impl.load_seconds();
   out->verify_seconds = store.stats().verify_seconds;
   out->infer_calls = model->impl.infer_calls_count();
+  out->expert_swaps = model->impl.expert_swaps();
   t_last_error.clear();
   return COLIBRI_OK;
 }

@@ -60,6 +60,15 @@ class Engine {
 
   const kernels::KernelTable& kernels() const { return *kernels_; }
 
+  // Runs fn with no call in flight and none starting until it returns: the
+  // grace period of a hot swap (calls are serialised, so once the call lock
+  // is held no call can still be reading what fn replaces).
+  template <class Fn>
+  void exclusive(Fn&& fn) {
+    std::lock_guard<std::mutex> lock(call_mutex_);
+    fn();
+  }
+
   // Kernels for experts that received at least `min_tokens` tokens in a
   // call (the prefill GEMM path); below that the decode kernels run.
   // nullptr disables the switch.

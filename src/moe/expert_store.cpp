@@ -103,6 +103,33 @@ void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
                              static_cast<uint64_t>(m.n_layers) +
                          static_cast<uint64_t>(router_bytes_ + shared_bytes_) * static_cast<uint64_t>(m.n_layers);
   region_ = WeightRegion(static_cast<size_t>(total), options.huge_pages);
+  options_ = options;
+  slots_.resize(static_cast<size_t>(m.n_layers) * static_cast<size_t>(m.n_experts));
+  for (size_t i = 0; i < slots_.size(); ++i) slots_[i] = region_.data() + i * expert_bytes_;
+}
+
+WeightRegion ExpertStore::pack_replacement(const uint8_t* file_bytes, std::string* warnings) const {
+  WeightRegion fresh(expert_bytes_, options_.huge_pages);
+  pack_expert(file_bytes, shape_, fresh.data());
+  if (options_.lock_memory) {
+    std::string why;
+    if (!fresh.lock(&why) && warnings != nullptr) *warnings = why;
+  }
+  return fresh;
+}
+
+WeightRegion ExpertStore::replace(int32_t layer, int32_t expert, WeightRegion&& fresh) {
+  const size_t i = slot(layer, expert);
+  slots_[i] = fresh.data();
+  WeightRegion previous;
+  auto it = replacements_.find(i);
+  if (it != replacements_.end()) {
+    previous = std::move(it->second);
+    it->second = std::move(fresh);
+  } else {
+    replacements_.emplace(i, std::move(fresh));
+  }
+  return previous;
 }
 
 void ExpertStore::finish(const StoreOptions& options, std::string* warnings) {

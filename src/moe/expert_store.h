@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "io/manifest.h"
@@ -67,12 +68,25 @@ class ExpertStore {
   const WeightRegion& region() const { return region_; }
   const StoreStats& stats() const { return stats_; }
 
+  // Hot swap, in two steps. pack_replacement packs expert-file bytes
+  // (already checked by the caller) into a region of their own, locked and
+  // huge-page backed as the store's; it touches no shared state. replace
+  // then points (layer, expert) at it and returns the region that held the
+  // previous copy if it was a replacement itself (empty otherwise: the
+  // original copy stays in the main region). replace must not run while a
+  // call reads the store (the engine runs it under its call lock).
+  WeightRegion pack_replacement(const uint8_t* file_bytes, std::string* warnings) const;
+  WeightRegion replace(int32_t layer, int32_t expert, WeightRegion&& fresh);
+
  private:
   void layout(const Manifest& m, const StoreOptions& options);
   void finish(const StoreOptions& options, std::string* warnings);
-  const uint8_t* base(int32_t layer, int32_t expert) const {
-    return region_.data() + (static_cast<size_t>(layer) * n_experts_ + static_cast<size_t>(expert)) * expert_bytes_;
+  size_t slot(int32_t layer, int32_t expert) const {
+    return static_cast<size_t>(layer) * static_cast<size_t>(n_experts_) + static_cast<size_t>(expert);
   }
+  // Where each expert lives: its place in the main region, or a
+  // replacement region after a swap.
+  const uint8_t* base(int32_t layer, int32_t expert) const { return slots_[slot(layer, expert)]; }
   // Per-layer router and shared expert, after all experts.
   const uint8_t* extras(int32_t layer) const {
     return region_.data() + static_cast<size_t>(n_layers_) * n_experts_ * expert_bytes_ +
@@ -93,6 +107,9 @@ class ExpertStore {
   std::vector<float> router_bias_;  // [L][E]
   std::vector<float> shared_gate_;  // [L][D]
   WeightRegion region_;
+  std::vector<const uint8_t*> slots_;                     // [L*E]
+  std::unordered_map<size_t, WeightRegion> replacements_;  // slot -> its swapped-in copy
+  StoreOptions options_;
   StoreStats stats_;
 };
 

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <thread>
 
+#include "io/checksum.h"
 #include "util/error.h"
 
 namespace colibri {
@@ -107,6 +108,37 @@ Model::Model(const colibri_model_desc_t& desc, const colibri_open_options_t& o, 
   store_ = std::make_unique<ExpertStore>(desc, manifest_, so, warnings);
   start(o);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Model::swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, size_t size, const std::string& what,
+                        const uint64_t* checksum, std::string* warnings) {
+  if (layer < 0 || layer >= manifest_.n_layers) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_swap_expert: layer " + std::to_string(layer) + " is out of range [0, " +
+                                           std::to_string(manifest_.n_layers) + ")");
+  }
+  if (expert < 0 || expert >= manifest_.n_experts) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_swap_expert: expert " + std::to_string(expert) +
+                                           " is out of range [0, " + std::to_string(manifest_.n_experts) + ")");
+  }
+  const uint64_t want = manifest_.expert_file_bytes();
+  if (size != want) {
+    fail(COLIBRI_ERR_FORMAT, what + ": " + std::to_string(size) + " bytes, expected " + std::to_string(want) +
+                                 " (3 * d_model " + std::to_string(manifest_.d_model) + " * d_ff " +
+                                 std::to_string(manifest_.d_ff) + " * " + std::to_string(manifest_.dtype_size()) + ")");
+  }
+  if (checksum != nullptr) {
+    const uint64_t actual = xxh64(bytes, size);
+    if (actual != *checksum) {
+      fail(COLIBRI_ERR_CHECKSUM, what + ": checksum mismatch: expected " + format_checksum(*checksum) + ", got " +
+                                     format_checksum(actual));
+    }
+  }
+  // Packed outside the call lock: inference goes on meanwhile.
+  WeightRegion fresh = store_->pack_replacement(bytes, warnings);
+  WeightRegion retired;
+  engine_->exclusive([&] { retired = store_->replace(layer, expert, std::move(fresh)); });
+  expert_swaps_.fetch_add(1, std::memory_order_relaxed);
+  // `retired` is unmapped here, after the lock: no call can be reading it.
 }
 
 void Model::start(const colibri_open_options_t& o) {

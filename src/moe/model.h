@@ -28,6 +28,12 @@ class Model {
   double load_seconds() const { return load_seconds_; }
   const std::string& kernels_description() const { return kernels_description_; }
   std::atomic<uint64_t>& infer_calls() { return infer_calls_; }
+  uint64_t expert_swaps() const { return expert_swaps_.load(std::memory_order_relaxed); }
+
+  // colibri_swap_expert: `bytes` are expert-file bytes (already in memory),
+  // `what` names their source in errors. Throws; on error nothing changed.
+  void swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, size_t size, const std::string& what,
+                   const uint64_t* checksum, std::string* warnings);
   uint64_t infer_calls_count() const { return infer_calls_.load(std::memory_order_relaxed); }
 
  private:
@@ -41,6 +47,7 @@ class Model {
   double load_seconds_ = 0.0;
   std::string kernels_description_;
   std::atomic<uint64_t> infer_calls_{0};
+  std::atomic<uint64_t> expert_swaps_{0};
 };
 
 }  // namespace colibri
