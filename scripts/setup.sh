@@ -11,10 +11,15 @@
 #   python3-numpy         reads model files and writes routings in bench/run_suite.py
 #   python3-matplotlib    the suite's speed-up chart (bench/run_suite.py)
 #   libopenblas0-pthread  multi-threaded BLAS for PyTorch's float32 matmuls in the baseline
+#   python3-pytest        runs the Python package's tests (python/tests, ctest's `python`)
+#   python3-pip, python3-setuptools  offline install of the Python package (docs/PYTORCH.md)
+#   clang, libclang-rt-14-dev  libFuzzer targets of the parsers (scripts/fuzz.sh)
+#   clang-tidy            static checks over src/ (.clang-tidy)
 set -euo pipefail
 
 packages=(cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev valgrind
-  python3-torch python3-numpy python3-matplotlib libopenblas0-pthread)
+  python3-torch python3-numpy python3-matplotlib libopenblas0-pthread python3-pytest python3-pip
+  python3-setuptools clang libclang-rt-14-dev clang-tidy)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -348,6 +348,9 @@ void colibri_route_compile_options_default(colibri_route_compile_options_t* o) {
   o->weight_encoding = COLIBRI_ROUTE_WEIGHTS_F32;
 }
 
+}  // extern "C"
+
+// Helpers of the routing entry points below (C++ linkage).
 namespace {
 
 colibri::WeightEncoding general_encoding(colibri_route_weight_encoding_t e) {
@@ -365,6 +368,8 @@ std::vector<uint8_t> compile_text(const char* text, size_t size, const std::stri
 }
 
 }  // namespace
+
+extern "C" {
 
 colibri_status_t colibri_route_compile(const char* text, size_t text_size, const char* source_name,
                                        const colibri_route_compile_options_t* options,
