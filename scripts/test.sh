@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then build and run the whole test suite twice: a Release build (plus
-# a smoke run of the benchmark suite), and an AddressSanitizer +
-# UndefinedBehaviorSanitizer build.
+# Set up, then build and run the whole test suite: a Release build (plus a
+# smoke run of the benchmark suite), an AddressSanitizer +
+# UndefinedBehaviorSanitizer build, a ThreadSanitizer build of the tests that
+# run threads against each other, clang-tidy over src/, and every fuzz target
+# for a short time (FUZZ_SECONDS, default 30).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -21,4 +23,16 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOLIBRI_SANITIZE_AD
 cmake --build build-asan -j"$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --output-on-failure -j"$jobs" -LE no-asan)
+# ThreadSanitizer: the concurrency tests (hot swap under load, concurrent
+# callers, the pool) and the API/router tests that drive the pool.
+cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOLIBRI_SANITIZE_THREAD=ON -DCOLIBRI_WERROR=ON >/dev/null
+cmake --build build-tsan -j"$jobs" --target test_swap test_api test_router test_engine
+for t in test_swap test_api test_router; do
+  TSAN_OPTIONS=halt_on_error=1 "build-tsan/tests/$t"
+done
+TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/test_engine \
+  --gtest_filter='EngineTest.ConcurrentCallsFromFourThreads:EngineTest.ThreadCountDoesNotChangeBits'
+
+./scripts/tidy.sh
+./scripts/fuzz.sh "${FUZZ_SECONDS:-30}"
 echo "all tests passed"

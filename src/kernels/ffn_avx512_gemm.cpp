@@ -132,7 +132,7 @@ void gate_up_gemm(const ExpertShape& s, const void* gate_up, const float* x, siz
                   size_t ldh) {
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t K = s.d_model;
-  const size_t K16 = static_cast<size_t>((K + 15) / 16 * 16);
+  const size_t K16 = (static_cast<size_t>(K) + 15) / 16 * 16;
   float* G = static_cast<float*>(t_panels.get(2 * K16 * kPanelRows * sizeof(float)));
   if (G == nullptr) return;  // cannot happen in practice; the engine pre-warms
   float* U = G + K16 * kPanelRows;
@@ -195,7 +195,7 @@ void down_gemm(const ExpertShape& s, const void* down, const float* h, size_t ld
                int32_t d_end, float* y, size_t ldy) {
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t K = s.d_ff;
-  const size_t K16 = static_cast<size_t>((K + 15) / 16 * 16);
+  const size_t K16 = (static_cast<size_t>(K) + 15) / 16 * 16;
   float* A = static_cast<float*>(t_panels.get(2 * K16 * kPanelRows * sizeof(float)));
   if (A == nullptr) return;
   float* B = A + K16 * kPanelRows;
