@@ -91,6 +91,34 @@ std::string read_small_file(const std::string& path, size_t max_bytes) {
   return out;
 }
 
+void read_file_exact(const std::string& path, uint64_t expected_bytes, std::vector<uint8_t>& buffer) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open", errno));
+  FdCloser closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", errno));
+  if (!S_ISREG(st.st_mode)) fail(COLIBRI_ERR_IO, path + ": not a regular file");
+  if (static_cast<uint64_t>(st.st_size) != expected_bytes) {
+    fail(COLIBRI_ERR_FORMAT, path + ": " + std::to_string(st.st_size) + " bytes, expected " +
+                                 std::to_string(expected_bytes) + " (it changed since it was checked)");
+  }
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  buffer.resize(static_cast<size_t>(expected_bytes));
+  size_t done = 0;
+  while (done < buffer.size()) {
+    const ssize_t n = ::read(fd, buffer.data() + done, buffer.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail(COLIBRI_ERR_IO, errno_message(path + ": read failed", errno));
+    }
+    if (n == 0) {
+      fail(COLIBRI_ERR_FORMAT, path + ": file shrank while being read (" + std::to_string(done) + " of " +
+                                   std::to_string(expected_bytes) + " bytes)");
+    }
+    done += static_cast<size_t>(n);
+  }
+}
+
 void write_file_atomic(const std::string& path, const void* data, size_t size) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

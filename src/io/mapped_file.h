@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace colibri {
 
@@ -36,6 +37,12 @@ class MappedFile {
 // Error(COLIBRI_ERR_IO) on failure, Error(COLIBRI_ERR_FORMAT) if larger than
 // max_bytes.
 std::string read_small_file(const std::string& path, size_t max_bytes);
+
+// Reads exactly `expected_bytes` of `path` into `buffer` (resized). Read,
+// not mapped: a file truncated or replaced while we read it gives an error
+// (Error(COLIBRI_ERR_FORMAT) naming the path), never SIGBUS. Throws
+// Error(COLIBRI_ERR_IO) when the file cannot be opened or read.
+void read_file_exact(const std::string& path, uint64_t expected_bytes, std::vector<uint8_t>& buffer);
 
 // Writes `data` to `path` through a temporary file in the same directory and
 // rename(), so readers never see a partial file and a failure leaves none.

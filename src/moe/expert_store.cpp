@@ -205,18 +205,24 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
 
   layout(m, options);
 
+  // Files are read (one at a time, into one reused buffer), not mapped: a
+  // file truncated by someone else while we open it gives an error, where a
+  // mapping would raise SIGBUS. After open the model never touches them.
+  std::vector<uint8_t> buffer;
+  struct Bytes {
+    const std::vector<uint8_t>& b;
+    const uint8_t* data() const { return b.data(); }
+  };
   size_t next = 0;
   for (int32_t l = 0; l < m.n_layers; ++l) {
     auto open_checked = [&](const std::string& name) {
       const std::string path = model_dir + "/" + name;
-      MappedFile file(path);
-      // Re-check: the file may have changed since the stat above.
-      if (file.size() != parts[next].bytes) fail(COLIBRI_ERR_FORMAT, path + ": weight file changed size while opening");
+      read_file_exact(path, parts[next].bytes, buffer);
       ++next;
       if (options.verify_checksums) {
         if (auto it = m.checksums.find(name); it != m.checksums.end()) {
           const auto t0 = std::chrono::steady_clock::now();
-          const uint64_t actual = xxh64(file.data(), file.size());
+          const uint64_t actual = xxh64(buffer.data(), buffer.size());
           stats_.verify_seconds += seconds_since(t0);
           if (actual != it->second) {
             fail(COLIBRI_ERR_CHECKSUM, path + ": checksum mismatch: manifest says " + format_checksum(it->second) +
@@ -224,11 +230,11 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
           }
         }
       }
-      stats_.bytes_files += file.size();
-      return file;
+      stats_.bytes_files += buffer.size();
+      return Bytes{buffer};
     };
     if (m.has_router()) {
-      MappedFile file = open_checked(m.router_file(l));
+      const Bytes file = open_checked(m.router_file(l));
       pack_router(file.data(), router_shape_, mutable_at(router(l)));
       if (!router_bias_.empty()) {
         read_floats(file.data() + static_cast<size_t>(m.n_experts) * m.d_model * 4, static_cast<size_t>(m.n_experts),
@@ -236,14 +242,14 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
       }
     }
     for (int32_t e = 0; e < m.n_experts; ++e) {
-      MappedFile file = open_checked(m.expert_file(l, e));
+      const Bytes file = open_checked(m.expert_file(l, e));
       pack_expert(file.data(), shape_, mutable_at(base(l, e)));
     }
     if (m.has_shared()) {
-      MappedFile file = open_checked(m.shared_file(l));
+      const Bytes file = open_checked(m.shared_file(l));
       pack_expert(file.data(), shared_shape_, mutable_at(shared_gate_up(l)));
       if (m.shared_gate) {
-        MappedFile g = open_checked(m.shared_gate_file(l));
+        const Bytes g = open_checked(m.shared_gate_file(l));
         read_floats(g.data(), static_cast<size_t>(m.d_model), shared_gate_.data() + static_cast<size_t>(l) * m.d_model);
       }
     }

@@ -1,0 +1,240 @@
+// Resource faults: each leaves a working engine or a clear error, never a
+// crash. Scenarios that change process-wide limits run in a forked child,
+// which reports through its exit code (0 = as expected).
+#include <gtest/gtest.h>
+#include <linux/capability.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "colibri.h"
+#include "io/manifest.h"
+#include "io/model_writer.h"
+#include "test_util.h"
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define COLIBRI_UNDER_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define COLIBRI_UNDER_SANITIZER 1
+#endif
+#endif
+
+namespace {
+
+constexpr int kTokens = 7;
+
+class FaultTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spec_.n_layers = 1;
+    spec_.n_experts = 8;
+    spec_.d_model = 256;
+    spec_.d_ff = 512;  // 8 experts x 768 KiB f16: several MiB packed
+    spec_.dtype = COLIBRI_DTYPE_F16;
+    colibri::write_random_model(dir_.path(), spec_, 3);
+    x_.resize(static_cast<size_t>(kTokens) * 256);
+    for (size_t i = 0; i < x_.size(); ++i) x_[i] = std::sin(0.1f * static_cast<float>(i));
+    for (int t = 0; t < kTokens; ++t) {
+      ids_.push_back(t % 8);
+      ids_.push_back((t + 3) % 8);
+      w_.push_back(0.7f);
+      w_.push_back(0.3f);
+    }
+    colibri_model_t* model = nullptr;
+    ASSERT_EQ(colibri_open(dir_.path().c_str(), nullptr, &model), COLIBRI_OK) << colibri_last_error();
+    expected_ = run(model);
+    colibri_free(model);
+  }
+
+  std::vector<float> run(colibri_model_t* model) const {
+    std::vector<float> y(x_.size(), std::nanf(""));
+    colibri_infer_t in;
+    colibri_infer_default(&in);
+    in.n_tokens = kTokens;
+    in.input = x_.data();
+    in.output = y.data();
+    in.top_k = 2;
+    in.expert_ids = ids_.data();
+    in.expert_weights = w_.data();
+    if (colibri_infer(model, &in) != COLIBRI_OK) y.assign(y.size(), std::nanf(""));
+    return y;
+  }
+
+  bool same_as_expected(colibri_model_t* model) const {
+    const std::vector<float> y = run(model);
+    return std::memcmp(y.data(), expected_.data(), y.size() * sizeof(float)) == 0;
+  }
+
+  // Runs body in a forked child; returns its exit code (or 128 + signal).
+  static int in_child(const std::function<int()>& body) {
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    if (pid == 0) _exit(body());
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+
+  colibri::ModelWriteSpec spec_;
+  colibri_test::TempDir dir_;
+  std::vector<float> x_, w_, expected_;
+  std::vector<int32_t> ids_;
+};
+
+// Drops CAP_IPC_LOCK (which lets root lock memory past RLIMIT_MEMLOCK) from
+// this process's capability sets.
+bool drop_ipc_lock_capability() {
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[2] = {};
+  if (syscall(SYS_capget, &header, data) != 0) return false;
+  const unsigned bit = CAP_IPC_LOCK;  // < 32
+  data[0].effective &= ~(1u << bit);
+  data[0].permitted &= ~(1u << bit);
+  data[0].inheritable &= ~(1u << bit);
+  return syscall(SYS_capset, &header, data) == 0;
+}
+
+TEST_F(FaultTest, MlockRefusedGivesAWarningAndAWorkingModel) {
+  const int code = in_child([&] {
+    const rlimit zero{0, 0};
+    if (setrlimit(RLIMIT_MEMLOCK, &zero) != 0) return 10;
+    drop_ipc_lock_capability();  // best effort: not root, or no such capability
+    colibri_model_t* model = nullptr;
+    colibri_open_options_t o;
+    colibri_open_options_default(&o);
+    o.lock_memory = 1;
+    if (colibri_open(dir_.path().c_str(), &o, &model) != COLIBRI_OK) return 11;
+    colibri_stats_t st;
+    colibri_stats(model, &st);
+    const std::string warning = colibri_last_warning();
+    const bool ok = same_as_expected(model);
+    colibri_free(model);
+    if (st.bytes_locked != 0) return 12;  // the limit is 0: nothing may be locked
+    if (warning.find("mlock") == std::string::npos) return 13;
+    return ok ? 0 : 14;
+  });
+  EXPECT_EQ(code, 0) << "10 setrlimit, 11 open failed, 12 locked anyway, 13 no warning, 14 wrong output";
+}
+
+TEST_F(FaultTest, TransparentHugePagesDisabled) {
+  const int code = in_child([&] {
+    if (prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0) return 10;
+    colibri_model_t* model = nullptr;
+    if (colibri_open(dir_.path().c_str(), nullptr, &model) != COLIBRI_OK) return 11;
+    colibri_stats_t st;
+    colibri_stats(model, &st);
+    const bool ok = same_as_expected(model);
+    colibri_free(model);
+    if (st.huge_page_kind == COLIBRI_HUGE_PAGES_TRANSPARENT && st.bytes_huge_pages > 0) return 12;
+    return ok ? 0 : 13;
+  });
+  EXPECT_EQ(code, 0) << "10 prctl, 11 open failed, 12 THP reported though disabled, 13 wrong output";
+}
+
+TEST_F(FaultTest, NoHugetlbfsPagesReserved) {
+  std::ifstream f("/proc/sys/vm/nr_hugepages");
+  long reserved = -1;
+  f >> reserved;
+  if (reserved != 0) GTEST_SKIP() << "this machine has hugetlbfs pages reserved";
+  colibri_model_t* model = nullptr;
+  ASSERT_EQ(colibri_open(dir_.path().c_str(), nullptr, &model), COLIBRI_OK) << colibri_last_error();
+  colibri_stats_t st;
+  ASSERT_EQ(colibri_stats(model, &st), COLIBRI_OK);
+  EXPECT_NE(st.huge_page_kind, COLIBRI_HUGE_PAGES_HUGETLBFS);
+  EXPECT_TRUE(same_as_expected(model));
+  colibri_free(model);
+}
+
+TEST_F(FaultTest, FilesChangingAfterOpenCannotHurtTheModel) {
+  colibri_model_t* model = nullptr;
+  ASSERT_EQ(colibri_open(dir_.path().c_str(), nullptr, &model), COLIBRI_OK) << colibri_last_error();
+  const colibri::Manifest m = colibri::load_manifest(dir_.path());
+  // Shrink one expert file to nothing and scribble over another, in place.
+  std::filesystem::resize_file(dir_.path() + "/" + m.expert_file(0, 0), 0);
+  {
+    std::fstream f(dir_.path() + "/" + m.expert_file(0, 3), std::ios::in | std::ios::out | std::ios::binary);
+    const std::string junk(4096, '\x7f');
+    f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+  }
+  EXPECT_TRUE(same_as_expected(model)) << "the running model read the changed files";
+  colibri_free(model);
+  // Opening again names the damage instead of computing with it.
+  EXPECT_EQ(colibri_open(dir_.path().c_str(), nullptr, &model), COLIBRI_ERR_FORMAT);
+  EXPECT_NE(std::string(colibri_last_error()).find("expert_00.bin"), std::string::npos) << colibri_last_error();
+}
+
+TEST_F(FaultTest, OutOfMemoryWhileOpening) {
+#ifdef COLIBRI_UNDER_SANITIZER
+  GTEST_SKIP() << "sanitizers reserve terabytes of address space; RLIMIT_AS cannot be tested under them";
+#else
+  // A model whose packed weights (~96 MiB) cannot fit in what is left of
+  // the address space under the limit.
+  colibri_test::TempDir big;
+  colibri::ModelWriteSpec spec = spec_;
+  spec.n_experts = 64;
+  spec.d_model = 1024;
+  spec.d_ff = 512;
+  colibri::write_random_model(big.path(), spec, 1);
+  const int code = in_child([&] {
+    long pages = 0;
+    std::ifstream statm("/proc/self/statm");
+    statm >> pages;
+    const rlim_t now = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE));
+    const rlimit limit{now + (rlim_t{48} << 20), now + (rlim_t{48} << 20)};
+    if (setrlimit(RLIMIT_AS, &limit) != 0) return 10;
+    colibri_model_t* model = nullptr;
+    const colibri_status_t st = colibri_open(big.path().c_str(), nullptr, &model);
+    if (st == COLIBRI_OK) return 11;
+    if (model != nullptr) return 12;
+    if (st != COLIBRI_ERR_OUT_OF_MEMORY) {
+      std::fprintf(stderr, "status %d: %s\n", static_cast<int>(st), colibri_last_error());
+      return 13;
+    }
+    if (std::strlen(colibri_last_error()) == 0) return 14;
+    // The small model still opens and works in what is left.
+    if (colibri_open(dir_.path().c_str(), nullptr, &model) != COLIBRI_OK) return 15;
+    const bool ok = same_as_expected(model);
+    colibri_free(model);
+    return ok ? 0 : 16;
+  });
+  EXPECT_EQ(code, 0) << "10 setrlimit, 11 opened anyway, 12 handle leaked, 13 wrong status, 14 no message, "
+                        "15 small model failed after, 16 wrong output";
+#endif
+}
+
+TEST_F(FaultTest, TwoProcessesOpenTheSameDirectoryAtOnce) {
+  std::fflush(nullptr);
+  pid_t pids[2];
+  for (pid_t& pid : pids) {
+    pid = fork();
+    if (pid == 0) {
+      int good = 0;
+      for (int i = 0; i < 5; ++i) {
+        colibri_model_t* model = nullptr;
+        if (colibri_open(dir_.path().c_str(), nullptr, &model) != COLIBRI_OK) _exit(11);
+        good += same_as_expected(model) ? 1 : 0;
+        colibri_free(model);
+      }
+      _exit(good == 5 ? 0 : 12);
+    }
+  }
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  }
+}
+
+}  // namespace
