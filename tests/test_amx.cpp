@@ -382,4 +382,28 @@ TEST_F(AmxKernels, IndependentOfPartitionAndThreads) {
 
 #endif
 
+// Other code on the caller's thread may release the tiles between our calls
+// (oneDNN's AMX kernels do, under PyTorch): the next call must configure
+// them again instead of faulting with SIGILL.
+TEST_F(AmxKernels, SurvivesTilesReleasedByOtherCode) {
+  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const int D = 64, F = 48, n = 20;
+  const Packed p = make_packed(D, F, WeightType::kBF16, rng);
+  std::vector<float> x(static_cast<size_t>(n) * D);
+  for (float& v : x) v = u(rng);
+  std::vector<int32_t> idx(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = i;
+  std::vector<float> h1(static_cast<size_t>(n) * F), h2(h1.size(), std::nanf(""));
+  k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, h1.data(), F);
+  __asm__ volatile("tilerelease" ::: "memory");
+  k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, h2.data(), F);
+  EXPECT_EQ(std::memcmp(h1.data(), h2.data(), h1.size() * sizeof(float)), 0);
+  __asm__ volatile("tilerelease" ::: "memory");
+  std::vector<float> w(static_cast<size_t>(n), 0.5f), y(x.size(), 0.0f);
+  k.down(p.s, p.down.data(), h1.data(), F, idx.data(), w.data(), n, 0, D, y.data(), D);
+  for (float v : y) ASSERT_TRUE(std::isfinite(v));
+}
+
 }  // namespace

@@ -30,9 +30,13 @@
 // the same 32-element steps, whatever row range, thread, token block or K
 // chunking it falls in, so results do not depend on the engine's partition.
 //
-// Tile configuration: loaded once per thread (thread_local flag), never
-// released. The process must have been granted the tile state first; the
-// first call of each thread makes sure of that through amx_available().
+// Tile configuration: loaded at the start of every kernel call and released
+// at its end. Not cached per thread: other code on the same thread (oneDNN's
+// AMX kernels under PyTorch, for one) releases the tiles after its own work,
+// and a tile instruction after that faults (SIGILL). Releasing also spares
+// the OS saving 8 KiB of tile state when the thread is switched out. The
+// process must have been granted the tile state first; configure_tiles
+// makes sure of that through amx_available() (a no-op after the first).
 //
 // Linkage rules as in ffn_avx512.cpp: everything in an anonymous namespace,
 // no inline helpers from other headers (avx512_common.h is the exception:
@@ -68,7 +72,6 @@ constexpr size_t kTileElems = static_cast<size_t>(kTile) * kKStep;  // bf16 per 
 thread_local ScratchBuffer t_act;    // activations, bf16 VNNI tiles
 thread_local ScratchBuffer t_panel;  // converted / padded weight panels
 thread_local ScratchBuffer t_acc;    // fp32 accumulator tiles kept between K chunks
-thread_local bool t_tiles_configured = false;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -80,7 +83,6 @@ struct alignas(64) TileConfig {
 
 // All 8 tiles 16 rows x 64 bytes.
 void configure_tiles() {
-  if (t_tiles_configured) return;
   // Makes sure the process asked Linux for the tile state (once per
   // process; a no-op after the first call). Callers must have checked that
   // it returns true: without AMX the tile instructions below fault.
@@ -95,8 +97,11 @@ void configure_tiles() {
   // Not _tile_loadconfig(): GCC 12 declares its operand as the first 8 bytes
   // only, so the stores to the rest of the struct could be dropped.
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
-  t_tiles_configured = true;
 }
+
+// Pairs with configure_tiles; the memory clobber keeps the tile stores of
+// the call before it.
+void release_tiles() { __asm__ volatile("tilerelease" ::: "memory"); }
 
 inline int32_t min_i32(int32_t a, int32_t b) { return a < b ? a : b; }
 
@@ -463,6 +468,7 @@ void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size
   GateUpPhase ph{static_cast<const char*>(gate_up), s.gate_up_stride * elem, s.gate_up_stride, s.weight_type,
                  s.d_model, f_begin, f_end, n, h, ldh};
   run_gemm(ph, pl, units);
+  release_tiles();
 }
 
 void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
@@ -477,6 +483,7 @@ void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh
   DownPhase ph{static_cast<const char*>(down), s.down_stride * elem, s.down_stride, s.weight_type, s.d_ff, d_begin,
                d_end, n, token_index, weight, y, ldy};
   run_gemm(ph, pl, units);
+  release_tiles();
 }
 
 }  // namespace
