@@ -9,5 +9,6 @@ namespace colibri_cli {
 void add_model_commands(CLI::App& app);  // gen, verify, info
 void add_route_commands(CLI::App& app);  // route compile, route dump
 void add_run_commands(CLI::App& app);    // infer, bench, demo
+void add_convert_commands(CLI::App& app);  // convert (Hugging Face checkpoints)
 
 }  // namespace colibri_cli

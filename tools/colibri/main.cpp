@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   colibri_cli::add_model_commands(app);
   colibri_cli::add_route_commands(app);
   colibri_cli::add_run_commands(app);
+  colibri_cli::add_convert_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,646 @@
+#include "io/hf_convert.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <system_error>
+
+#include "io/manifest.h"
+#include "io/mapped_file.h"
+#include "io/model_writer.h"
+#include "io/safetensors.h"
+#include "util/error.h"
+
+namespace colibri {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr size_t kMaxConfigBytes = 16u << 20;
+constexpr size_t kMaxIndexBytes = 256u << 20;  // DeepSeek-V3's is ~9 MB
+constexpr int64_t kMaxHfLayers = int64_t{1} << 20;
+
+// Which decoder layers carry an MoE block.
+enum class LayerRule {
+  kEvery,     // Mixtral, OLMoE
+  kQwen,      // not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+  kDeepSeek,  // i >= first_k_dense_replace and i % moe_layer_freq == 0
+};
+
+enum class SharedKind { kNone, kQwen2, kDeepSeek };
+
+struct Family {
+  const char* model_type;
+  colibri_router_family_t router;
+  const char* experts_field;
+  const char* d_ff_field;
+  LayerRule layers;
+  SharedKind shared;
+  bool mixtral_names;  // block_sparse_moe, w1/w3/w2
+};
+
+constexpr Family kFamilies[] = {
+    {"mixtral", COLIBRI_ROUTER_MIXTRAL, "num_local_experts", "intermediate_size", LayerRule::kEvery,
+     SharedKind::kNone, true},
+    {"qwen2_moe", COLIBRI_ROUTER_QWEN2_MOE, "num_experts", "moe_intermediate_size", LayerRule::kQwen,
+     SharedKind::kQwen2, false},
+    {"qwen3_moe", COLIBRI_ROUTER_QWEN3_MOE, "num_experts", "moe_intermediate_size", LayerRule::kQwen,
+     SharedKind::kNone, false},
+    {"olmoe", COLIBRI_ROUTER_OLMOE, "num_experts", "intermediate_size", LayerRule::kEvery, SharedKind::kNone,
+     false},
+    {"deepseek_v2", COLIBRI_ROUTER_DEEPSEEK_V2, "n_routed_experts", "moe_intermediate_size",
+     LayerRule::kDeepSeek, SharedKind::kDeepSeek, false},
+    {"deepseek_v3", COLIBRI_ROUTER_DEEPSEEK_V3, "n_routed_experts", "moe_intermediate_size",
+     LayerRule::kDeepSeek, SharedKind::kDeepSeek, false},
+};
+
+const Family* find_family(const std::string& model_type) {
+  for (const Family& f : kFamilies) {
+    if (model_type == f.model_type) return &f;
+  }
+  return nullptr;
+}
+
+// Typed access to config.json fields with the errors naming the field. JSON
+// null counts as absent: transformers writes null for unset optional fields.
+class ConfigReader {
+ public:
+  ConfigReader(const json& doc, const std::string& source, const std::string& model_type)
+      : doc_(doc), source_(source), model_type_(model_type) {}
+
+  bool has(const char* field) const {
+    const auto it = doc_.find(field);
+    return it != doc_.end() && !it->is_null();
+  }
+
+  int64_t integer(const char* field, int64_t min, int64_t max) const {
+    if (!has(field)) {
+      fail(COLIBRI_ERR_FORMAT, source_ + ": missing field \"" + field + "\", which model_type \"" +
+                                   model_type_ + "\" needs (is this an MoE checkpoint?)");
+    }
+    return to_integer(doc_.at(field), field, min, max);
+  }
+
+  int64_t integer_or(const char* field, int64_t fallback, int64_t min, int64_t max) const {
+    return has(field) ? to_integer(doc_.at(field), field, min, max) : fallback;
+  }
+
+  bool boolean_or(const char* field, bool fallback) const {
+    if (!has(field)) return fallback;
+    const json& v = doc_.at(field);
+    if (!v.is_boolean()) bad(field, "must be true or false, not " + v.dump());
+    return v.get<bool>();
+  }
+
+  double number_or(const char* field, double fallback) const {
+    if (!has(field)) return fallback;
+    const json& v = doc_.at(field);
+    if (!v.is_number()) bad(field, "must be a number, not " + v.dump());
+    return v.get<double>();
+  }
+
+  std::string string_or(const char* field, const std::string& fallback) const {
+    if (!has(field)) return fallback;
+    const json& v = doc_.at(field);
+    if (!v.is_string()) bad(field, "must be a string, not " + v.dump());
+    return v.get<std::string>();
+  }
+
+  std::vector<int64_t> integers_or_empty(const char* field) const {
+    std::vector<int64_t> out;
+    if (!has(field)) return out;
+    const json& v = doc_.at(field);
+    if (!v.is_array()) bad(field, "must be an array of layer indices");
+    for (const json& x : v) out.push_back(to_integer(x, field, 0, INT64_MAX));
+    return out;
+  }
+
+  [[noreturn]] void bad(const char* field, const std::string& what) const {
+    fail(COLIBRI_ERR_FORMAT, source_ + ": field \"" + field + "\": " + what);
+  }
+
+ private:
+  int64_t to_integer(const json& v, const char* field, int64_t min, int64_t max) const {
+    if (!v.is_number_integer()) {
+      bad(field, v.dump() + " is not an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+    }
+    // Unsigned values above INT64_MAX would wrap in get<int64_t>.
+    const bool huge = v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX);
+    const int64_t n = huge ? INT64_MAX : v.get<int64_t>();
+    if (huge || n < min || n > max) {
+      bad(field, v.dump() + " is out of range [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+    }
+    return n;
+  }
+
+  const json& doc_;
+  const std::string& source_;
+  const std::string& model_type_;
+};
+
+std::string shape_string(const std::vector<uint64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+bool is_regular_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+struct TensorRef {
+  const SafetensorsFile* file = nullptr;
+  const StTensor* tensor = nullptr;
+  explicit operator bool() const { return tensor != nullptr; }
+};
+
+// The checkpoint's tensors: one model.safetensors, or shards listed by
+// model.safetensors.index.json. Shards are opened (mapped, header checked)
+// when a tensor in them is first needed, so a --layers subset of a large
+// checkpoint touches only its own shards.
+class Checkpoint {
+ public:
+  explicit Checkpoint(const std::string& dir) : dir_(dir) {
+    const std::string single = dir + "/model.safetensors";
+    const std::string index = dir + "/model.safetensors.index.json";
+    if (is_regular_file(single)) {
+      where_ = single;
+      shard_names_.push_back("model.safetensors");
+      shards_.push_back(std::make_unique<SafetensorsFile>(single));
+      return;
+    }
+    if (!is_regular_file(index)) {
+      fail(COLIBRI_ERR_IO, dir + ": no model.safetensors or model.safetensors.index.json");
+    }
+    where_ = index;
+    indexed_ = true;
+    json doc;
+    try {
+      doc = json::parse(read_small_file(index, kMaxIndexBytes));
+    } catch (const json::exception& e) {
+      fail(COLIBRI_ERR_FORMAT, index + ": invalid JSON: " + e.what());
+    }
+    if (!doc.is_object()) fail(COLIBRI_ERR_FORMAT, index + ": top level must be a JSON object");
+    const auto map = doc.find("weight_map");
+    if (map == doc.end() || !map->is_object()) {
+      fail(COLIBRI_ERR_FORMAT, index + ": missing object \"weight_map\"");
+    }
+    std::map<std::string, size_t> shard_ids;
+    for (const auto& [name, value] : map->items()) {
+      // Only plain names in this directory: an index must not make us map
+      // files elsewhere.
+      const std::string shard = value.is_string() ? value.get<std::string>() : std::string();
+      if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos ||
+          shard.find('\0') != std::string::npos) {
+        fail(COLIBRI_ERR_FORMAT, index + ": weight_map \"" + name + "\": " + value.dump() +
+                                     " is not a file name in the checkpoint directory");
+      }
+      const auto [it, added] = shard_ids.emplace(shard, shard_names_.size());
+      if (added) shard_names_.push_back(shard);
+      tensor_shard_.emplace(name, it->second);
+    }
+    shards_.resize(shard_names_.size());
+  }
+
+  // Null when the checkpoint has no tensor of that name.
+  TensorRef find(const std::string& name) const {
+    if (!indexed_) {
+      const StTensor* t = shards_[0]->find(name);
+      return t == nullptr ? TensorRef{} : TensorRef{shards_[0].get(), t};
+    }
+    const auto it = tensor_shard_.find(name);
+    if (it == tensor_shard_.end()) return {};
+    const size_t shard = it->second;
+    if (!shards_[shard]) shards_[shard] = std::make_unique<SafetensorsFile>(dir_ + "/" + shard_names_[shard]);
+    const StTensor* t = shards_[shard]->find(name);
+    if (t == nullptr) {
+      fail(COLIBRI_ERR_FORMAT, where_ + ": weight_map puts tensor \"" + name + "\" in " + shard_names_[shard] +
+                                   ", which has no such tensor");
+    }
+    return {shards_[shard].get(), t};
+  }
+
+  // Where a missing tensor should have been: the file or the index.
+  const std::string& where() const { return where_; }
+  int32_t shards_opened() const {
+    int32_t n = 0;
+    for (const auto& s : shards_) n += s ? 1 : 0;
+    return n;
+  }
+
+ private:
+  std::string dir_;
+  std::string where_;
+  bool indexed_ = false;
+  std::vector<std::string> shard_names_;
+  std::map<std::string, size_t> tensor_shard_;
+  mutable std::vector<std::unique_ptr<SafetensorsFile>> shards_;
+};
+
+struct ExpertRefs {
+  TensorRef gate, up, down;
+};
+
+// Every tensor one converted layer needs, resolved and checked.
+struct LayerPlan {
+  int32_t hf = 0;
+  TensorRef router, bias;
+  bool fused = false;
+  std::vector<ExpertRefs> experts;  // per-expert layout
+  TensorRef gate_up, down;          // fused layout: [E][2F][D], [E][D][F]
+  ExpertRefs shared;
+  TensorRef shared_gate;
+};
+
+class Planner {
+ public:
+  Planner(const Checkpoint& ckpt, const Family& family, const HfMoeConfig& config)
+      : ckpt_(ckpt), family_(family), c_(config) {}
+
+  LayerPlan plan(int32_t hf) const {
+    LayerPlan p;
+    p.hf = hf;
+    const std::string layer = "model.layers." + std::to_string(hf) + ".";
+    const uint64_t E = static_cast<uint64_t>(c_.n_experts), D = static_cast<uint64_t>(c_.d_model),
+                   F = static_cast<uint64_t>(c_.d_ff);
+    const std::string ex = family_.experts_field, ff = family_.d_ff_field;
+
+    // Newer transformers name Mixtral's block "mlp" like the others.
+    std::string block = layer + (family_.mixtral_names ? "block_sparse_moe" : "mlp");
+    if (family_.mixtral_names && !ckpt_.find(block + ".gate.weight") && ckpt_.find(layer + "mlp.gate.weight")) {
+      block = layer + "mlp";
+    }
+    p.router = require(block + ".gate.weight", {E, D}, ex + ", hidden_size");
+    if (c_.router.family == COLIBRI_ROUTER_DEEPSEEK_V3) {
+      p.bias = require(block + ".gate.e_score_correction_bias", {E}, ex);
+    }
+
+    const char* const* proj = family_.mixtral_names ? kMixtralProj : kProj;
+    const std::string first = block + ".experts.0." + proj[0] + ".weight";
+    const TensorRef per_expert = ckpt_.find(first);
+    const TensorRef gate_up = find_either(block + ".experts.gate_up_proj");
+    if (per_expert && gate_up) {
+      fail(COLIBRI_ERR_FORMAT, ckpt_.where() + ": layer " + std::to_string(hf) + " has both per-expert (\"" +
+                                   first + "\") and fused (\"" + gate_up.tensor->name +
+                                   "\") expert tensors");
+    }
+    if (gate_up) {
+      p.fused = true;
+      p.gate_up = checked(gate_up, {E, 2 * F, D}, ex + ", 2 x " + ff + ", hidden_size");
+      const TensorRef down = find_either(block + ".experts.down_proj");
+      if (!down) missing(block + ".experts.down_proj");
+      p.down = checked(down, {E, D, F}, ex + ", hidden_size, " + ff);
+    } else {
+      if (!per_expert) {
+        fail(COLIBRI_ERR_FORMAT, ckpt_.where() + ": missing tensor \"" + first + "\" (nor fused \"" + block +
+                                     ".experts.gate_up_proj\")");
+      }
+      p.experts.resize(static_cast<size_t>(E));
+      for (uint64_t e = 0; e < E; ++e) {
+        const std::string prefix = block + ".experts." + std::to_string(e) + ".";
+        p.experts[e] = matrices(prefix, proj, F, ff);
+      }
+    }
+
+    if (family_.shared == SharedKind::kQwen2) {
+      p.shared = matrices(block + ".shared_expert.", kProj, static_cast<uint64_t>(c_.shared_d_ff),
+                          "shared_expert_intermediate_size");
+      p.shared_gate = require(block + ".shared_expert_gate.weight", {1, D}, "1, hidden_size");
+    } else if (family_.shared == SharedKind::kDeepSeek && c_.shared_d_ff > 0) {
+      p.shared = matrices(block + ".shared_experts.", kProj, static_cast<uint64_t>(c_.shared_d_ff),
+                          "moe_intermediate_size x n_shared_experts");
+    }
+    return p;
+  }
+
+ private:
+  static constexpr const char* kProj[3] = {"gate_proj", "up_proj", "down_proj"};
+  static constexpr const char* kMixtralProj[3] = {"w1", "w3", "w2"};
+
+  // gate and up [F][D], down [D][F] under `prefix`.
+  ExpertRefs matrices(const std::string& prefix, const char* const* proj, uint64_t F,
+                      const std::string& f_name) const {
+    const uint64_t D = static_cast<uint64_t>(c_.d_model);
+    ExpertRefs r;
+    r.gate = require(prefix + proj[0] + ".weight", {F, D}, f_name + ", hidden_size");
+    r.up = require(prefix + proj[1] + ".weight", {F, D}, f_name + ", hidden_size");
+    r.down = require(prefix + proj[2] + ".weight", {D, F}, "hidden_size, " + f_name);
+    return r;
+  }
+
+  // The fused tensors come with or without a ".weight" suffix.
+  TensorRef find_either(const std::string& name) const {
+    const TensorRef r = ckpt_.find(name);
+    return r ? r : ckpt_.find(name + ".weight");
+  }
+
+  [[noreturn]] void missing(const std::string& name) const {
+    fail(COLIBRI_ERR_FORMAT, ckpt_.where() + ": missing tensor \"" + name + "\"");
+  }
+
+  TensorRef require(const std::string& name, const std::vector<uint64_t>& shape, const std::string& dims) const {
+    const TensorRef r = ckpt_.find(name);
+    if (!r) missing(name);
+    return checked(r, shape, dims);
+  }
+
+  TensorRef checked(const TensorRef& r, const std::vector<uint64_t>& shape, const std::string& dims) const {
+    const StTensor& t = *r.tensor;
+    const std::string where = r.file->path() + ": tensor \"" + t.name + "\": ";
+    if (t.dtype != StDtype::kBF16 && t.dtype != StDtype::kF16 && t.dtype != StDtype::kF32) {
+      const bool fp8 = t.dtype == StDtype::kF8E4M3 || t.dtype == StDtype::kF8E5M2;
+      fail(COLIBRI_ERR_FORMAT, where + "dtype " + st_dtype_name(t.dtype) +
+                                   " is not supported (expected BF16, F16 or F32" +
+                                   (fp8 ? "; dequantize FP8 checkpoints first)" : ")"));
+    }
+    if (t.shape != shape) {
+      fail(COLIBRI_ERR_FORMAT, where + "shape " + shape_string(t.shape) + ", expected " + shape_string(shape) +
+                                   " (" + dims + " from config.json)");
+    }
+    return r;
+  }
+
+  const Checkpoint& ckpt_;
+  const Family& family_;
+  const HfMoeConfig& c_;
+};
+
+colibri_dtype_t to_colibri_dtype(StDtype d) {
+  switch (d) {
+    case StDtype::kF32: return COLIBRI_DTYPE_F32;
+    case StDtype::kBF16: return COLIBRI_DTYPE_BF16;
+    default: return COLIBRI_DTYPE_F16;
+  }
+}
+
+void read_all(const TensorRef& r, float* out) { r.file->read_floats(*r.tensor, 0, r.tensor->n_elements, out); }
+
+// Refuses an existing non-empty directory or a non-directory; an empty
+// directory is replaced by the rename at the end.
+void check_out_dir(const std::string& out) {
+  struct stat st {};
+  if (::stat(out.c_str(), &st) != 0) {
+    if (errno == ENOENT) return;
+    fail(COLIBRI_ERR_IO, errno_message(out + ": cannot stat", errno));
+  }
+  if (!S_ISDIR(st.st_mode)) fail(COLIBRI_ERR_IO, out + ": exists and is not a directory; refusing to overwrite it");
+  std::error_code ec;
+  const std::filesystem::directory_iterator it(out, ec);
+  if (ec) fail(COLIBRI_ERR_IO, out + ": cannot list: " + ec.message());
+  if (it != std::filesystem::directory_iterator()) {
+    fail(COLIBRI_ERR_IO, out + ": exists and is not empty; refusing to overwrite it");
+  }
+}
+
+}  // namespace
+
+std::string hf_supported_model_types() {
+  std::string s;
+  for (const Family& f : kFamilies) s += (s.empty() ? "" : ", ") + std::string(f.model_type);
+  return s;
+}
+
+HfMoeConfig parse_hf_config(const std::string& text, const std::string& source) {
+  json doc;
+  try {
+    doc = json::parse(text);
+  } catch (const json::exception& e) {
+    fail(COLIBRI_ERR_FORMAT, source + ": invalid JSON: " + e.what());
+  }
+  if (!doc.is_object()) fail(COLIBRI_ERR_FORMAT, source + ": top level must be a JSON object");
+  const auto type = doc.find("model_type");
+  if (type == doc.end() || !type->is_string()) {
+    fail(COLIBRI_ERR_FORMAT, source + ": missing string field \"model_type\" (supported: " +
+                                 hf_supported_model_types() + ")");
+  }
+  HfMoeConfig c;
+  c.model_type = type->get<std::string>();
+  const Family* family = find_family(c.model_type);
+  if (family == nullptr) {
+    fail(COLIBRI_ERR_UNSUPPORTED, source + ": model_type \"" + c.model_type +
+                                      "\" is not supported (supported: " + hf_supported_model_types() + ")");
+  }
+  const ConfigReader r(doc, source, c.model_type);
+  const bool v3 = family->router == COLIBRI_ROUTER_DEEPSEEK_V3;
+
+  c.n_hidden_layers = static_cast<int32_t>(r.integer("num_hidden_layers", 1, kMaxHfLayers));
+  c.d_model = static_cast<int32_t>(r.integer("hidden_size", 1, kMaxDim));
+  c.n_experts = static_cast<int32_t>(r.integer(family->experts_field, 1, kMaxExperts));
+  c.d_ff = static_cast<int32_t>(r.integer(family->d_ff_field, 1, kMaxDim));
+  // The defaults of colibri_router_desc_default, set here: I/O sits below
+  // the C ABI and does not call into it.
+  c.router = colibri_router_desc_t{};
+  c.router.n_group = 1;
+  c.router.topk_group = 1;
+  c.router.routed_scaling_factor = 1.0f;
+  c.router.family = family->router;
+  c.router.top_k = static_cast<int32_t>(r.integer("num_experts_per_tok", 1, c.n_experts));
+  // Mixtral always renormalises (its config has no such field).
+  const bool norm = family->router == COLIBRI_ROUTER_MIXTRAL ? true : r.boolean_or("norm_topk_prob", v3);
+  c.router.norm_topk_prob = norm ? 1 : 0;
+
+  if (family->shared == SharedKind::kQwen2) {
+    c.shared_d_ff = static_cast<int32_t>(r.integer("shared_expert_intermediate_size", 1, kMaxDim));
+    c.shared_gate = true;
+  } else if (family->shared == SharedKind::kDeepSeek) {
+    const int64_t n_shared = r.integer_or("n_shared_experts", 0, 0, kMaxExperts);
+    if (static_cast<int64_t>(c.d_ff) * n_shared > kMaxDim) {
+      r.bad("n_shared_experts", std::to_string(n_shared) + " x moe_intermediate_size " + std::to_string(c.d_ff) +
+                                    " exceeds " + std::to_string(kMaxDim));
+    }
+    c.shared_d_ff = static_cast<int32_t>(c.d_ff * n_shared);
+  }
+
+  if (family->layers == LayerRule::kDeepSeek) {
+    const std::string method = r.string_or("topk_method", v3 ? "noaux_tc" : "greedy");
+    const char* grouped = v3 ? "noaux_tc" : "group_limited_greedy";
+    if (method != "greedy" && method != grouped) {
+      fail(COLIBRI_ERR_UNSUPPORTED, source + ": field \"topk_method\": \"" + method + "\" is not supported for " +
+                                        c.model_type + " (expected \"greedy\" or \"" + grouped + "\")");
+    }
+    const std::string scoring = r.string_or("scoring_func", v3 ? "sigmoid" : "softmax");
+    if (scoring != (v3 ? "sigmoid" : "softmax")) {
+      fail(COLIBRI_ERR_UNSUPPORTED, source + ": field \"scoring_func\": \"" + scoring + "\" is not supported for " +
+                                        c.model_type + " (expected \"" + (v3 ? "sigmoid" : "softmax") + "\")");
+    }
+    if (method != "greedy") {
+      c.router.n_group = static_cast<int32_t>(r.integer("n_group", 1, c.n_experts));
+      if (c.n_experts % c.router.n_group != 0) {
+        r.bad("n_group", std::to_string(c.router.n_group) + " does not divide " + family->experts_field + " " +
+                             std::to_string(c.n_experts));
+      }
+      c.router.topk_group = static_cast<int32_t>(r.integer("topk_group", 1, c.router.n_group));
+    }
+    const double scale = r.number_or("routed_scaling_factor", 1.0);
+    if (!std::isfinite(scale) || scale <= 0 || scale > 1e6) {
+      r.bad("routed_scaling_factor", std::to_string(scale) + " is not a positive finite scale");
+    }
+    c.router.routed_scaling_factor = static_cast<float>(scale);
+  }
+  validate_router(c.router, c.n_experts, source, COLIBRI_ERR_FORMAT);
+
+  switch (family->layers) {
+    case LayerRule::kEvery:
+      for (int32_t i = 0; i < c.n_hidden_layers; ++i) c.moe_layers.push_back(i);
+      break;
+    case LayerRule::kQwen: {
+      const int64_t step = r.integer_or("decoder_sparse_step", 1, 1, kMaxHfLayers);
+      const std::vector<int64_t> dense = r.integers_or_empty("mlp_only_layers");
+      for (int32_t i = 0; i < c.n_hidden_layers; ++i) {
+        if ((i + 1) % step == 0 && std::find(dense.begin(), dense.end(), i) == dense.end()) c.moe_layers.push_back(i);
+      }
+      break;
+    }
+    case LayerRule::kDeepSeek: {
+      const int64_t first_moe = r.integer_or("first_k_dense_replace", 0, 0, kMaxHfLayers);
+      const int64_t freq = r.integer_or("moe_layer_freq", 1, 1, kMaxHfLayers);
+      for (int32_t i = 0; i < c.n_hidden_layers; ++i) {
+        if (i >= first_moe && i % freq == 0) c.moe_layers.push_back(i);
+      }
+      break;
+    }
+  }
+  if (c.moe_layers.empty()) {
+    fail(COLIBRI_ERR_FORMAT, source + ": no MoE layer among the " + std::to_string(c.n_hidden_layers) +
+                                 " decoder layers (check decoder_sparse_step, mlp_only_layers, "
+                                 "first_k_dense_replace, moe_layer_freq)");
+  }
+  return c;
+}
+
+HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
+  std::string out = options.out_dir;
+  // "out/" would otherwise put the temporary directory inside out.
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  if (out.empty() || out == "/") {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "output directory \"" + options.out_dir + "\" is not usable");
+  }
+  check_out_dir(out);
+
+  const std::string config_path = options.hf_dir + "/config.json";
+  HfConvertResult result;
+  result.config = parse_hf_config(read_small_file(config_path, kMaxConfigBytes), config_path);
+  const HfMoeConfig& c = result.config;
+  const Family& family = *find_family(c.model_type);
+
+  const int32_t first = options.first_layer.value_or(0);
+  const int32_t last = options.last_layer.value_or(c.n_hidden_layers - 1);
+  const std::string range = std::to_string(first) + "-" + std::to_string(last);
+  if (first < 0 || last < first || last >= c.n_hidden_layers) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layers " + range + ": not a range within the model's " +
+                                           std::to_string(c.n_hidden_layers) + " decoder layers (0-" +
+                                           std::to_string(c.n_hidden_layers - 1) + ")");
+  }
+  for (int32_t i : c.moe_layers) {
+    if (i >= first && i <= last) result.layers.push_back(i);
+  }
+  if (result.layers.empty()) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layers " + range + ": no MoE layer in that range (the first is " +
+                                           std::to_string(c.moe_layers.front()) + ", the last " +
+                                           std::to_string(c.moe_layers.back()) + ")");
+  }
+  if (static_cast<int64_t>(result.layers.size()) > kMaxLayers) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layers " + range + ": " + std::to_string(result.layers.size()) +
+                                           " MoE layers, more than " + std::to_string(kMaxLayers) +
+                                           " in one model; convert a smaller range");
+  }
+
+  // Every tensor is found and checked before anything is written.
+  const Checkpoint ckpt(options.hf_dir);
+  const Planner planner(ckpt, family, c);
+  std::vector<LayerPlan> plans;
+  plans.reserve(result.layers.size());
+  for (int32_t hf : result.layers) {
+    plans.push_back(planner.plan(hf));
+    result.fused_layers += plans.back().fused ? 1 : 0;
+  }
+  result.n_shards = ckpt.shards_opened();
+  const LayerPlan& p0 = plans.front();
+  result.source_dtype = to_colibri_dtype(p0.fused ? p0.gate_up.tensor->dtype : p0.experts[0].gate.tensor->dtype);
+  result.dtype = options.dtype.value_or(result.source_dtype);
+
+  ModelWriteSpec spec;
+  spec.n_layers = static_cast<int32_t>(plans.size());
+  spec.n_experts = c.n_experts;
+  spec.d_model = c.d_model;
+  spec.d_ff = c.d_ff;
+  spec.dtype = result.dtype;
+  spec.checksums = options.checksums;
+  spec.router = c.router;
+  spec.shared_d_ff = c.shared_d_ff;
+  spec.shared_gate = c.shared_gate;
+  spec.source_json = json{{"format", "hf"}, {"model_type", c.model_type}, {"layers", result.layers}}.dump();
+
+  const size_t DF = static_cast<size_t>(c.d_model) * static_cast<size_t>(c.d_ff);
+  ModelFill fill;
+  fill.expert = [&](int32_t layer, int32_t expert, float* w) {
+    const LayerPlan& p = plans[static_cast<size_t>(layer)];
+    const uint64_t e = static_cast<uint64_t>(expert);
+    if (p.fused) {
+      // gate_up_proj[e] is gate rows then up rows: the expert file's layout.
+      p.gate_up.file->read_floats(*p.gate_up.tensor, e * 2 * DF, 2 * DF, w);
+      p.down.file->read_floats(*p.down.tensor, e * DF, DF, w + 2 * DF);
+    } else {
+      const ExpertRefs& x = p.experts[static_cast<size_t>(expert)];
+      read_all(x.gate, w);
+      read_all(x.up, w + DF);
+      read_all(x.down, w + 2 * DF);
+    }
+  };
+  fill.router = [&](int32_t layer, float* router, float* bias) {
+    const LayerPlan& p = plans[static_cast<size_t>(layer)];
+    read_all(p.router, router);
+    if (bias != nullptr) {
+      if (p.bias) read_all(p.bias, bias);
+      else std::fill(bias, bias + c.n_experts, 0.0f);
+    }
+  };
+  fill.shared = [&](int32_t layer, float* w, float* gate) {
+    const LayerPlan& p = plans[static_cast<size_t>(layer)];
+    const size_t SF = static_cast<size_t>(c.d_model) * static_cast<size_t>(c.shared_d_ff);
+    read_all(p.shared.gate, w);
+    read_all(p.shared.up, w + SF);
+    read_all(p.shared.down, w + 2 * SF);
+    if (gate != nullptr) {
+      if (p.shared_gate) read_all(p.shared_gate, gate);
+      else std::fill(gate, gate + c.d_model, 0.0f);
+    }
+  };
+  const int32_t n_layers = spec.n_layers;
+  fill.progress = [&](uint64_t done, uint64_t total) {
+    result.bytes_written = done;
+    if (!options.progress) return;
+    HfConvertProgress pr;
+    pr.bytes_done = done;
+    pr.bytes_total = total;
+    // Every layer has the same files, so bytes tell how many are complete.
+    pr.layers_done = total == 0 ? 0 : static_cast<int32_t>(done * static_cast<uint64_t>(n_layers) / total);
+    pr.layers_total = n_layers;
+    options.progress(pr);
+  };
+
+  const std::string tmp = out + ".partial-" + std::to_string(::getpid());
+  std::error_code ec;
+  std::filesystem::remove_all(tmp, ec);  // left by an earlier run that had our pid
+  try {
+    write_model_dir(tmp, spec, fill);
+    if (::rename(tmp.c_str(), out.c_str()) != 0) {
+      fail(COLIBRI_ERR_IO, errno_message(out + ": cannot move the converted model into place from " + tmp, errno));
+    }
+  } catch (...) {
+    std::filesystem::remove_all(tmp, ec);
+    throw;
+  }
+  return result;
+}
+
+}  // namespace colibri

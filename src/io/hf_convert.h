@@ -1,0 +1,84 @@
+// Conversion of Hugging Face MoE checkpoints (config.json + safetensors
+// shards) into a Colibri model directory: every MoE layer's experts, router
+// and shared expert. Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+// DeepSeek-V2 and -V3, with per-expert or fused expert tensors.
+//
+// Shards are memory-mapped and read one expert at a time, so memory stays
+// at a few experts' worth whatever the checkpoint's size. The output is
+// written to `<out>.partial-<pid>` and renamed into place only on success;
+// on failure nothing that looks like a model is left behind.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "colibri.h"
+
+namespace colibri {
+
+// What config.json says about the MoE part of a model, resolved for its
+// family (defaults applied, layer rule evaluated).
+struct HfMoeConfig {
+  std::string model_type;
+  int32_t n_hidden_layers = 0;
+  int32_t n_experts = 0;
+  int32_t d_model = 0;
+  int32_t d_ff = 0;
+  int32_t shared_d_ff = 0;   // 0 = no shared expert
+  bool shared_gate = false;  // Qwen2-MoE
+  colibri_router_desc_t router{};
+  std::vector<int32_t> moe_layers;  // HF decoder layer indices, ascending
+};
+
+// "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3".
+std::string hf_supported_model_types();
+
+// Parses config.json text; `source` names it in errors. Throws
+// Error(COLIBRI_ERR_FORMAT) naming the field at fault, or
+// Error(COLIBRI_ERR_UNSUPPORTED) for a model_type or setting Colibri cannot
+// run.
+HfMoeConfig parse_hf_config(const std::string& text, const std::string& source);
+
+struct HfConvertProgress {
+  uint64_t bytes_done = 0;  // written so far
+  uint64_t bytes_total = 0;
+  int32_t layers_done = 0;  // complete layers
+  int32_t layers_total = 0;
+};
+
+struct HfConvertOptions {
+  std::string hf_dir;   // holds config.json and the safetensors file(s)
+  std::string out_dir;  // must not exist, or be an empty directory
+  // Default: the dtype of the checkpoint's expert tensors.
+  std::optional<colibri_dtype_t> dtype;
+  // HF decoder layer indices, inclusive; the MoE layers inside are
+  // converted. Default: all.
+  std::optional<int32_t> first_layer, last_layer;
+  bool checksums = true;
+  // Called after each file written; may throw to abort (the partial output
+  // is then removed).
+  std::function<void(const HfConvertProgress&)> progress;
+};
+
+struct HfConvertResult {
+  HfMoeConfig config;
+  std::vector<int32_t> layers;  // HF indices converted; Colibri layer j = layers[j]
+  colibri_dtype_t dtype = COLIBRI_DTYPE_F16;  // of the written model
+  colibri_dtype_t source_dtype = COLIBRI_DTYPE_F16;  // of the first expert tensor
+  int32_t fused_layers = 0;  // layers whose experts came as fused tensors
+  int32_t n_shards = 0;
+  uint64_t bytes_written = 0;
+};
+
+// Reads, checks every needed tensor (names, dtypes, shapes) before writing
+// anything, then writes. Throws Error: COLIBRI_ERR_FORMAT for bad input
+// (naming the file and tensor or field), COLIBRI_ERR_IO for files that
+// cannot be read or written and for an existing, non-empty out_dir,
+// COLIBRI_ERR_UNSUPPORTED for an unknown architecture, COLIBRI_ERR_INVALID_ARGUMENT
+// for a layer range that selects nothing.
+HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options);
+
+}  // namespace colibri

@@ -1,0 +1,138 @@
+// colibri convert: Hugging Face MoE checkpoint -> Colibri model directory.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "commands.h"
+#include "common.h"
+#include "io/hf_convert.h"
+#include "io/manifest.h"
+#include "util/error.h"
+
+namespace colibri_cli {
+
+namespace {
+
+struct ConvertArgs {
+  std::string hf, out, dtype, layers;
+  bool progress = false;
+};
+
+// "a-b" (inclusive) or a single "a".
+void parse_layer_range(const std::string& text, colibri::HfConvertOptions* o) {
+  const auto number = [&](const std::string& s) {
+    if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos) {
+      throw CliError("convert: --layers: \"" + text + "\" is not a range a-b of layer indices");
+    }
+    return static_cast<int32_t>(std::stoi(s));
+  };
+  const size_t dash = text.find('-');
+  o->first_layer = number(text.substr(0, dash));
+  o->last_layer = dash == std::string::npos ? *o->first_layer : number(text.substr(dash + 1));
+}
+
+// One line redrawn in place: bar, bytes and layers. Redrawn at most ~10
+// times a second: small experts finish far faster than a terminal scrolls.
+class ProgressBar {
+ public:
+  void update(const colibri::HfConvertProgress& p) {
+    const auto now = std::chrono::steady_clock::now();
+    const bool last = p.bytes_done == p.bytes_total;
+    if (!last && drawn_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+    last_draw_ = now;
+    drawn_ = true;
+    constexpr int kWidth = 30;
+    const double frac = p.bytes_total ? static_cast<double>(p.bytes_done) / static_cast<double>(p.bytes_total) : 1.0;
+    const int filled = static_cast<int>(frac * kWidth);
+    std::string bar(static_cast<size_t>(filled), '#');
+    bar.resize(kWidth, '.');
+    std::fprintf(stderr, "\r[%s] %3.0f%%  %s / %s  layers %d/%d ", bar.c_str(), frac * 100.0,
+                 human_bytes(p.bytes_done).c_str(), human_bytes(p.bytes_total).c_str(), p.layers_done,
+                 p.layers_total);
+    std::fflush(stderr);
+  }
+  // Ends the line so the summary or an error starts on a fresh one.
+  void finish() {
+    if (drawn_) std::fprintf(stderr, "\n");
+    drawn_ = false;
+  }
+
+ private:
+  bool drawn_ = false;
+  std::chrono::steady_clock::time_point last_draw_{};
+};
+
+std::string layer_list(const std::vector<int32_t>& layers) {
+  // Contiguous selections are the common case; print them as a range.
+  if (layers.back() - layers.front() + 1 == static_cast<int32_t>(layers.size())) {
+    return layers.size() == 1 ? std::to_string(layers.front())
+                              : std::to_string(layers.front()) + "-" + std::to_string(layers.back());
+  }
+  std::string s;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (i == 8 && layers.size() > 9) return s + ",... (" + std::to_string(layers.size()) + " layers)";
+    s += (i ? "," : "") + std::to_string(layers[i]);
+  }
+  return s;
+}
+
+void run_convert(const ConvertArgs& a) {
+  colibri::HfConvertOptions o;
+  o.hf_dir = a.hf;
+  o.out_dir = a.out;
+  if (!a.dtype.empty()) {
+    colibri_dtype_t d;
+    if (!colibri::parse_dtype(a.dtype, &d)) {
+      throw CliError("convert: --dtype: unknown dtype \"" + a.dtype + "\" (expected f16, bf16 or f32)");
+    }
+    o.dtype = d;
+  }
+  if (!a.layers.empty()) parse_layer_range(a.layers, &o);
+  ProgressBar bar;
+  if (a.progress || ::isatty(STDERR_FILENO)) {
+    o.progress = [&bar](const colibri::HfConvertProgress& p) { bar.update(p); };
+  }
+
+  const auto t0 = std::chrono::steady_clock::now();
+  colibri::HfConvertResult r;
+  try {
+    r = colibri::convert_hf_checkpoint(o);
+  } catch (const std::exception& e) {
+    bar.finish();
+    throw CliError(std::string("convert: ") + e.what());
+  }
+  bar.finish();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  const colibri::HfMoeConfig& c = r.config;
+  std::string shared;
+  if (c.shared_d_ff > 0) {
+    shared = ", shared expert d_ff " + std::to_string(c.shared_d_ff) + (c.shared_gate ? " (gated)" : "");
+  }
+  std::printf("converted %s (%s) to %s: %zu MoE layer(s) [HF %s] x %d experts, d_model %d, d_ff %d%s, "
+              "router %s top-%d, %s from %s, %s in %.1f s\n",
+              a.hf.c_str(), c.model_type.c_str(), a.out.c_str(), r.layers.size(), layer_list(r.layers).c_str(),
+              c.n_experts, c.d_model, c.d_ff, shared.c_str(), colibri_router_family_name(c.router.family),
+              c.router.top_k, colibri_dtype_name(r.dtype), colibri_dtype_name(r.source_dtype),
+              human_bytes(r.bytes_written).c_str(), seconds);
+}
+
+}  // namespace
+
+void add_convert_commands(CLI::App& app) {
+  auto ca = std::make_shared<ConvertArgs>();
+  CLI::App* c = app.add_subcommand(
+      "convert", "Convert a Hugging Face MoE checkpoint (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)");
+  c->add_option("--hf", ca->hf, "Checkpoint directory: config.json and model*.safetensors")->required();
+  c->add_option("--out", ca->out, "Output model directory (must not exist or be empty)")->required();
+  c->add_option("--dtype", ca->dtype, "Weight type: f16, bf16 or f32 (default: the checkpoint's)")
+      ->check(CLI::IsMember({"f16", "bf16", "f32"}));
+  c->add_option("--layers", ca->layers, "HF decoder layers a-b (inclusive); the MoE layers among them");
+  c->add_flag("--progress", ca->progress, "Progress bar on stderr even when it is not a terminal");
+  c->callback([ca] { run_convert(*ca); });
+}
+
+}  // namespace colibri_cli
