@@ -91,7 +91,12 @@ class ApiTest : public ::testing::Test {
     return st;
   }
 
-  void write_manifest(const json& doc) { write_file(manifest_path_, doc.dump(2)); }
+  // A hand-edited manifest: without the checksum file, which would no
+  // longer match (ManifestChecksum tests that case).
+  void write_manifest(const json& doc) {
+    write_file(manifest_path_, doc.dump(2));
+    std::filesystem::remove(manifest_path_ + ".xxh64");
+  }
 
   // Rewrites the manifest with one change and expects FORMAT naming `field`.
   void expect_manifest_rejected(const json& doc, std::initializer_list<std::string> needles,
@@ -341,6 +346,38 @@ TEST_F(ApiTest, ChecksumKeyNamingForeignFile) {
     doc["checksums"][key] = "xxh64:0123456789abcdef";
     expect_manifest_rejected(doc, {key});
   }
+}
+
+TEST_F(ApiTest, ManifestChecksumCatchesAnyFlippedByte) {
+  // Every single-bit flip anywhere in colibri.json (even inside a field
+  // readers ignore, or in a key name) is refused, naming colibri.json.
+  const std::string good = read_file(manifest_path_);
+  ASSERT_TRUE(std::filesystem::exists(manifest_path_ + ".xxh64"));
+  for (size_t i = 0; i < good.size(); i += 7) {
+    std::string bad = good;
+    bad[i] = static_cast<char>(bad[i] ^ (1 << (i % 8)));
+    write_file(manifest_path_, bad);
+    EXPECT_NE(open_status(dir_), COLIBRI_OK) << "flip at byte " << i;
+    EXPECT_TRUE(error_names({"colibri.json"})) << "flip at byte " << i;
+  }
+  // A field nobody reads, changed: only the checksum can tell.
+  json doc = json::parse(good);
+  doc["comment"] = "edited";
+  write_file(manifest_path_, doc.dump(2));
+  EXPECT_EQ(open_status(dir_), COLIBRI_ERR_CHECKSUM);
+  EXPECT_TRUE(error_names({"colibri.json", "checksum mismatch"}));
+  // A malformed checksum file is named.
+  write_file(manifest_path_, good);
+  write_file(manifest_path_ + ".xxh64", "xxh64:nothex\n");
+  EXPECT_EQ(open_status(dir_), COLIBRI_ERR_FORMAT);
+  EXPECT_TRUE(error_names({"colibri.json.xxh64"}));
+  // verify_checksums = 0 skips it, as it skips the weight files'.
+  colibri_open_options_t o;
+  colibri_open_options_default(&o);
+  o.verify_checksums = 0;
+  colibri_model_t* model = nullptr;
+  EXPECT_EQ(colibri_open(dir_.c_str(), &o, &model), COLIBRI_OK) << colibri_last_error();
+  colibri_free(model);
 }
 
 TEST_F(ApiTest, VerifyDir) {

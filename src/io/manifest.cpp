@@ -1,5 +1,7 @@
 #include "io/manifest.h"
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -284,6 +286,31 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
 Manifest load_manifest(const std::string& model_dir) {
   const std::string path = model_dir + "/" + kManifestName;
   return parse_manifest(read_small_file(path, kMaxManifestBytes), path);
+}
+
+bool verify_manifest_checksum(const std::string& model_dir) {
+  const std::string sum_path = model_dir + "/" + kManifestChecksumName;
+  struct stat st {};
+  if (::stat(sum_path.c_str(), &st) != 0) return false;
+  std::string text = read_small_file(sum_path, 256);
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
+  const auto want = parse_checksum(text);
+  if (!want) fail(COLIBRI_ERR_FORMAT, sum_path + ": malformed checksum (expected \"xxh64:<16 hex>\")");
+  const std::string path = model_dir + "/" + kManifestName;
+  const std::string manifest = read_small_file(path, kMaxManifestBytes);
+  const uint64_t actual = xxh64(manifest.data(), manifest.size());
+  if (actual != *want) {
+    fail(COLIBRI_ERR_CHECKSUM, path + ": checksum mismatch: " + kManifestChecksumName + " says " +
+                                   format_checksum(*want) + ", file is " + format_checksum(actual));
+  }
+  return true;
+}
+
+void write_manifest(const std::string& model_dir, const Manifest& m) {
+  const std::string text = manifest_to_json(m);
+  write_file_atomic(model_dir + "/" + kManifestName, text.data(), text.size());
+  const std::string sum = format_checksum(xxh64(text.data(), text.size())) + "\n";
+  write_file_atomic(model_dir + "/" + kManifestChecksumName, sum.data(), sum.size());
 }
 
 std::string manifest_to_json(const Manifest& m) {

@@ -10,6 +10,10 @@
 namespace colibri {
 
 inline constexpr const char* kManifestName = "colibri.json";
+// Beside it: "xxh64:<16 hex>\n", the XXH64 of colibri.json's bytes, so a
+// flipped byte anywhere in the manifest (even in a field a reader ignores)
+// is caught. Optional: hand-written manifests need not have one.
+inline constexpr const char* kManifestChecksumName = "colibri.json.xxh64";
 inline constexpr const char* kManifestFormat = "colibri-moe";
 // Written for models with a router or a shared expert; v1 otherwise, so
 // older readers still open plain expert models. Both are read.
@@ -80,6 +84,12 @@ void validate_router(const colibri_router_desc_t& router, int32_t n_experts, con
 // Throws Error(COLIBRI_ERR_FORMAT) naming the field at fault.
 Manifest parse_manifest(const std::string& text, const std::string& source);
 Manifest load_manifest(const std::string& model_dir);
+// Checks colibri.json against colibri.json.xxh64 when that file exists.
+// Throws Error(COLIBRI_ERR_CHECKSUM) on a mismatch, Error(COLIBRI_ERR_FORMAT)
+// for a malformed checksum file. Returns whether a checksum was checked.
+bool verify_manifest_checksum(const std::string& model_dir);
+// Writes colibri.json, then its checksum file (both atomically).
+void write_manifest(const std::string& model_dir, const Manifest& manifest);
 std::string manifest_to_json(const Manifest& manifest);
 
 bool parse_dtype(const std::string& name, colibri_dtype_t* out);

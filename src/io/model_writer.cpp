@@ -130,8 +130,7 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
       if (m.shared_gate) write_one(m.shared_gate_file(l), encode_weights(gate.data(), D, COLIBRI_DTYPE_F32));
     }
   }
-  const std::string json = manifest_to_json(m);
-  write_file_atomic(dir + "/" + kManifestName, json.data(), json.size());
+  write_manifest(dir, m);
 }
 
 void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,

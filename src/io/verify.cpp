@@ -13,6 +13,21 @@ void verify_model_dir(const std::string& dir, const std::function<void(const Fil
   const Manifest m = load_manifest(dir);
   colibri_status_t first_status = COLIBRI_OK;
   std::string first_problem;
+  {
+    FileReport r;
+    r.file = kManifestName;
+    try {
+      const auto t0 = std::chrono::steady_clock::now();
+      r.has_checksum = verify_manifest_checksum(dir);
+      r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      r.ok = true;
+    } catch (const Error& err) {
+      r.problem = err.what();
+      first_status = err.status();
+      first_problem = r.problem;
+    }
+    if (on_file) on_file(r);
+  }
   m.for_each_weight_file([&](const std::string& name, uint64_t expected) {
     FileReport r;
     r.file = name;

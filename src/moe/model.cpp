@@ -27,6 +27,7 @@ Model::Model(const std::string& dir, const colibri_open_options_t& o, std::strin
                                            std::to_string(o.n_threads));
   }
   manifest_ = load_manifest(dir);
+  if (o.verify_checksums != 0) verify_manifest_checksum(dir);
   StoreOptions so;
   so.verify_checksums = o.verify_checksums != 0;
   so.huge_pages = o.huge_pages != 0;
