@@ -1,93 +1,13 @@
-// Independent float64 reference for one MoE layer, reading the expert files
-// straight from a model directory (so it checks the loader's packing too).
+// The float64 reference (src/moe/reference.h) under the names the tests use.
 #pragma once
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
-
-#include "io/manifest.h"
-#include "io/mapped_file.h"
-#include "util/half.h"
+#include "moe/reference.h"
 
 namespace colibri_test {
 
-struct ReferenceExpert {
-  std::vector<double> gate, up, down;  // [F][D], [F][D], [D][F]
-};
-
-inline ReferenceExpert load_reference_expert(const std::string& dir, const colibri::Manifest& m,
-                                             int32_t layer, int32_t expert) {
-  colibri::MappedFile f(dir + "/" + m.expert_file(layer, expert));
-  const size_t n = static_cast<size_t>(m.d_model) * static_cast<size_t>(m.d_ff);
-  std::vector<double> all(3 * n);
-  for (size_t i = 0; i < 3 * n; ++i) {
-    if (m.dtype == COLIBRI_DTYPE_F32) {
-      float v;
-      std::memcpy(&v, f.data() + 4 * i, 4);
-      all[i] = v;
-    } else {
-      const uint16_t h = static_cast<uint16_t>(f.data()[2 * i] | (f.data()[2 * i + 1] << 8));
-      all[i] = m.dtype == COLIBRI_DTYPE_F16 ? colibri::f16_to_float(h) : colibri::bf16_to_float(h);
-    }
-  }
-  ReferenceExpert e;
-  e.gate.assign(all.begin(), all.begin() + static_cast<ptrdiff_t>(n));
-  e.up.assign(all.begin() + static_cast<ptrdiff_t>(n), all.begin() + static_cast<ptrdiff_t>(2 * n));
-  e.down.assign(all.begin() + static_cast<ptrdiff_t>(2 * n), all.end());
-  return e;
-}
-
-// y[t] = sum_j w[t][j] * down_e(silu(gate_e x[t]) * up_e x[t]); id -1 skipped.
-inline std::vector<double> reference_layer(const std::string& dir, int32_t layer, int32_t T,
-                                           const float* x, int32_t k, const int32_t* ids,
-                                           const float* w) {
-  const colibri::Manifest m = colibri::load_manifest(dir);
-  const size_t D = static_cast<size_t>(m.d_model), F = static_cast<size_t>(m.d_ff);
-  std::vector<ReferenceExpert> experts(static_cast<size_t>(m.n_experts));
-  std::vector<bool> loaded(static_cast<size_t>(m.n_experts), false);
-  std::vector<double> y(static_cast<size_t>(T) * D, 0.0), h(F);
-  for (int32_t t = 0; t < T; ++t) {
-    const float* xt = x + static_cast<size_t>(t) * D;
-    for (int32_t j = 0; j < k; ++j) {
-      const int32_t e = ids[static_cast<size_t>(t) * k + j];
-      if (e < 0) continue;
-      if (!loaded[static_cast<size_t>(e)]) {
-        experts[static_cast<size_t>(e)] = load_reference_expert(dir, m, layer, e);
-        loaded[static_cast<size_t>(e)] = true;
-      }
-      const ReferenceExpert& ex = experts[static_cast<size_t>(e)];
-      for (size_t f = 0; f < F; ++f) {
-        double g = 0, u = 0;
-        for (size_t d = 0; d < D; ++d) {
-          g += ex.gate[f * D + d] * xt[d];
-          u += ex.up[f * D + d] * xt[d];
-        }
-        h[f] = g / (1.0 + std::exp(-g)) * u;
-      }
-      const double wt = w[static_cast<size_t>(t) * k + j];
-      for (size_t d = 0; d < D; ++d) {
-        double acc = 0;
-        for (size_t f = 0; f < F; ++f) acc += ex.down[d * F + f] * h[f];
-        y[static_cast<size_t>(t) * D + d] += wt * acc;
-      }
-    }
-  }
-  return y;
-}
-
-// ||got - ref|| / ||ref||; NaN anywhere in got gives +inf.
-inline double relative_l2(const float* got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    const double d = got[i] - ref[i];
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
+using colibri::load_reference_expert;
+using colibri::reference_layer;
+using colibri::ReferenceExpert;
+using colibri::relative_l2;
 
 }  // namespace colibri_test

@@ -203,6 +203,27 @@ TEST_F(CliTest, InferWithoutRoutingUsesTheBuiltInRouter) {
   EXPECT_NE(bad.err.find("gpt"), std::string::npos) << bad.err;
 }
 
+TEST_F(CliTest, LoadtestChecksEveryOutputUnderConcurrencyAndSwaps) {
+  const std::string model = path("load");
+  ASSERT_EQ(run("gen --out " + model + " --experts 6 --d-model 48 --d-ff 40 --dtype bf16").exit_code, 0);
+  RunResult r = run("loadtest --model " + model + " --callers 1,3 --requests 30 --tokens 3 --top-k 2 "
+                    "--routings 4 --swap-every 7 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json out = nlohmann::json::parse(r.out);
+  ASSERT_EQ(out["rows"].size(), 2u);
+  EXPECT_EQ(out["rows"][1]["callers"], 3);
+  EXPECT_EQ(out["rows"][1]["requests"], 90);
+  for (const auto& row : out["rows"]) {
+    EXPECT_EQ(row["failed"], 0);
+    EXPECT_EQ(row["wrong"], 0);
+    EXPECT_GT(row["swaps"].get<int>(), 0);
+    EXPECT_LE(row["worst_rel_l2"].get<double>(), 5e-3);
+  }
+  RunResult bad = run("loadtest --model " + model + " --callers 0");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--callers"), std::string::npos) << bad.err;
+}
+
 TEST_F(CliTest, RouteDumpJsonRoundTrip) {
   const RandomRouting r = make_routing(5, 2, 4, 3);
   spit(path("r.route"), r.text);

@@ -20,6 +20,8 @@
 #include "io/model_writer.h"
 #include "moe/router.h"
 #include "reference.h"
+#include "util/half.h"
+#include "io/mapped_file.h"
 #include "test_util.h"
 
 namespace {

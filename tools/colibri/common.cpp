@@ -83,4 +83,29 @@ const char* huge_page_kind_name(colibri_huge_page_kind_t kind) {
   return "none";
 }
 
+Routing random_routing(int32_t T, int32_t k, int32_t E, std::mt19937_64& rng) {
+  Routing r;
+  r.k = k;
+  r.ids.resize(static_cast<size_t>(T) * k);
+  r.weights.resize(r.ids.size());
+  std::vector<int32_t> perm(static_cast<size_t>(E));
+  for (int32_t e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = e;
+  std::uniform_real_distribution<float> logit(0.0f, 2.0f);
+  for (int32_t t = 0; t < T; ++t) {
+    // Partial Fisher-Yates: the first k of perm become the token's experts.
+    float sum = 0;
+    for (int32_t j = 0; j < k; ++j) {
+      std::uniform_int_distribution<int32_t> pick(j, E - 1);
+      std::swap(perm[static_cast<size_t>(j)], perm[static_cast<size_t>(pick(rng))]);
+      r.ids[static_cast<size_t>(t) * k + j] = perm[static_cast<size_t>(j)];
+      const float w = std::exp(logit(rng));
+      r.weights[static_cast<size_t>(t) * k + j] = w;
+      sum += w;
+    }
+    for (int32_t j = 0; j < k; ++j) r.weights[static_cast<size_t>(t) * k + j] /= sum;
+  }
+  return r;
+}
+
+
 }  // namespace colibri_cli

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -47,6 +48,17 @@ struct RoutingHandle {
 
 // Opens a model; prints the loader's warning (if any) to stderr.
 void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out);
+
+// Explicit routing for benchmarks and load tests.
+struct Routing {
+  int32_t k = 0;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+
+// Uniformly random distinct experts per token, softmax-like weights summing
+// to 1, as a trained router's top-k would give.
+Routing random_routing(int32_t T, int32_t k, int32_t E, std::mt19937_64& rng);
 
 std::string human_bytes(uint64_t bytes);
 const char* huge_page_kind_name(colibri_huge_page_kind_t kind);

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   colibri_cli::add_route_commands(app);
   colibri_cli::add_run_commands(app);
   colibri_cli::add_convert_commands(app);
+  colibri_cli::add_load_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
