@@ -1,0 +1,175 @@
+#!/usr/bin/python3
+"""colibri.torch.accelerate on a Mixtral-shaped MoE block: plain PyTorch fp32
+forward against the same model with its experts run by Colibri.
+
+One HF-style MixtralSparseMoeBlock (router Linear -> softmax fp32 -> top-k ->
+renormalise -> per-expert loop with index_add_), E=8, k=2, d_model=1024,
+d_ff=3584 by default, fp32 weights, inside a one-layer model. For each token
+count T it times model(x) under torch.no_grad(): plain PyTorch, then after
+accelerate(model, dtype=...) for each Colibri dtype (the router stays in
+PyTorch in both), and prints p50/p90 in ms, the speed-up and the relative L2
+difference of the outputs. A measurement, not a test: nothing here fails on
+timing.
+
+  /usr/bin/python3 bench/accelerate_bench.py --threads 2 --tokens 1 128 --dtypes f32 f16
+  (PYTHONPATH=python and COLIBRI_LIBRARY=build/libcolibri.so if not installed)
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--d-ff", type=int, default=3584)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
+    p.add_argument("--dtypes", nargs="+", default=["f32", "f16"], choices=["f32", "f16", "bf16"])
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and Colibri threads")
+    p.add_argument("--iters", type=int, default=50, help="timed calls at T=1 (fewer for large T, see --budget)")
+    p.add_argument("--budget", type=float, default=20.0, help="rough seconds per (engine, T) measurement")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+args = parse_args()
+# Before torch loads: OpenBLAS sizes its thread pool at load time.
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(var, str(args.threads))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import colibri  # noqa: E402
+import colibri.torch as ct  # noqa: E402
+
+
+class Expert(nn.Module):
+    def __init__(self, D, F_):
+        super().__init__()
+        self.w1 = nn.Linear(D, F_, bias=False)
+        self.w2 = nn.Linear(F_, D, bias=False)
+        self.w3 = nn.Linear(D, F_, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, h):
+        return self.w2(self.act_fn(self.w1(h)) * self.w3(h))
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    """transformers' MixtralSparseMoeBlock.forward (evaluation mode)."""
+
+    def __init__(self, D, F_, E, k):
+        super().__init__()
+        self.hidden_dim, self.ffn_dim, self.num_experts, self.top_k = D, F_, E, k
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList([Expert(D, F_) for _ in range(E)])
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final = torch.zeros((batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.numel() == 0:
+                continue
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            out = self.experts[expert_idx](current_state) * routing_weights[top_x, idx, None]
+            final.index_add_(0, top_x, out.to(hidden_states.dtype))
+        return final.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
+class Layer(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block_sparse_moe = block
+
+    def forward(self, h):
+        return self.block_sparse_moe(h)[0]
+
+
+class Model(nn.Module):
+    def __init__(self, D, F_, E, k):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(MixtralSparseMoeBlock(D, F_, E, k))])
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def timed(fn, T):
+    """p50 and p90 in ms of fn(); warm-up first, then as many calls as fit
+    the budget (at least 5, at most --iters)."""
+    for _ in range(2):
+        fn()
+    t0 = time.perf_counter()
+    fn()
+    one = time.perf_counter() - t0
+    n = max(5, min(args.iters, int(args.budget / max(one, 1e-6))))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))], n
+
+
+def main():
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    D, F_, E, k = args.d_model, args.d_ff, args.experts, args.top_k
+    model = Model(D, F_, E, k).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+    print("# colibri.torch.accelerate vs PyTorch %s fp32; E=%d k=%d d_model=%d d_ff=%d; %d threads; %s"
+          % (torch.__version__, E, k, D, F_, args.threads, colibri.library_path()))
+    xs = {T: torch.randn(1, T, D) for T in args.tokens}
+    rows = []
+    with torch.no_grad():
+        base = {}
+        for T in args.tokens:
+            want = model(xs[T])
+            p50, p90, n = timed(lambda: model(xs[T]), T)
+            base[T] = (p50, want)
+            rows.append(("pytorch fp32", T, p50, p90, n, 1.0, 0.0, ""))
+        for dt in args.dtypes:
+            report = ct.accelerate(model, dtype=dt, threads=args.threads)
+            assert len(report.accelerated) == 1, report
+            kernels = report.models[0].kernels
+            for T in args.tokens:
+                got = model(xs[T])
+                err = float((got - base[T][1]).norm() / base[T][1].norm())
+                p50, p90, n = timed(lambda: model(xs[T]), T)
+                rows.append(("colibri %s" % dt, T, p50, p90, n, base[T][0] / p50, err, kernels))
+            ct.restore(model)
+            for m in report.models:
+                m.close()
+    print("| engine | T | p50 ms | p90 ms | calls | speed-up vs PyTorch fp32 | rel. L2 vs PyTorch |")
+    print("|---|---|---|---|---|---|---|")
+    for name, T, p50, p90, n, ratio, err, _ in sorted(rows, key=lambda r: (r[1], r[0] != "pytorch fp32")):
+        print("| %s | %d | %.3f | %.3f | %d | %.2fx | %.1e |" % (name, T, p50, p90, n, ratio, err))
+    for name, _, _, _, _, _, _, kernels in rows:
+        if kernels:
+            print("# %s kernels: %s" % (name, kernels))
+            break
+
+
+if __name__ == "__main__":
+    main()

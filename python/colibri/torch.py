@@ -1,0 +1,782 @@
+"""PyTorch integration: ColibriExperts and accelerate(model).
+
+    import colibri.torch as ct
+
+    experts = ct.ColibriExperts(gate_up_proj=gu, down_proj=dp, dtype="f16")
+    y = experts(x, ids, weights)               # x [N, D], ids/weights [N, k]
+
+    report = ct.accelerate(model)              # every recognised MoE block
+    print(report)
+
+Both run the experts' SwiGLU FFNs in Colibri (the C library copies the
+weights at open, so a ColibriExperts keeps no reference to the tensors it was
+built from). accelerate() keeps each block's router in PyTorch and replaces
+only the expert computation, so the model's outputs stay what they were
+within rounding. Inference only: a block falls back to its original PyTorch
+forward whenever gradients are wanted (training mode, or autograd recording
+with an input that requires grad), so run the model under torch.no_grad() or
+torch.inference_mode() to get Colibri.
+
+Blocks are recognised by attribute names and shapes, without importing
+transformers:
+
+  family        block                                       experts
+  mixtral       .gate (Linear [E, D]), .top_k               .experts[i].w1/.w3/.w2
+  qwen2_moe     .gate, .top_k, .norm_topk_prob,             .experts[i].gate_proj/.up_proj/.down_proj
+                .shared_expert, .shared_expert_gate
+  qwen3_moe,    .gate, .top_k, .norm_topk_prob              .experts[i].gate_proj/.up_proj/.down_proj
+  olmoe
+  deepseek_v2   .gate (weight, top_k, scoring_func softmax, .experts[i].gate_proj/..., .shared_experts
+                topk_method, n_group, topk_group, ...)
+  deepseek_v3   .gate (... e_score_correction_bias)         as deepseek_v2
+  fused         .experts.gate_up_proj [E, 2F, D] (gate rows first), .experts.down_proj [E, D, F],
+                experts(hidden, top_k_index, top_k_weights) (transformers' fused experts modules)
+"""
+
+import dataclasses
+import types
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _lib as L
+from .model import Model, RouterConfig
+
+__all__ = ["ColibriExperts", "accelerate", "restore", "AccelerateReport", "AcceleratedBlock", "recognise"]
+
+_DTYPES = {
+    "f32": "f32", "float32": "f32", "fp32": "f32", torch.float32: "f32",
+    "f16": "f16", "float16": "f16", "fp16": "f16", "half": "f16", torch.float16: "f16",
+    "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
+}
+
+
+def _colibri_dtype(dtype, like=None):
+    """'f32'/'f16'/'bf16' from a name or torch dtype; None = like's dtype
+    (float32 for anything Colibri does not store)."""
+    if dtype is None:
+        if like is not None and like.dtype in _DTYPES:
+            return _DTYPES[like.dtype]
+        return "f32"
+    try:
+        return _DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise ValueError("dtype must be 'f32', 'f16', 'bf16' or the matching torch dtype, got %r" % (dtype,)) from None
+
+
+_grad_warned = False
+
+
+def _warn_no_grad():
+    global _grad_warned
+    if not _grad_warned:
+        _grad_warned = True
+        warnings.warn("ColibriExperts computes no gradients: its output is detached from autograd "
+                      "(run under torch.no_grad() or torch.inference_mode())", stacklevel=3)
+
+
+# --------------------------------------------------------------- ColibriExperts
+
+
+class ColibriExperts(nn.Module):
+    """The experts of one MoE layer, run by Colibri.
+
+    Built from in-memory weights through colibri_open_memory:
+
+      ColibriExperts(gate, up, down, dtype=None, threads=0)
+        gate/up: per-expert [F, D] tensors (a list) or stacked [E, F, D];
+        down: per-expert [D, F] or stacked [E, D, F] (nn.Linear.weight layout:
+        w1/gate_proj, w3/up_proj, w2/down_proj).
+      ColibriExperts(gate_up_proj=..., down_proj=...)
+        the fused layout, gate_up_proj [E, 2F, D] (gate rows first),
+        down_proj [E, D, F].
+
+    Options: dtype ('f32', 'f16', 'bf16' or a torch dtype; None = the
+    weights' dtype), shared=(gate [S, D], up [S, D], down [D, S]) a shared
+    expert added to every token, shared_gate [D] (or [1, D]: Qwen2-MoE's
+    shared_expert_gate.weight) scaling it by sigmoid(shared_gate . x);
+    router [E, D] + router_config (RouterConfig or dict: family, top_k,
+    norm_topk_prob, n_group, topk_group, routed_scaling_factor) + router_bias
+    [E] for a built-in router; threads, bf16_compute, lock, huge_pages as in
+    colibri.Model.
+
+    forward(x [..., D], ids [..., k] = None, weights [..., k] = None) ->
+    [..., D] in x's dtype. ids int64 (torch.topk's) or int32, -1 = no
+    expert; weights any float dtype, applied as given. Without ids the
+    built-in router chooses. No parameters are registered (the weights live
+    in Colibri), so state_dict() is empty and gradients are not computed.
+    """
+
+    def __init__(self, gate=None, up=None, down=None, *, gate_up_proj=None, down_proj=None, dtype=None,
+                 shared=None, shared_gate=None, router=None, router_config=None, router_bias=None,
+                 threads=0, bf16_compute=False, lock=True, huge_pages=True):
+        super().__init__()
+        if gate_up_proj is not None or (down_proj is not None and gate is None):
+            if gate is not None or up is not None or down is not None:
+                raise ValueError("give gate/up/down or gate_up_proj/down_proj, not both")
+            if gate_up_proj is None or down_proj is None:
+                raise ValueError("the fused layout needs both gate_up_proj [E, 2F, D] and down_proj [E, D, F]")
+            layer = {"gate_up_proj": _detached(gate_up_proj), "down_proj": _detached(down_proj)}
+            like = gate_up_proj
+        else:
+            if gate is None or up is None or down is None:
+                raise ValueError("ColibriExperts needs gate, up and down weights (or gate_up_proj and down_proj)")
+            layer = {"experts": _triples(gate, up, down)}
+            like = layer["experts"][0][0]
+        if not isinstance(like, torch.Tensor):
+            raise TypeError("expert weights must be torch tensors, got %s" % type(like).__name__)
+        cdtype = _colibri_dtype(dtype, like)
+        if shared is not None:
+            if not isinstance(shared, (tuple, list)) or len(shared) != 3:
+                raise ValueError("shared must be (gate [S, D], up [S, D], down [D, S])")
+            layer["shared"] = tuple(_detached(t) for t in shared)
+        if shared_gate is not None:
+            layer["shared_gate"] = _detached(shared_gate)
+        rc = RouterConfig.coerce(router_config)
+        if (router is None) != (rc is None):
+            raise ValueError("a built-in router needs both router (weights [E, D]) and router_config")
+        if router is not None:
+            layer["router"] = _detached(router)
+        if router_bias is not None:
+            layer["router_bias"] = _detached(router_bias)
+        model = Model.from_arrays([layer], dtype=cdtype, router=rc, threads=threads, lock=lock,
+                                  huge_pages=huge_pages, bf16_compute=bf16_compute)
+        self._bind(model, 0)
+
+    def _bind(self, model, layer):
+        self.colibri_model = model
+        self.layer = layer
+        info = model.info
+        self.n_experts = info.n_experts
+        self.d_model = info.d_model
+        self.d_ff = info.d_ff
+        self.dtype_name = info.dtype
+        self.top_k = info.router_top_k or None
+
+    @classmethod
+    def _view(cls, model, layer):
+        """A ColibriExperts for layer `layer` of an existing (multi-layer) model."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._bind(model, layer)
+        return self
+
+    @classmethod
+    def from_moe_block(cls, block, dtype=None, threads=0, router=True, **options):
+        """A ColibriExperts holding a recognised MoE block's experts, shared
+        expert (with its gate) and, with router=True, the block's router as
+        Colibri's built-in router of the block's family, so that
+        forward(x) with no ids computes what the block computes."""
+        spec = recognise(block)
+        if isinstance(spec, str):
+            raise ValueError("not a recognised MoE block: %s" % spec)
+        layer = spec.layer_dict(shared_in_colibri=True)
+        if spec.shared is not None and not spec.shared_in_colibri:
+            raise ValueError("the block's shared expert cannot be represented in Colibri: %s" % spec.shared_note)
+        rc = None
+        if router:
+            rc, rw, rb = spec.router_for_colibri()
+            layer["router"] = rw
+            if rb is not None:
+                layer["router_bias"] = rb
+        cdtype = _colibri_dtype(dtype, spec.weight_like)
+        model = Model.from_arrays([layer], dtype=cdtype, router=rc, threads=threads, **options)
+        return cls._view(model, 0)
+
+    def extra_repr(self):
+        s = "experts=%d, d_model=%d, d_ff=%d, dtype=%s" % (self.n_experts, self.d_model, self.d_ff, self.dtype_name)
+        info = self.colibri_model.info if not self.colibri_model.closed else None
+        if info is not None:
+            if info.n_layers > 1:
+                s += ", layer=%d of %d" % (self.layer, info.n_layers)
+            if info.shared_d_ff:
+                s += ", shared_d_ff=%d" % info.shared_d_ff
+            if info.router_family:
+                s += ", router=%s, top_k=%d" % (info.router_family, info.router_top_k)
+        else:
+            s += ", closed"
+        return s
+
+    def close(self):
+        """Frees the Colibri model (shared by every layer view of it)."""
+        self.colibri_model.close()
+
+    def forward(self, x, ids=None, weights=None):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("x must be a torch.Tensor, got %s" % type(x).__name__)
+        if torch.is_grad_enabled() and x.requires_grad:
+            _warn_no_grad()
+        if x.dim() < 1 or x.shape[-1] != self.d_model:
+            raise ValueError("x must be [..., %d] (d_model), got shape %s" % (self.d_model, list(x.shape)))
+        shape = x.shape
+        x2 = x.detach().reshape(-1, self.d_model)
+        x32 = x2 if x2.dtype == torch.float32 else x2.float()
+        x32 = x32.contiguous()
+        if ids is not None:
+            if weights is None:
+                raise ValueError("ids and weights go together: give both, or neither to use the built-in router")
+            if not isinstance(ids, torch.Tensor) or not isinstance(weights, torch.Tensor):
+                raise TypeError("ids and weights must be torch tensors")
+            k = ids.shape[-1] if ids.dim() else 0
+            ids = ids.detach().reshape(-1, k)
+            if ids.dtype not in (torch.int32, torch.int64):
+                raise TypeError("ids must be int32 or int64, got %s" % ids.dtype)
+            ids = ids.contiguous()
+            weights = weights.detach().reshape(-1, k)
+            if not weights.is_floating_point():
+                raise TypeError("weights must be floating point, got %s" % weights.dtype)
+            if weights.dtype != torch.float32:
+                weights = weights.float()
+            weights = weights.contiguous()
+        elif weights is not None:
+            raise ValueError("weights given without ids")
+        out = self.colibri_model.infer(x32, ids, weights, layer=self.layer)
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        return out.view(shape)
+
+    def route(self, x):
+        """The built-in router's choice for x [N, D]: (ids int32 [N, k],
+        weights float32 [N, k])."""
+        x32 = x.detach().reshape(-1, self.d_model).float().contiguous()
+        return self.colibri_model.route(x32, layer=self.layer)
+
+
+def _detached(t):
+    if isinstance(t, torch.Tensor):
+        return t.detach()
+    return t
+
+
+def _triples(gate, up, down):
+    """[(gate, up, down)] per expert from lists or stacked tensors."""
+    def split(w, name):
+        if isinstance(w, torch.Tensor):
+            if w.dim() != 3:
+                raise ValueError("%s must be a list of 2-D tensors or a stacked 3-D tensor, got shape %s"
+                                 % (name, list(w.shape)))
+            return [w[e].detach() for e in range(w.shape[0])]
+        if isinstance(w, (list, tuple)):
+            return [_detached(t) for t in w]
+        raise TypeError("%s must be a tensor or a list of tensors, got %s" % (name, type(w).__name__))
+
+    g, u, d = split(gate, "gate"), split(up, "up"), split(down, "down")
+    if not (len(g) == len(u) == len(d)) or not g:
+        raise ValueError("gate, up and down must hold the same number (>= 1) of experts, got %d, %d, %d"
+                         % (len(g), len(u), len(d)))
+    return list(zip(g, u, d))
+
+
+# ------------------------------------------------------------------ recognition
+
+
+def _is_silu(act):
+    if act is None:
+        return True
+    if act is F.silu or isinstance(act, nn.SiLU):
+        return True
+    return type(act).__name__.lower() in ("siluactivation", "silu", "swish")
+
+
+def _plain_weight(mod):
+    """mod's weight if mod acts like a bias-free nn.Linear with a float weight; else None."""
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point() or w.device.type != "cpu":
+        return None
+    if getattr(mod, "bias", None) is not None:
+        return None
+    return w
+
+
+def _act_of(mod):
+    for name in ("act_fn", "act", "activation_fn"):
+        if hasattr(mod, name):
+            return getattr(mod, name)
+    return None
+
+
+_NAMINGS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+def _mlp_weights(mod):
+    """(gate, up, down) weights of a SwiGLU MLP module, with its naming, or
+    (None, reason)."""
+    for names in _NAMINGS:
+        if all(hasattr(mod, n) for n in names):
+            ws = [_plain_weight(getattr(mod, n)) for n in names]
+            if any(w is None for w in ws):
+                return None, "%s are not bias-free float Linear layers on the CPU" % "/".join(names)
+            if not _is_silu(_act_of(mod)):
+                return None, "activation %s is not SiLU" % type(_act_of(mod)).__name__
+            g, u, d = ws
+            F_, D = g.shape
+            if u.shape != (F_, D) or d.shape != (D, F_):
+                return None, "%s shapes %s, %s, %s are not [F, D], [F, D], [D, F]" % (
+                    "/".join(names), list(g.shape), list(u.shape), list(d.shape))
+            return (g, u, d, names[0]), None
+    return None, "no w1/w2/w3 or gate_proj/up_proj/down_proj"
+
+
+@dataclasses.dataclass
+class _Spec:
+    family: str
+    layout: str  # "experts" (one module per expert) or "fused"
+    n_experts: int
+    d_model: int
+    d_ff: int
+    top_k: Optional[int]
+    experts: list  # [(gate, up, down)] or None for fused
+    fused: tuple = None  # (gate_up_proj, down_proj)
+    shared: tuple = None  # (gate, up, down) weights of a shared expert
+    shared_gate: torch.Tensor = None  # [1, D] weight
+    shared_in_colibri: bool = False
+    shared_note: str = ""
+    norm_topk_prob: bool = True
+    gate_weight: torch.Tensor = None
+    gate_bias_ok: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    e_score_correction_bias: torch.Tensor = None
+    returns_logits: bool = True
+
+    @property
+    def weight_like(self):
+        return self.fused[0] if self.fused is not None else self.experts[0][0]
+
+    def group_key(self, cdtype):
+        s = self.shared[0].shape[0] if (self.shared is not None and self.shared_in_colibri) else 0
+        return (cdtype, self.n_experts, self.d_model, self.d_ff, s,
+                self.shared_gate is not None and self.shared_in_colibri)
+
+    def layer_dict(self, shared_in_colibri):
+        if self.fused is not None:
+            d = {"gate_up_proj": self.fused[0].detach(), "down_proj": self.fused[1].detach()}
+        else:
+            d = {"experts": [tuple(w.detach() for w in t) for t in self.experts]}
+        if shared_in_colibri and self.shared is not None and self.shared_in_colibri:
+            d["shared"] = tuple(w.detach() for w in self.shared)
+            if self.shared_gate is not None:
+                d["shared_gate"] = self.shared_gate.detach()
+        return d
+
+    def without_weights(self):
+        """A copy that keeps what the patched forward needs and no reference
+        to any weight (Colibri has its own copy)."""
+        return dataclasses.replace(self, experts=None, fused=None,
+                                   shared=None if self.shared is None else ("present",), shared_gate=None,
+                                   gate_weight=None, e_score_correction_bias=None)
+
+    def router_for_colibri(self):
+        """(RouterConfig, router weight, router bias) for Colibri's built-in
+        router, matching the family's rule."""
+        if self.gate_weight is None or not self.gate_bias_ok:
+            raise ValueError("the block's router is not a bias-free [E, D] linear map")
+        if self.top_k is None:
+            raise ValueError("the block has no top_k")
+        fam = self.family if self.family in L.ROUTER_CODES else "mixtral"
+        norm = bool(self.norm_topk_prob)
+        if fam in ("deepseek_v2", "deepseek_v3"):
+            norm = norm and self.top_k > 1  # DeepSeek's code renormalises only for k > 1
+        rc = RouterConfig(family=fam, top_k=self.top_k, norm_topk_prob=norm, n_group=self.n_group,
+                          topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
+        rb = self.e_score_correction_bias.detach() if self.e_score_correction_bias is not None else None
+        return rc, self.gate_weight.detach(), rb
+
+
+def _int_attr(obj, name):
+    v = getattr(obj, name, None)
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _shared_spec(spec, mlp, gate_mod):
+    """Fills spec.shared* from a shared-expert MLP and its optional gate."""
+    if mlp is None:
+        return
+    r, why = _mlp_weights(mlp)
+    if r is None:
+        spec.shared = ("pytorch",)
+        spec.shared_in_colibri = False
+        spec.shared_note = why
+        return
+    g, u, d, _ = r
+    spec.shared = (g, u, d)
+    spec.shared_in_colibri = d.shape[0] == spec.d_model
+    spec.shared_note = "" if spec.shared_in_colibri else "shared expert d_model %d != %d" % (d.shape[0], spec.d_model)
+    if gate_mod is not None:
+        gw = _plain_weight(gate_mod)
+        if gw is None or tuple(gw.shape) != (1, spec.d_model):
+            spec.shared_in_colibri = False
+            spec.shared_note = "shared_expert_gate is not a bias-free Linear(d_model, 1)"
+        else:
+            spec.shared_gate = gw
+
+
+def _experts_list(experts):
+    if isinstance(experts, (nn.ModuleList, list, tuple, nn.Sequential)):
+        return list(experts)
+    return None
+
+
+def recognise(block):
+    """The _Spec of a recognised MoE block, or a string saying why not."""
+    experts = getattr(block, "experts", None)
+    if experts is None:
+        return "no .experts"
+    # ---- the fused layout: experts.gate_up_proj [E, 2F, D], experts.down_proj [E, D, F]
+    gu, dp = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if isinstance(gu, torch.Tensor) and isinstance(dp, torch.Tensor):
+        if gu.dim() != 3 or dp.dim() != 3 or gu.shape[1] % 2:
+            return "fused experts with gate_up_proj %s / down_proj %s, expected [E, 2F, D] / [E, D, F]" % (
+                list(gu.shape), list(dp.shape))
+        E, F2, D = gu.shape
+        F_ = F2 // 2
+        if tuple(dp.shape) != (E, D, F_):
+            return "fused experts: down_proj %s is not [E, D, F] = %s (gate_up_proj %s; a transposed layout?)" % (
+                list(dp.shape), [E, D, F_], list(gu.shape))
+        if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "down_proj_bias", None) is not None:
+            return "fused experts with biases"
+        if not _is_silu(_act_of(experts)):
+            return "fused experts: activation %s is not SiLU" % type(_act_of(experts)).__name__
+        if not gu.is_floating_point() or gu.device.type != "cpu":
+            return "fused experts: weights are not floating point on the CPU"
+        gate = getattr(block, "gate", None)
+        top_k = _int_attr(block, "top_k") or _int_attr(gate, "top_k") or _int_attr(block, "num_experts_per_tok")
+        norm = getattr(block, "norm_topk_prob", getattr(gate, "norm_topk_prob", None))
+        fam = "mixtral" if norm is None else "qwen3_moe"
+        spec = _Spec(family=fam, layout="fused", n_experts=E, d_model=D, d_ff=F_, top_k=top_k, experts=None,
+                     fused=(gu, dp), norm_topk_prob=True if norm is None else bool(norm),
+                     gate_weight=_plain_weight(gate) if gate is not None else None, returns_logits=False)
+        spec.gate_bias_ok = spec.gate_weight is not None
+        return spec
+    # ---- one module per expert
+    lst = _experts_list(experts)
+    if lst is None:
+        return ".experts is neither a list of expert modules nor a fused gate_up_proj/down_proj module"
+    if not lst or any(e is None for e in lst):
+        return ".experts is empty or has missing experts (expert parallelism?)"
+    triples = []
+    naming = None
+    for i, e in enumerate(lst):
+        r, why = _mlp_weights(e)
+        if r is None:
+            return "experts[%d]: %s" % (i, why)
+        g, u, d, nm = r
+        if naming is None:
+            naming, shape = nm, (g.shape, d.shape)
+        elif nm != naming or (g.shape, d.shape) != shape:
+            return "experts[%d] differs in naming or shape from experts[0]" % i
+        triples.append((g, u, d))
+    E = len(triples)
+    F_, D = triples[0][0].shape
+    gate = getattr(block, "gate", None)
+    if gate is None:
+        return "no .gate router"
+    gw = getattr(gate, "weight", None)
+    if not isinstance(gw, torch.Tensor) or tuple(gw.shape) != (E, D):
+        return ".gate.weight is not [n_experts=%d, d_model=%d]" % (E, D)
+
+    # DeepSeek: the routing rule lives on the gate module.
+    if any(hasattr(gate, a) for a in ("scoring_func", "topk_method", "n_group", "e_score_correction_bias")):
+        if naming != "gate_proj":
+            return "DeepSeek-style gate but experts named %s" % naming
+        scoring = getattr(gate, "scoring_func", None)
+        bias = getattr(gate, "e_score_correction_bias", None)
+        method = getattr(gate, "topk_method", None)
+        top_k = _int_attr(gate, "top_k")
+        if top_k is None:
+            return "DeepSeek-style gate without top_k"
+        if scoring in (None, "sigmoid") and isinstance(bias, torch.Tensor) and method in (None, "noaux_tc"):
+            fam = "deepseek_v3"
+        elif scoring in (None, "softmax") and bias is None and method in ("greedy", "group_limited_greedy"):
+            fam = "deepseek_v2"
+        else:
+            return "DeepSeek-style gate with scoring_func=%r, topk_method=%r, e_score_correction_bias %s: not a " \
+                   "known combination" % (scoring, method, "present" if bias is not None else "absent")
+        n_group = _int_attr(gate, "n_group") or 1
+        topk_group = _int_attr(gate, "topk_group") or 1
+        if fam == "deepseek_v2" and method == "greedy":
+            n_group, topk_group = 1, 1
+        if n_group > 1 and E % n_group:
+            return "n_group %d does not divide %d experts" % (n_group, E)
+        spec = _Spec(family=fam, layout="experts", n_experts=E, d_model=D, d_ff=F_, top_k=top_k,
+                     experts=triples, norm_topk_prob=bool(getattr(gate, "norm_topk_prob", False)),
+                     gate_weight=gw, gate_bias_ok=getattr(gate, "bias", None) is None,
+                     n_group=n_group, topk_group=topk_group,
+                     routed_scaling_factor=float(getattr(gate, "routed_scaling_factor", 1.0) or 1.0),
+                     e_score_correction_bias=bias if fam == "deepseek_v3" else None, returns_logits=False)
+        _shared_spec(spec, getattr(block, "shared_experts", None), None)
+        return spec
+
+    if _plain_weight(gate) is None and not isinstance(gate, nn.Linear):
+        return ".gate is not a Linear router"
+    top_k = _int_attr(block, "top_k")
+    if top_k is None or not 1 <= top_k <= E:
+        return "no usable .top_k on the block"
+    if naming == "w1":
+        if hasattr(block, "shared_expert"):
+            return "w1/w2/w3 experts with a shared expert: not a known family"
+        spec = _Spec(family="mixtral", layout="experts", n_experts=E, d_model=D, d_ff=F_, top_k=top_k,
+                     experts=triples, norm_topk_prob=True, gate_weight=gw,
+                     gate_bias_ok=getattr(gate, "bias", None) is None)
+        return spec
+    if not hasattr(block, "norm_topk_prob"):
+        return "gate_proj/up_proj/down_proj experts but no .norm_topk_prob (unknown routing rule)"
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        fam = "qwen2_moe"
+    elif "olmoe" in type(block).__name__.lower():
+        fam = "olmoe"
+    else:
+        fam = "qwen3_moe"
+    spec = _Spec(family=fam, layout="experts", n_experts=E, d_model=D, d_ff=F_, top_k=top_k, experts=triples,
+                 norm_topk_prob=bool(block.norm_topk_prob), gate_weight=gw,
+                 gate_bias_ok=getattr(gate, "bias", None) is None)
+    if shared is not None:
+        _shared_spec(spec, shared, getattr(block, "shared_expert_gate", None))
+    return spec
+
+
+# ------------------------------------------------------------------- accelerate
+
+
+@dataclasses.dataclass
+class AcceleratedBlock:
+    path: str
+    family: str
+    layout: str  # "experts" or "fused" (the experts module's forward is replaced)
+    n_experts: int
+    top_k: Optional[int]
+    d_model: int
+    d_ff: int
+    dtype: str  # Colibri's weight dtype
+    shared: Optional[str]  # None, "colibri" or "pytorch"
+    colibri_layer: int  # this block's layer in its Colibri model
+
+
+@dataclasses.dataclass
+class AccelerateReport:
+    """What accelerate() did: `accelerated` blocks, and `skipped`: (path,
+    reason) for MoE-looking modules (with an .experts) left alone.
+    `models` are the Colibri models built (one per group of same-shaped
+    blocks)."""
+
+    accelerated: List[AcceleratedBlock]
+    skipped: List[Tuple[str, str]]
+    models: list
+
+    def __str__(self):
+        lines = ["colibri.torch.accelerate: %d block(s) accelerated, %d left alone"
+                 % (len(self.accelerated), len(self.skipped))]
+        for b in self.accelerated:
+            lines.append("  %s: %s (%s), %d experts, top_k %s, d_model %d, d_ff %d, %s%s" % (
+                b.path or "<root>", b.family, b.layout, b.n_experts, b.top_k, b.d_model, b.d_ff, b.dtype,
+                ", shared expert in %s" % b.shared if b.shared else ""))
+        for path, why in self.skipped:
+            lines.append("  left alone %s: %s" % (path or "<root>", why))
+        return "\n".join(lines)
+
+    @property
+    def paths(self):
+        return [b.path for b in self.accelerated]
+
+
+class _State:
+    """What a patched module keeps, as the plain attribute _colibri_state (not
+    a submodule, so state_dict() is unchanged). Its forward is a method bound
+    to the module, so copy.deepcopy(model) gives a copy whose blocks use their
+    own gates (and share the read-only Colibri model)."""
+
+    def __init__(self, experts, spec, shared_in_colibri, original_forward):
+        self.experts = experts
+        self.spec = spec
+        self.shared_in_colibri = shared_in_colibri
+        self.original_forward = original_forward  # an earlier instance-level forward, or None
+        self.calls = 0
+
+
+def _original(module, state):
+    if state.original_forward is not None:
+        return state.original_forward
+    return type(module).forward.__get__(module)
+
+
+def _needs_pytorch(module, x, args, kwargs):
+    return (module.training or args or kwargs or not isinstance(x, torch.Tensor) or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and x.requires_grad))
+
+
+def _block_forward(self, hidden_states, *args, **kwargs):
+    """Replaces a recognised block's forward (bound to the block)."""
+    state = self.__dict__["_colibri_state"]
+    if _needs_pytorch(self, hidden_states, args, kwargs):
+        return _original(self, state)(hidden_states, *args, **kwargs)
+    spec = state.spec
+    D = spec.d_model
+    state.calls += 1
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, D)
+    if spec.family in ("deepseek_v2", "deepseek_v3"):
+        routed = self.gate(hidden_states)  # DeepSeek's gate module picks the experts
+        if isinstance(routed, torch.Tensor):  # a gate that returns logits only
+            if hasattr(self, "route_tokens_to_experts"):
+                idx, w = self.route_tokens_to_experts(routed)
+            else:
+                idx, w = _route_deepseek(spec, self.gate, routed.reshape(-1, spec.n_experts))
+        else:
+            idx, w = routed[0], routed[1]
+        router_logits = None
+    else:
+        router_logits = self.gate(x)
+        probs = F.softmax(router_logits, dim=1, dtype=torch.float)
+        w, idx = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        w = w.to(x.dtype)  # as the block does before weighting the experts
+    y = state.experts(x, idx.reshape(x.shape[0], -1), w.reshape(x.shape[0], -1))
+    if spec.shared is not None and not state.shared_in_colibri:
+        if spec.family == "qwen2_moe":
+            sh = self.shared_expert(x)
+            gate_mod = getattr(self, "shared_expert_gate", None)
+            if gate_mod is not None:
+                sh = torch.sigmoid(gate_mod(x)) * sh
+            y = y + sh
+        else:
+            y = y + self.shared_experts(hidden_states).reshape(-1, D)
+    y = y.reshape(shape)
+    if spec.returns_logits:
+        return y, router_logits
+    return y
+
+
+def _fused_forward(self, hidden_states, top_k_index=None, top_k_weights=None, *args, **kwargs):
+    """Replaces a fused experts module's forward (bound to that module)."""
+    state = self.__dict__["_colibri_state"]
+    if top_k_index is None or top_k_weights is None or _needs_pytorch(self, hidden_states, args, kwargs):
+        return _original(self, state)(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+    state.calls += 1
+    E = state.spec.n_experts
+    ids = top_k_index.reshape(hidden_states.shape[0], -1)
+    # transformers marks "no expert" (expert parallelism) with id E.
+    ids = torch.where(ids < E, ids, torch.full_like(ids, -1)).to(torch.int32)
+    return state.experts(hidden_states, ids, top_k_weights.reshape(ids.shape))
+
+
+def _route_deepseek(spec, gate, logits):
+    """DeepSeek-V2/V3 top-k from router logits [N, E], by the gate's
+    attributes (used only when the gate returns bare logits)."""
+    logits = logits.float()
+    N, E = logits.shape
+    v3 = spec.family == "deepseek_v3"
+    scores = logits.sigmoid() if v3 else logits.softmax(dim=-1)
+    choice = scores + gate.e_score_correction_bias.float().unsqueeze(0) if v3 else scores
+    if spec.n_group > 1:
+        grouped = choice.view(N, spec.n_group, -1)
+        gs = grouped.topk(2, dim=-1)[0].sum(dim=-1) if v3 else grouped.max(dim=-1).values
+        keep = torch.zeros_like(gs).scatter_(1, torch.topk(gs, spec.topk_group, dim=-1)[1], 1.0)
+        mask = keep.unsqueeze(-1).expand(N, spec.n_group, E // spec.n_group).reshape(N, E).bool()
+        choice = choice.masked_fill(~mask, float("-inf") if v3 else 0.0)
+    idx = torch.topk(choice, spec.top_k, dim=-1)[1]
+    w = scores.gather(1, idx)
+    if spec.top_k > 1 and spec.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        if v3:
+            w = w * spec.routed_scaling_factor
+    else:
+        w = w * spec.routed_scaling_factor
+    return idx, w
+
+
+def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
+               verbose=False):
+    """Runs the experts of every recognised sparse-MoE block of `model` in
+    Colibri; returns an AccelerateReport.
+
+    Each block keeps its router (its .gate) in PyTorch; only the expert
+    computation (and, when representable, the shared expert) moves to
+    Colibri, so the model's outputs stay the same within rounding. Blocks
+    with one module per expert get their forward replaced (an instance
+    attribute; it returns what the original returns: (hidden, router_logits)
+    for Mixtral/Qwen/OLMoE, hidden for DeepSeek); fused-layout blocks get
+    their experts module's forward replaced. The module tree and
+    state_dict() are unchanged; restore(model) undoes it.
+
+    dtype: Colibri's weight dtype ('f32', 'f16', 'bf16' or a torch dtype;
+    None = each block's own). Same-shaped blocks share one Colibri model
+    (one thread pool) with one layer per block. threads: Colibri threads (0 =
+    one per core). shared=False keeps shared experts in PyTorch.
+    A patched block falls back to its PyTorch forward in training mode, when
+    autograd needs a gradient through it, or for non-CPU inputs.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError("accelerate() takes a torch.nn.Module, got %s" % type(model).__name__)
+    found, skipped = [], []
+    for path, module in model.named_modules():
+        if getattr(module, "_colibri_state", None) is not None or \
+                getattr(getattr(module, "experts", None), "_colibri_state", None) is not None:
+            skipped.append((path, "already accelerated"))
+            continue
+        if not hasattr(module, "experts"):
+            continue
+        spec = recognise(module)
+        if isinstance(spec, str):
+            skipped.append((path, spec))
+            continue
+        found.append((path, module, spec))
+
+    groups = {}
+    for path, module, spec in found:
+        cdtype = _colibri_dtype(dtype, spec.weight_like)
+        in_colibri = shared and spec.shared is not None and spec.shared_in_colibri
+        key = spec.group_key(cdtype) if in_colibri else spec.group_key(cdtype)[:4] + (0, False)
+        groups.setdefault(key, []).append((path, module, spec, in_colibri))
+
+    report = AccelerateReport([], skipped, [])
+    for key, members in groups.items():
+        cdtype = key[0]
+        layers = [spec.layer_dict(shared_in_colibri=in_colibri) for _, _, spec, in_colibri in members]
+        cmodel = Model.from_arrays(layers, dtype=cdtype, threads=threads, lock=lock, huge_pages=huge_pages,
+                                   bf16_compute=bf16_compute)
+        del layers
+        report.models.append(cmodel)
+        for i, (path, module, spec, in_colibri) in enumerate(members):
+            experts = ColibriExperts._view(cmodel, i)
+            target = module.experts if spec.layout == "fused" else module
+            state = _State(experts, spec.without_weights(), in_colibri, target.__dict__.get("forward"))
+            target.__dict__["_colibri_state"] = state
+            target.__dict__["forward"] = types.MethodType(
+                _fused_forward if spec.layout == "fused" else _block_forward, target)
+            report.accelerated.append(AcceleratedBlock(
+                path=path, family=spec.family, layout=spec.layout, n_experts=spec.n_experts, top_k=spec.top_k,
+                d_model=spec.d_model, d_ff=spec.d_ff, dtype=cdtype,
+                shared=None if spec.shared is None else ("colibri" if in_colibri else "pytorch"),
+                colibri_layer=i))
+    order = {p: n for n, (p, _, _) in enumerate(found)}
+    report.accelerated.sort(key=lambda b: order[b.path])
+    if verbose:
+        print(report)
+    return report
+
+
+def restore(model):
+    """Undoes accelerate(model): the original forwards come back and the
+    Colibri models are released once nothing refers to them. Returns the
+    number of modules restored."""
+    n = 0
+    for _, module in model.named_modules():
+        state = module.__dict__.get("_colibri_state")
+        if state is not None:
+            module.__dict__.pop("forward", None)
+            if state.original_forward is not None:
+                module.__dict__["forward"] = state.original_forward
+            del module.__dict__["_colibri_state"]
+            n += 1
+    return n
