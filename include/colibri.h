@@ -12,6 +12,10 @@
  *    exits or writes to stdout.
  *  - Handles are opaque. Option structs are filled by *_default() first, so
  *    fields added later get sane values.
+ *  - Before 1.0, structs the library fills (colibri_model_info_t,
+ *    colibri_stats_t) may gain fields at their end in a new minor version:
+ *    compile against the header of the library you load (colibri_version()
+ *    tells which), or leave spare room after them as the Python binding does.
  *  - Thread safety is stated per function below.
  */
 #ifndef COLIBRI_H
@@ -33,7 +37,7 @@ extern "C" {
 #endif
 
 #define COLIBRI_VERSION_MAJOR 0
-#define COLIBRI_VERSION_MINOR 1
+#define COLIBRI_VERSION_MINOR 2
 #define COLIBRI_VERSION_PATCH 0
 
 typedef enum colibri_status {

@@ -219,6 +219,9 @@ TEST_F(CliTest, LoadtestChecksEveryOutputUnderConcurrencyAndSwaps) {
     EXPECT_GT(row["swaps"].get<int>(), 0);
     EXPECT_LE(row["worst_rel_l2"].get<double>(), 5e-3);
   }
+  RunResult b = run("bench --model " + model + " --tokens 2 --top-k 2 --iters 10 --warmup 0 --swap-every 2 --json");
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  EXPECT_EQ(nlohmann::json::parse(b.out)["swaps"], 5);
   RunResult bad = run("loadtest --model " + model + " --callers 0");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("--callers"), std::string::npos) << bad.err;

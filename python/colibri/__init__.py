@@ -21,7 +21,7 @@ from . import routing
 __all__ = ["Model", "ModelInfo", "ModelStats", "RouterConfig", "ColibriError", "library_path",
            "library_version", "routing", "has_open_memory", "save_model"]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def library_version():

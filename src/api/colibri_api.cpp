@@ -91,7 +91,7 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
   return "unknown";
 }
 
-const char* colibri_version(void) { return "0.1.0"; }
+const char* colibri_version(void) { return "0.2.0"; }
 
 void colibri_open_options_default(colibri_open_options_t* o) {
   if (o == nullptr) return;

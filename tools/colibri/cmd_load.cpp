@@ -5,12 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -119,34 +117,13 @@ void run_loadtest(const LoadArgs& a) {
     Row row;
     row.callers = callers;
     row.rss_start = rss_bytes();
-    std::atomic<long> failed{0}, wrong{0}, done{0}, swaps{0};
-    std::atomic<bool> stop_swapping{false};
+    std::atomic<long> failed{0}, wrong{0};
     std::vector<std::vector<double>> latencies(static_cast<size_t>(callers));
     std::vector<double> worst(static_cast<size_t>(callers), 0.0);
-    // Callers signal every swap_every-th finished request; the swapper
-    // thread performs one swap per signal, concurrently with the callers.
-    std::mutex swap_mutex;
-    std::condition_variable swap_cv;
-    long swaps_due = 0;
-    std::thread swapper;
+    std::unique_ptr<SwapStress> swapper;
     if (a.swap_every > 0) {
-      swapper = std::thread([&] {
-        colibri_swap_source_t s;
-        colibri_swap_source_default(&s);
-        s.data = swap_bytes.data();
-        s.size = swap_bytes.size();
-        s.dtype = info.dtype;
-        std::unique_lock<std::mutex> lock(swap_mutex);
-        for (;;) {
-          swap_cv.wait(lock, [&] { return swaps_due > 0 || stop_swapping.load(); });
-          if (swaps_due == 0) break;  // stopping, nothing left to do
-          --swaps_due;
-          lock.unlock();
-          if (colibri_swap_expert(h.model, a.layer, cases[0].routing.ids[0], &s) == COLIBRI_OK) swaps.fetch_add(1);
-          else failed.fetch_add(1);
-          lock.lock();
-        }
-      });
+      swapper = std::make_unique<SwapStress>(h.model, a.layer, cases[0].routing.ids[0], swap_bytes, info.dtype,
+                                             a.swap_every);
     }
     const auto t0 = Clock::now();
     std::vector<std::thread> threads;
@@ -169,11 +146,7 @@ void run_loadtest(const LoadArgs& a) {
           const auto s0 = Clock::now();
           const colibri_status_t st = colibri_infer(h.model, &req);
           lat.push_back(std::chrono::duration<double>(Clock::now() - s0).count());
-          if (a.swap_every > 0 && (done.fetch_add(1) + 1) % a.swap_every == 0) {
-            std::lock_guard<std::mutex> lock(swap_mutex);
-            ++swaps_due;
-            swap_cv.notify_one();
-          }
+          if (swapper) swapper->request_done();
           if (st != COLIBRI_OK) {
             failed.fetch_add(1);
             continue;
@@ -186,19 +159,18 @@ void run_loadtest(const LoadArgs& a) {
     }
     for (std::thread& t : threads) t.join();
     row.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    {
-      std::lock_guard<std::mutex> lock(swap_mutex);
-      stop_swapping.store(true);
-      swap_cv.notify_one();
+    if (swapper) {
+      swapper->stop();
+      row.swaps = swapper->swaps();
+      row.failed += swapper->failures();
+      if (swapper->failures() > 0) std::fprintf(stderr, "loadtest: swap failed: %s\n", swapper->first_error().c_str());
     }
-    if (swapper.joinable()) swapper.join();
     std::vector<double> all;
     for (const auto& l : latencies) all.insert(all.end(), l.begin(), l.end());
     row.latency = summarize(all);
     row.requests = static_cast<long>(all.size());
-    row.failed = failed.load();
+    row.failed += failed.load();
     row.wrong = wrong.load();
-    row.swaps = swaps.load();
     row.worst_error = *std::max_element(worst.begin(), worst.end());
     row.rss_end = rss_bytes();
     rows.push_back(row);

@@ -16,6 +16,7 @@
 
 #include "commands.h"
 #include "common.h"
+#include "io/manifest.h"
 #include "io/model_writer.h"
 #include "io/verify.h"
 #include "kernels/kernels.h"
@@ -99,6 +100,7 @@ struct BenchSetup {
   size_t blob_size = 0;
   std::vector<Routing> routings;  // cycled through, one per iteration
   std::function<void(int, double)> progress;
+  SwapStress* swapper = nullptr;  // told of every call when set
 };
 
 BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
@@ -153,6 +155,7 @@ BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
     const auto t0 = Clock::now();
     check(colibri_infer(h.model, &req), "bench");
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s.swapper != nullptr) s.swapper->request_done();
     if (it >= 0) {
       seconds.push_back(dt);
       bytes += bytes_per_routing[which];
@@ -194,7 +197,7 @@ nlohmann::json bench_json(const BenchResult& r) {
 
 struct BenchArgs {
   std::string model, routing, isa;
-  int tokens = 0, top_k = 0, iters = 100, warmup = 5, threads = 0, layer = 0;
+  int tokens = 0, top_k = 0, iters = 100, warmup = 5, threads = 0, layer = 0, swap_every = 0;
   uint64_t seed = 1;
   bool json = false, no_verify = false;
 };
@@ -238,7 +241,22 @@ void run_bench(const BenchArgs& a) {
     // expert choices as in real decoding.
     for (int i = 0; i < 8; ++i) s.routings.push_back(random_routing(s.T, a.top_k, info.n_experts, rng));
   }
+  // --swap-every N: the first routing's first expert is swapped (with its
+  // own bytes) after every N calls, concurrently with the timed calls.
+  std::unique_ptr<SwapStress> swapper;
+  if (a.swap_every > 0) {
+    const int32_t expert = s.routings[0].ids[0] >= 0 ? s.routings[0].ids[0] : 0;
+    const colibri::Manifest m = colibri::load_manifest(a.model);
+    swapper = std::make_unique<SwapStress>(h.model, a.layer, expert,
+                                           read_file(a.model + "/" + m.expert_file(a.layer, expert)), info.dtype,
+                                           a.swap_every);
+    s.swapper = swapper.get();
+  }
   const BenchResult r = bench(h, s);
+  if (swapper) {
+    swapper->stop();
+    if (swapper->failures() > 0) throw CliError("bench: expert swap failed: " + swapper->first_error());
+  }
   const char* isa = colibri::kernels::isa_name(colibri::kernels::default_isa());
   const char* kernels = colibri_model_kernels(h.model);
   if (a.json) {
@@ -249,12 +267,14 @@ void run_bench(const BenchArgs& a) {
     doc["threads"] = info.n_threads;
     doc["isa"] = isa;
     doc["kernels"] = kernels;
+    if (swapper) doc["swaps"] = swapper->swaps();
     std::printf("%s\n", doc.dump(2).c_str());
   } else {
     std::printf("model        %s (%d experts, d_model %d, d_ff %d, %s), %d tokens, %d iterations, %d threads\n",
                 a.model.c_str(), info.n_experts, info.d_model, info.d_ff, colibri_dtype_name(info.dtype),
                 s.T, a.iters, info.n_threads);
     print_bench(r, kernels);
+    if (swapper) std::printf("swaps        %ld (expert swapped every %d calls, concurrently)\n", swapper->swaps(), a.swap_every);
   }
 }
 
@@ -392,6 +412,9 @@ void add_run_commands(CLI::App& app) {
       ->check(CLI::IsMember({"scalar", "avx2", "avx512"}));
   b->add_flag("--no-verify", ba->no_verify, "Skip checksum verification at open");
   b->add_flag("--json", ba->json, "JSON output");
+  b->add_option("--swap-every", ba->swap_every,
+                "Stress: hot-swap an expert (with its own bytes) after every N calls, from another thread")
+      ->check(CLI::NonNegativeNumber);
   b->callback([ba] { run_bench(*ba); });
 
   auto da = std::make_shared<DemoArgs>();

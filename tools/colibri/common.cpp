@@ -108,4 +108,49 @@ Routing random_routing(int32_t T, int32_t k, int32_t E, std::mt19937_64& rng) {
 }
 
 
+SwapStress::SwapStress(colibri_model_t* model, int32_t layer, int32_t expert, std::vector<uint8_t> bytes,
+                       colibri_dtype_t dtype, long every)
+    : model_(model), layer_(layer), expert_(expert), bytes_(std::move(bytes)), dtype_(dtype), every_(every) {
+  thread_ = std::thread([this] { run(); });
+}
+
+SwapStress::~SwapStress() { stop(); }
+
+void SwapStress::request_done() {
+  if ((done_.fetch_add(1) + 1) % every_ != 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++due_;
+  cv_.notify_one();
+}
+
+void SwapStress::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+    cv_.notify_one();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void SwapStress::run() {
+  colibri_swap_source_t s;
+  colibri_swap_source_default(&s);
+  s.data = bytes_.data();
+  s.size = bytes_.size();
+  s.dtype = dtype_;
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [this] { return due_ > 0 || stopping_; });
+    if (due_ == 0) return;  // stopping, nothing left to do
+    --due_;
+    lock.unlock();
+    if (colibri_swap_expert(model_, layer_, expert_, &s) == COLIBRI_OK) {
+      swaps_.fetch_add(1);
+    } else {
+      if (failures_.fetch_add(1) == 0) first_error_ = colibri_last_error();
+    }
+    lock.lock();
+  }
+}
+
 }  // namespace colibri_cli

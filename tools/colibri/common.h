@@ -3,10 +3,14 @@
 // below it only for tooling the ABI does not need to carry (writing models).
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "colibri.h"
@@ -59,6 +63,39 @@ struct Routing {
 // Uniformly random distinct experts per token, softmax-like weights summing
 // to 1, as a trained router's top-k would give.
 Routing random_routing(int32_t T, int32_t k, int32_t E, std::mt19937_64& rng);
+
+// Hot-swap stress (bench and loadtest --swap-every N): a thread that swaps
+// one expert with `bytes` (normally its own file, so results stay valid)
+// once for every N requests the callers report, concurrently with them.
+class SwapStress {
+ public:
+  SwapStress(colibri_model_t* model, int32_t layer, int32_t expert, std::vector<uint8_t> bytes, colibri_dtype_t dtype,
+             long every);
+  ~SwapStress();  // stops and joins
+  SwapStress(const SwapStress&) = delete;
+  SwapStress& operator=(const SwapStress&) = delete;
+
+  void request_done();  // thread-safe; callers call it after each request
+  void stop();          // performs the swaps still due, then joins
+  long swaps() const { return swaps_.load(); }
+  long failures() const { return failures_.load(); }
+  const std::string& first_error() const { return first_error_; }
+
+ private:
+  void run();
+  colibri_model_t* model_;
+  int32_t layer_, expert_;
+  std::vector<uint8_t> bytes_;
+  colibri_dtype_t dtype_;
+  long every_;
+  std::atomic<long> done_{0}, swaps_{0}, failures_{0};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  long due_ = 0;
+  bool stopping_ = false;
+  std::string first_error_;
+  std::thread thread_;
+};
 
 std::string human_bytes(uint64_t bytes);
 const char* huge_page_kind_name(colibri_huge_page_kind_t kind);
