@@ -4,6 +4,8 @@
 // outside the file.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include <algorithm>
 #include <cstdint>
 #include <random>
@@ -105,6 +107,29 @@ TEST(Safetensors, ReadsEveryFloatDtypeExactly) {
     EXPECT_EQ(e.status(), COLIBRI_ERR_FORMAT);
     EXPECT_NE(std::string(e.what()).find("model.ids"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("I64"), std::string::npos) << e.what();
+  }
+}
+
+// The file is read, not mapped: cut short after it was opened (someone
+// rewriting the checkpoint mid-conversion), a read is an error, not SIGBUS.
+TEST(Safetensors, FileTruncatedAfterOpenIsAnErrorNotACrash) {
+  colibri_test::TempDir dir("st");
+  const std::vector<float> values = colibri_test::random_values(4096, 5);
+  const std::string path = dir.path() + "/m.safetensors";
+  colibri_test::write_bytes(path, colibri_test::safetensors_bytes({{"w", "F32", {64, 64}, encode_values("F32", values)}}, {}));
+  const colibri::SafetensorsFile f(path);
+  const colibri::StTensor* w = f.find("w");
+  ASSERT_NE(w, nullptr);
+  std::vector<float> out(4096);
+  f.read_floats(*w, 0, 4096, out.data());
+  EXPECT_EQ(out, values);
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) - 5000);
+  try {
+    f.read_floats(*w, 0, 4096, out.data());
+    FAIL() << "read past the new end of file succeeded";
+  } catch (const colibri::Error& e) {
+    EXPECT_EQ(e.status(), COLIBRI_ERR_FORMAT);
+    EXPECT_NE(std::string(e.what()).find("m.safetensors"), std::string::npos) << e.what();
   }
 }
 

@@ -1,9 +1,11 @@
 #include "io/safetensors.h"
 
-#include <sys/mman.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -94,6 +96,10 @@ size_t st_dtype_size(StDtype dtype) {
 }
 
 StHeader parse_safetensors(const uint8_t* data, size_t size, const std::string& source) {
+  return parse_safetensors(data, size, size, source);
+}
+
+StHeader parse_safetensors(const uint8_t* data, size_t size, size_t available, const std::string& source) {
   if (size < 8) {
     fail(COLIBRI_ERR_FORMAT, source + ": not a safetensors file: " + std::to_string(size) +
                                  " bytes, too short for the 8-byte header length");
@@ -108,6 +114,9 @@ StHeader parse_safetensors(const uint8_t* data, size_t size, const std::string& 
     fail(COLIBRI_ERR_FORMAT, source + ": header length " + std::to_string(header_len) +
                                  " runs past the end of the file (" + std::to_string(size) +
                                  " bytes; truncated?)");
+  }
+  if (available < 8 + header_len) {
+    fail(COLIBRI_ERR_FORMAT, source + ": header (" + std::to_string(header_len) + " bytes) could not be read whole");
   }
   StHeader h;
   h.data_start = 8 + header_len;
@@ -252,10 +261,56 @@ void st_to_floats(StDtype dtype, const uint8_t* src, size_t count, float* out) {
   }
 }
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
-  header_ = parse_safetensors(file_.data(), file_.size(), path);
+namespace {
+
+// Reads exactly n bytes at offset; a short read means the file shrank after
+// it was checked: an error naming it, never SIGBUS as a mapping would give.
+void pread_exact(int fd, const std::string& path, uint64_t offset, size_t n, uint8_t* out) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      fail(COLIBRI_ERR_IO, errno_message(path + ": read failed", errno));
+    }
+    if (got == 0) fail(COLIBRI_ERR_FORMAT, path + ": file shrank while being read (truncated by someone else?)");
+    done += static_cast<size_t>(got);
+  }
+}
+
+}  // namespace
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open", errno));
+  try {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", errno));
+    if (!S_ISREG(st.st_mode)) fail(COLIBRI_ERR_IO, path + ": not a regular file");
+    size_ = static_cast<uint64_t>(st.st_size);
+    // Only the header is read here: the length word, then as much of the
+    // JSON as the parser will look at (it refuses lengths beyond the file
+    // or the header limit before reading the text).
+    std::vector<uint8_t> head(static_cast<size_t>(std::min<uint64_t>(size_, 8)));
+    pread_exact(fd_, path, 0, head.size(), head.data());
+    if (head.size() == 8) {
+      uint64_t n = 0;
+      for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(head[i]) << (8 * i);
+      n = std::min({n, size_ - 8, kMaxSafetensorsHeaderBytes});
+      head.resize(8 + static_cast<size_t>(n));
+      pread_exact(fd_, path, 8, static_cast<size_t>(n), head.data() + 8);
+    }
+    header_ = parse_safetensors(head.data(), static_cast<size_t>(size_), head.size(), path);
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
   index_.reserve(header_.tensors.size());
   for (size_t i = 0; i < header_.tensors.size(); ++i) index_.emplace(header_.tensors[i].name, i);
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 const StTensor* SafetensorsFile::find(const std::string& name) const {
@@ -273,16 +328,18 @@ void SafetensorsFile::read_floats(const StTensor& t, uint64_t first, uint64_t co
                                    std::to_string(first) + ", +" + std::to_string(count) + ") out of range");
   }
   const size_t esize = st_dtype_size(t.dtype);
-  const uint8_t* begin = file_.data() + t.offset + first * esize;
-  st_to_floats(t.dtype, begin, static_cast<size_t>(count), out);
-
-  // Drop the whole pages just read: the mapping is private and never
-  // written, so a later read simply faults them in again from the page
-  // cache. Without this a multi-GB checkpoint would stay resident.
-  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(begin) + page - 1) & ~(page - 1);
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(begin) + count * esize) & ~(page - 1);
-  if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+  // Read (not mapped) in slices, so neither a huge tensor nor a file cut
+  // short while we convert can hurt: memory stays at one slice, and a short
+  // read is an error.
+  constexpr uint64_t kSliceElements = uint64_t{1} << 20;
+  std::vector<uint8_t> raw;
+  for (uint64_t done = 0; done < count;) {
+    const uint64_t n = std::min(kSliceElements, count - done);
+    raw.resize(static_cast<size_t>(n * esize));
+    pread_exact(fd_, path_, t.offset + (first + done) * esize, raw.size(), raw.data());
+    st_to_floats(t.dtype, raw.data(), static_cast<size_t>(n), out + done);
+    done += n;
+  }
 }
 
 }  // namespace colibri

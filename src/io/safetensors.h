@@ -16,7 +16,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "io/mapped_file.h"
 
 namespace colibri {
 
@@ -52,29 +51,37 @@ struct StHeader {
 // Parses and checks the header of the safetensors bytes [data, data + size);
 // `source` (normally the path) starts every error message.
 StHeader parse_safetensors(const uint8_t* data, size_t size, const std::string& source);
+// The same when only the file's first `available` bytes are at `data` (the
+// header): `size` is the whole file's, for the offset checks. Reads no byte
+// at or past `available`; a header longer than that is refused.
+StHeader parse_safetensors(const uint8_t* data, size_t size, size_t available, const std::string& source);
 
-// A memory-mapped, checked safetensors file. Tensor data is read through
-// read_floats, which converts one slice at a time, so a conversion never
+// A checked safetensors file, read with pread (not mapped: a checkpoint
+// truncated while it is converted gives an error, not SIGBUS). Tensor data
+// is read through read_floats, one slice at a time, so a conversion never
 // needs more than the slice in memory.
 class SafetensorsFile {
  public:
-  // Throws Error(COLIBRI_ERR_IO) when the file cannot be opened or mapped,
+  // Throws Error(COLIBRI_ERR_IO) when the file cannot be opened or read,
   // Error(COLIBRI_ERR_FORMAT) for a malformed one.
   explicit SafetensorsFile(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
-  const std::string& path() const { return file_.path(); }
+  const std::string& path() const { return path_; }
   const std::vector<StTensor>& tensors() const { return header_.tensors; }
   const StTensor* find(const std::string& name) const;
 
   // Converts elements [first, first + count) of `t` (a tensor of this file)
   // to float32, exactly; only F32, F16 and BF16 are accepted
-  // (Error(COLIBRI_ERR_FORMAT) otherwise). Afterwards the pages read are
-  // dropped from this process, so mapping a large checkpoint does not grow
-  // the resident set.
+  // (Error(COLIBRI_ERR_FORMAT) otherwise).
   void read_floats(const StTensor& t, uint64_t first, uint64_t count, float* out) const;
 
  private:
-  MappedFile file_;
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
   StHeader header_;
   std::unordered_map<std::string, size_t> index_;
 };
