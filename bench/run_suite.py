@@ -649,6 +649,7 @@ def main(argv=None):
         "probes": [],
         "shapes": {},
         "rows": [],
+        "scaling": [],
         "errors": [],
     }
     meter = LoadMeter()
@@ -729,6 +730,27 @@ def main(argv=None):
                     if run_job(job, shape=name, T=T, dtype=dt, isa=isa, routing=kind):
                         rows.append(row)
                         jobs.append(job)
+
+        # Thread scaling (the fast-path issue's target: 2 threads >= 1.8x one
+        # thread on the seed shape), right after the N-thread rows: the same
+        # model, routing and ISA at one thread.
+        if a.threads > 1 and name in ("seed", "smoke"):
+            T, dt, isa = max(Ts), a.dtype_list[0], isas[-1]
+            ref = [r for r in rows if (r["shape"], r["T"], r["routing"], r["engine"], r["weights"], r["isa"]) ==
+                   (name, T, "fixed", "colibri", dt, isa) and "p50_ms" in r]
+            if ref:
+                def apply_one(j, load, ref=ref[0], T=T, dt=dt, isa=isa):
+                    entry = {"shape": name, "T": T, "weights": dt, "isa": isa, "threads": a.threads,
+                             "p50_ms_1_thread": j["p50_ms"], "p50_ms_n_threads": ref["p50_ms"],
+                             "speedup": j["p50_ms"] / ref["p50_ms"], "other_load": load}
+                    doc["scaling"][:] = [e for e in doc["scaling"] if e["shape"] != name] + [entry]
+                    log("  colibri %s %s T=%d on 1 thread: p50 %.3f ms, %d threads %.2fx faster"
+                        % (dt, isa, T, j["p50_ms"], a.threads, entry["speedup"]))
+
+                job = Job("colibri %s %s fixed T=%d, 1 thread" % (dt, isa, T),
+                          lambda m=models[dt], b=routes[T]["bin"], i=isa:
+                          colibri_bench(colibri, m, ("fixed", b), i, 1, a.prefill_iters, a.warmup), apply_one)
+                run_job(job, shape=name, T=T, dtype=dt, isa=isa, routing="fixed, 1 thread")
 
         # Output check: colibri infer (default ISA) on an input PyTorch also gets.
         colibri_out = {}
@@ -885,7 +907,9 @@ def main(argv=None):
         "check: max |colibri - torch| / max |torch| on one input (default ISA)."
         % (CYCLED, bf16_kernel or "?", 100 * a.quiet_threshold), "",
         markdown_table(rows), "",
-    ] + (["Errors:", ""] + ["- " + json.dumps(e) for e in doc["errors"]] + [""] if doc["errors"] else []))
+    ] + ["Thread scaling (same run): %s %s weights, %s, T=%d: 1 thread p50 %.1f ms, %d threads %.1f ms: %.2fx"
+         % (e["shape"], e["weights"], e["isa"], e["T"], e["p50_ms_1_thread"], e["threads"], e["p50_ms_n_threads"],
+            e["speedup"]) for e in doc["scaling"]] + [""] + (["Errors:", ""] + ["- " + json.dumps(e) for e in doc["errors"]] + [""] if doc["errors"] else []))
     with open(os.path.join(a.out_dir, "results.md"), "w") as f:
         f.write(md)
     try:
