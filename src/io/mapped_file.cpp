@@ -24,14 +24,42 @@ struct FdCloser {
 
 }  // namespace
 
-MappedFile::MappedFile(const std::string& path) : path_(path) {
+int open_regular_file(const std::string& path, uint64_t* size) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open", errno));
-  FdCloser closer{fd};
   struct stat st {};
-  if (::fstat(fd, &st) != 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", errno));
-  if (!S_ISREG(st.st_mode)) fail(COLIBRI_ERR_IO, path + ": not a regular file");
-  size_ = static_cast<size_t>(st.st_size);
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(COLIBRI_ERR_IO, path + ": not a regular file");
+  }
+  *size = static_cast<uint64_t>(st.st_size);
+  return fd;
+}
+
+size_t read_at(int fd, const std::string& path, uint64_t offset, uint8_t* out, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      fail(COLIBRI_ERR_IO, errno_message(path + ": read failed", errno));
+    }
+    if (got == 0) break;  // end of file
+    done += static_cast<size_t>(got);
+  }
+  return done;
+}
+
+MappedFile::MappedFile(const std::string& path) : path_(path) {
+  uint64_t bytes = 0;
+  const int fd = open_regular_file(path, &bytes);
+  FdCloser closer{fd};
+  size_ = static_cast<size_t>(bytes);
   if (size_ == 0) return;  // mmap of length 0 is invalid; an empty view is enough
   void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
   if (p == MAP_FAILED) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot map", errno));
@@ -66,56 +94,33 @@ void MappedFile::reset() noexcept {
 }
 
 std::string read_small_file(const std::string& path, size_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open", errno));
+  uint64_t size = 0;
+  const int fd = open_regular_file(path, &size);
   FdCloser closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", errno));
-  if (!S_ISREG(st.st_mode)) fail(COLIBRI_ERR_IO, path + ": not a regular file");
-  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    fail(COLIBRI_ERR_FORMAT, path + ": file too large (" + std::to_string(st.st_size) +
-                                 " bytes, limit " + std::to_string(max_bytes) + ")");
+  if (size > max_bytes) {
+    fail(COLIBRI_ERR_FORMAT, path + ": file too large (" + std::to_string(size) + " bytes, limit " +
+                                 std::to_string(max_bytes) + ")");
   }
-  std::string out(static_cast<size_t>(st.st_size), '\0');
-  size_t done = 0;
-  while (done < out.size()) {
-    const ssize_t n = ::read(fd, out.data() + done, out.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail(COLIBRI_ERR_IO, errno_message(path + ": read failed", errno));
-    }
-    if (n == 0) break;  // file shrank while reading
-    done += static_cast<size_t>(n);
-  }
-  out.resize(done);
+  std::string out(static_cast<size_t>(size), '\0');
+  // A file that shrank meanwhile gives what is left; callers check sizes.
+  out.resize(read_at(fd, path, 0, reinterpret_cast<uint8_t*>(out.data()), out.size()));
   return out;
 }
 
 void read_file_exact(const std::string& path, uint64_t expected_bytes, std::vector<uint8_t>& buffer) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open", errno));
+  uint64_t size = 0;
+  const int fd = open_regular_file(path, &size);
   FdCloser closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", errno));
-  if (!S_ISREG(st.st_mode)) fail(COLIBRI_ERR_IO, path + ": not a regular file");
-  if (static_cast<uint64_t>(st.st_size) != expected_bytes) {
-    fail(COLIBRI_ERR_FORMAT, path + ": " + std::to_string(st.st_size) + " bytes, expected " +
+  if (size != expected_bytes) {
+    fail(COLIBRI_ERR_FORMAT, path + ": " + std::to_string(size) + " bytes, expected " +
                                  std::to_string(expected_bytes) + " (it changed since it was checked)");
   }
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   buffer.resize(static_cast<size_t>(expected_bytes));
-  size_t done = 0;
-  while (done < buffer.size()) {
-    const ssize_t n = ::read(fd, buffer.data() + done, buffer.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail(COLIBRI_ERR_IO, errno_message(path + ": read failed", errno));
-    }
-    if (n == 0) {
-      fail(COLIBRI_ERR_FORMAT, path + ": file shrank while being read (" + std::to_string(done) + " of " +
-                                   std::to_string(expected_bytes) + " bytes)");
-    }
-    done += static_cast<size_t>(n);
+  const size_t got = read_at(fd, path, 0, buffer.data(), buffer.size());
+  if (got != buffer.size()) {
+    fail(COLIBRI_ERR_FORMAT, path + ": file shrank while being read (" + std::to_string(got) + " of " +
+                                 std::to_string(expected_bytes) + " bytes)");
   }
 }
 

@@ -33,6 +33,14 @@ class MappedFile {
   size_t size_ = 0;
 };
 
+// Opens a regular file read-only; *size receives its size. Throws
+// Error(COLIBRI_ERR_IO) naming the path. The caller closes the descriptor.
+int open_regular_file(const std::string& path, uint64_t* size);
+
+// Reads up to n bytes at offset (retrying short reads); returns how many
+// were read, fewer only at the end of the file. Throws Error(COLIBRI_ERR_IO).
+size_t read_at(int fd, const std::string& path, uint64_t offset, uint8_t* out, size_t n);
+
 // Whole file into memory (for small files: manifests, routing). Throws
 // Error(COLIBRI_ERR_IO) on failure, Error(COLIBRI_ERR_FORMAT) if larger than
 // max_bytes.

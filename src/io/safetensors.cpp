@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "io/mapped_file.h"
 #include "util/error.h"
 #include "util/half.h"
 
@@ -263,31 +264,19 @@ void st_to_floats(StDtype dtype, const uint8_t* src, size_t count, float* out) {
 
 namespace {
 
-// Reads exactly n bytes at offset; a short read means the file shrank after
-// it was checked: an error naming it, never SIGBUS as a mapping would give.
+// Exactly n bytes at offset; a short read means the file shrank after it
+// was checked: an error naming it, never SIGBUS as a mapping would give.
 void pread_exact(int fd, const std::string& path, uint64_t offset, size_t n, uint8_t* out) {
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t got = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      fail(COLIBRI_ERR_IO, errno_message(path + ": read failed", errno));
-    }
-    if (got == 0) fail(COLIBRI_ERR_FORMAT, path + ": file shrank while being read (truncated by someone else?)");
-    done += static_cast<size_t>(got);
+  if (read_at(fd, path, offset, out, n) != n) {
+    fail(COLIBRI_ERR_FORMAT, path + ": file shrank while being read (truncated by someone else?)");
   }
 }
 
 }  // namespace
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open", errno));
+  fd_ = open_regular_file(path, &size_);
   try {
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", errno));
-    if (!S_ISREG(st.st_mode)) fail(COLIBRI_ERR_IO, path + ": not a regular file");
-    size_ = static_cast<uint64_t>(st.st_size);
     // Only the header is read here: the length word, then as much of the
     // JSON as the parser will look at (it refuses lengths beyond the file
     // or the header limit before reading the text).
