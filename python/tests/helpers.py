@@ -1,5 +1,7 @@
 """Helpers shared by the tests (plain functions; fixtures are in conftest.py)."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -35,3 +37,16 @@ def rel_err(a, b):
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def find_cli():
+    """The colibri CLI: $COLIBRI_CLI, else tools/colibri beside (or one level
+    above) the loaded library's directory; None if neither exists."""
+    p = os.environ.get("COLIBRI_CLI")
+    if p and os.path.exists(p):
+        return p
+    d = os.path.dirname(os.path.realpath(colibri.library_path()))
+    for c in (os.path.join(d, "tools", "colibri"), os.path.join(d, "..", "tools", "colibri")):
+        if os.path.exists(c):
+            return c
+    return None

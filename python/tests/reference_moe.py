@@ -428,3 +428,40 @@ def blocks_of(model):
 def rel_l2(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def reference_selection(block, x):
+    """The expert set each token of x is routed to by `block` (any block of
+    this module), computed in float64: (ids [N, k] sorted per row, margin
+    [N]). margin is, per token, the smallest gap between the last chosen and
+    the first rejected score, over the expert choice and (group-limited
+    DeepSeek rules) the group choice; where it is tiny (say < 1e-4) float32
+    arithmetic may legitimately choose otherwise."""
+    gate = block.gate
+    D = gate.weight.shape[1]
+    x = x.detach().double().reshape(-1, D)
+    logits = x @ gate.weight.detach().double().T
+    N, E = logits.shape
+    k = gate.top_k if hasattr(gate, "top_k") else block.top_k
+    margins = []
+    deepseek = isinstance(gate, MoEGate)
+    if deepseek and gate.scoring_func == "sigmoid":
+        c = torch.sigmoid(logits) + gate.e_score_correction_bias.detach().double()
+    else:
+        c = torch.softmax(logits, -1)
+    if deepseek and gate.topk_method != "greedy" and gate.n_group > 1:
+        G, kg = gate.n_group, gate.topk_group
+        grouped = c.view(N, G, -1)
+        gs = grouped.topk(2, -1)[0].sum(-1) if gate.scoring_func == "sigmoid" else grouped.max(-1).values
+        if kg < G:
+            gsorted = gs.sort(-1, descending=True).values
+            margins.append(gsorted[:, kg - 1] - gsorted[:, kg])
+        keep = torch.zeros_like(gs).scatter_(1, gs.topk(kg, -1)[1], 1.0)
+        mask = keep.unsqueeze(-1).expand(N, G, E // G).reshape(N, E).bool()
+        c = c.masked_fill(~mask, float("-inf"))
+    if k < E:
+        cs = c.sort(-1, descending=True).values
+        margins.append(cs[:, k - 1] - cs[:, k])
+    ids = c.topk(k, -1)[1]
+    margin = torch.stack(margins).min(0).values if margins else torch.full((N,), float("inf"), dtype=torch.float64)
+    return ids.sort(-1).values, margin
