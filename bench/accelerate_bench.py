@@ -42,74 +42,13 @@ args = parse_args()
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(var, str(args.threads))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import colibri  # noqa: E402
 import colibri.torch as ct  # noqa: E402
-
-
-class Expert(nn.Module):
-    def __init__(self, D, F_):
-        super().__init__()
-        self.w1 = nn.Linear(D, F_, bias=False)
-        self.w2 = nn.Linear(F_, D, bias=False)
-        self.w3 = nn.Linear(D, F_, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, h):
-        return self.w2(self.act_fn(self.w1(h)) * self.w3(h))
-
-
-class MixtralSparseMoeBlock(nn.Module):
-    """transformers' MixtralSparseMoeBlock.forward (evaluation mode)."""
-
-    def __init__(self, D, F_, E, k):
-        super().__init__()
-        self.hidden_dim, self.ffn_dim, self.num_experts, self.top_k = D, F_, E, k
-        self.gate = nn.Linear(D, E, bias=False)
-        self.experts = nn.ModuleList([Expert(D, F_) for _ in range(E)])
-
-    def forward(self, hidden_states):
-        batch_size, sequence_length, hidden_dim = hidden_states.shape
-        hidden_states = hidden_states.view(-1, hidden_dim)
-        router_logits = self.gate(hidden_states)
-        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
-        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
-        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
-        routing_weights = routing_weights.to(hidden_states.dtype)
-        final = torch.zeros((batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype)
-        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
-        for expert_idx in range(self.num_experts):
-            idx, top_x = torch.where(expert_mask[expert_idx])
-            if top_x.numel() == 0:
-                continue
-            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
-            out = self.experts[expert_idx](current_state) * routing_weights[top_x, idx, None]
-            final.index_add_(0, top_x, out.to(hidden_states.dtype))
-        return final.reshape(batch_size, sequence_length, hidden_dim), router_logits
-
-
-class Layer(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block_sparse_moe = block
-
-    def forward(self, h):
-        return self.block_sparse_moe(h)[0]
-
-
-class Model(nn.Module):
-    def __init__(self, D, F_, E, k):
-        super().__init__()
-        self.layers = nn.ModuleList([Layer(MixtralSparseMoeBlock(D, F_, E, k))])
-
-    def forward(self, h):
-        for layer in self.layers:
-            h = layer(h)
-        return h
+import reference_moe  # noqa: E402  (python/tests: the families' reference blocks)
 
 
 def timed(fn, T):
@@ -134,10 +73,9 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     D, F_, E, k = args.d_model, args.d_ff, args.experts, args.top_k
-    model = Model(D, F_, E, k).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, p.shape[-1] ** -0.5)
+    # The tests' Mixtral reference block (transformers' MixtralSparseMoeBlock
+    # forward), one decoder layer, weights at nn.Linear scale.
+    model = reference_moe.make_model("mixtral", seed=args.seed, n_layers=1, D=D, F_=F_, E=E, k=k)
     print("# colibri.torch.accelerate vs PyTorch %s fp32; E=%d k=%d d_model=%d d_ff=%d; %d threads; %s"
           % (torch.__version__, E, k, D, F_, args.threads, colibri.library_path()))
     xs = {T: torch.randn(1, T, D) for T in args.tokens}
