@@ -163,6 +163,18 @@ TEST_F(ApiTest, InvalidJson) {
   EXPECT_TRUE(error_names({"colibri.json"}));
 }
 
+TEST_F(ApiTest, NumberTooLargeForADouble) {
+  // nlohmann reports this as out_of_range, not parse_error (fuzz_manifest).
+  std::string text = read_file(manifest_path_);
+  const size_t at = text.find("\"d_ff\": ");
+  ASSERT_NE(at, std::string::npos);
+  text.insert(at, "\"unused\": 2e4708314, ");
+  write_file(manifest_path_, text);
+  std::filesystem::remove(manifest_path_ + ".xxh64");
+  EXPECT_EQ(open_status(dir_), COLIBRI_ERR_FORMAT);
+  EXPECT_TRUE(error_names({"colibri.json", "invalid JSON"}));
+}
+
 TEST_F(ApiTest, EachMissingField) {
   for (const char* field :
        {"format", "version", "n_layers", "n_experts", "d_model", "d_ff", "dtype", "activation"}) {

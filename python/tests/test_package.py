@@ -99,6 +99,7 @@ def test_doc_examples_run(which, tmp_path):
         c = cli()
         if c is None:
             pytest.skip("colibri CLI not found (set COLIBRI_CLI)")
-        code = code.replace('"build/tools/colibri"', repr(c)).replace("/tmp/", str(tmp_path) + "/")
+        # Scratch paths first: the CLI path itself may lie under /tmp.
+        code = code.replace("/tmp/", str(tmp_path) + "/").replace('"build/tools/colibri"', repr(c))
     r = run_python(code, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr

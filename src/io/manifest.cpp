@@ -208,6 +208,10 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
     // e.what() carries the byte offset; keep only that part of the message.
     fail(COLIBRI_ERR_FORMAT, source + ": invalid JSON at byte " + std::to_string(e.byte) + ": " +
                                  std::string(e.what()));
+  } catch (const json::exception& e) {
+    // Not only syntax: a number too large for a double ("2e4708314") is an
+    // out_of_range thrown by the parser. Found by fuzz_manifest.
+    fail(COLIBRI_ERR_FORMAT, source + ": invalid JSON: " + std::string(e.what()));
   }
   if (!doc.is_object()) fail(COLIBRI_ERR_FORMAT, source + ": top level must be a JSON object");
 
