@@ -540,6 +540,13 @@ TEST(OpenMemory, SameResultsAsTheModelDirectory) {
   }
 }
 
+// Writes any int into an enum field, as C code may (a C++ cast to an
+// out-of-range enum value would itself be undefined).
+template <class Enum>
+void set_raw(Enum& field, int value) {
+  std::memcpy(&field, &value, sizeof value);
+}
+
 TEST(OpenMemory, BadDescriptionsAreRefusedByName) {
   colibri_test::TempDir dir;
   colibri::ModelWriteSpec spec;
@@ -568,13 +575,13 @@ TEST(OpenMemory, BadDescriptionsAreRefusedByName) {
   d.n_experts = 0;
   expect_refused(d, "n_experts");
   d = mm.desc;
-  d.dtype = static_cast<colibri_dtype_t>(9);
+  set_raw(d.dtype, 9);  // as a C caller could
   expect_refused(d, "dtype");
   d = mm.desc;
   d.router.top_k = 5;
   expect_refused(d, "top_k");
   d = mm.desc;
-  d.router.family = static_cast<colibri_router_family_t>(42);
+  set_raw(d.router.family, 42);
   expect_refused(d, "family");
   d = mm.desc;
   d.router.n_group = 2;  // grouping is DeepSeek's only

@@ -13,6 +13,7 @@
 #include "io/verify.h"
 #include "moe/model.h"
 #include "moe/routing.h"
+#include "util/c_enum.h"
 #include "util/error.h"
 
 struct colibri_model {
@@ -281,10 +282,13 @@ colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int3
       if (source->data == nullptr) {
         colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_swap_expert: source has neither path nor data");
       }
-      if (source->dtype != m.dtype) {
-        colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, std::string("colibri_swap_expert: source dtype ") +
-                                                        colibri_dtype_name(source->dtype) + " is not the model's " +
-                                                        colibri_dtype_name(m.dtype));
+      const int dtype = colibri::raw_enum(source->dtype);
+      if (dtype != static_cast<int>(m.dtype)) {
+        const bool known = dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_BF16;
+        colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT,
+                      std::string("colibri_swap_expert: source dtype ") +
+                          (known ? colibri_dtype_name(static_cast<colibri_dtype_t>(dtype)) : std::to_string(dtype)) +
+                          " is not the model's " + colibri_dtype_name(m.dtype));
       }
       model->impl.swap_expert(layer, expert, static_cast<const uint8_t*>(source->data), source->size,
                               "colibri_swap_expert: source data", checksum, &warnings);
@@ -353,11 +357,11 @@ void colibri_route_compile_options_default(colibri_route_compile_options_t* o) {
 // Helpers of the routing entry points below (C++ linkage).
 namespace {
 
-colibri::WeightEncoding general_encoding(colibri_route_weight_encoding_t e) {
+colibri::WeightEncoding general_encoding(const colibri_route_weight_encoding_t& field) {
+  const int e = colibri::raw_enum(field);
   if (e == COLIBRI_ROUTE_WEIGHTS_F16) return colibri::WeightEncoding::kF16;
   if (e == COLIBRI_ROUTE_WEIGHTS_F32) return colibri::WeightEncoding::kF32;
-  colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT,
-                "weight_encoding " + std::to_string(static_cast<int>(e)) + " is not F32 (1) or F16 (2)");
+  colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "weight_encoding " + std::to_string(e) + " is not F32 (1) or F16 (2)");
 }
 
 std::vector<uint8_t> compile_text(const char* text, size_t size, const std::string& source,

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "io/checksum.h"
+#include "util/c_enum.h"
 #include "util/error.h"
 
 namespace colibri {
@@ -52,8 +53,13 @@ void require_expert(const colibri_expert_weights_t& w, const std::string& name) 
 // The manifest a directory holding `desc` would have: the same limits apply.
 Manifest manifest_of(const colibri_model_desc_t& d) {
   if (d.layers == nullptr) bad_desc("desc->layers is NULL");
-  if (d.dtype != COLIBRI_DTYPE_F32 && d.dtype != COLIBRI_DTYPE_F16 && d.dtype != COLIBRI_DTYPE_BF16) {
-    bad_desc("dtype " + std::to_string(static_cast<int>(d.dtype)) + " is not F32, F16 or BF16");
+  const int dtype = raw_enum(d.dtype);
+  if (dtype != COLIBRI_DTYPE_F32 && dtype != COLIBRI_DTYPE_F16 && dtype != COLIBRI_DTYPE_BF16) {
+    bad_desc("dtype " + std::to_string(dtype) + " is not F32, F16 or BF16");
+  }
+  const int family = raw_enum(d.router.family);
+  if (family < COLIBRI_ROUTER_NONE || family > COLIBRI_ROUTER_DEEPSEEK_V3) {
+    bad_desc("router.family " + std::to_string(family) + " is not a known router family");
   }
   if (d.shared_d_ff < 0) bad_desc("shared_d_ff must be >= 0, got " + std::to_string(d.shared_d_ff));
   Manifest m;
