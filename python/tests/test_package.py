@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import colibri
+from helpers import find_cli
 from colibri import _lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,22 +82,13 @@ def doc_examples():
     return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
-def cli():
-    p = os.environ.get("COLIBRI_CLI")
-    if p and os.path.exists(p):
-        return p
-    d = os.path.dirname(os.path.realpath(colibri.library_path()))
-    c = os.path.join(d, "tools", "colibri")
-    return c if os.path.exists(c) else None
-
-
 @pytest.mark.parametrize("which", ["cli", "experts", "accelerate"])
 def test_doc_examples_run(which, tmp_path):
     blocks = doc_examples()
     code = {"cli": blocks[1], "experts": blocks[2], "accelerate": blocks[3]}[which]
     assert {"cli": "export_routing", "experts": "ColibriExperts(", "accelerate": "accelerate("}[which] in code
     if which == "cli":
-        c = cli()
+        c = find_cli()
         if c is None:
             pytest.skip("colibri CLI not found (set COLIBRI_CLI)")
         # Scratch paths first: the CLI path itself may lie under /tmp.

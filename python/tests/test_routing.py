@@ -13,7 +13,7 @@ import torch
 import colibri
 from colibri import _lib
 from colibri.routing import compile_routing, compile_routing_file, export_routing, load_routing, topk_routing
-from helpers import rel_err, swiglu_reference
+from helpers import rel_err, swiglu_reference, find_cli
 
 LINE = re.compile(r"^(\d+)((?:, \d+)+)((?:, [-+0-9.eE]+)+)$")
 
@@ -218,20 +218,9 @@ def test_infer_with_exported_routing_matches_arrays(small_model, tmp_path):
     assert rel_err(y, swiglu_reference(x, layers[0], ids, w)) < 1e-5
 
 
-def cli_path():
-    p = os.environ.get("COLIBRI_CLI")
-    if p and os.path.exists(p):
-        return p
-    d = os.path.dirname(os.path.realpath(colibri.library_path()))
-    for c in (os.path.join(d, "tools", "colibri"), os.path.join(d, "..", "tools", "colibri")):
-        if os.path.exists(c):
-            return c
-    return None
-
-
 def test_cli_infer_on_exported_files(small_dir, tmp_path):
     """The first way in: export the routing to a file and run the CLI."""
-    cli = cli_path()
+    cli = find_cli()
     if cli is None:
         pytest.skip("colibri CLI not found (set COLIBRI_CLI)")
     path, layers = small_dir
