@@ -34,7 +34,7 @@ Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, Th
 }
 
 void Engine::set_router(const colibri_router_desc_t& desc) {
-  std::lock_guard<std::mutex> lock(call_mutex_);
+  std::lock_guard<FairMutex> lock(call_mutex_);
   router_ = RouterRule(desc, n_experts_);
   // Router weights are f32 and computed in fp32 whatever the experts' type:
   // the choice of experts should not depend on the weight format.
@@ -105,7 +105,7 @@ void Engine::route(int32_t layer, int32_t n_tokens, const float* input, int32_t*
   check_layer(layer);
   if (!has_router()) fail(COLIBRI_ERR_INVALID_ARGUMENT, "this model has no built-in router");
   if (n_tokens == 0) return;
-  std::lock_guard<std::mutex> lock(call_mutex_);
+  std::lock_guard<FairMutex> lock(call_mutex_);
   if (threads <= 0 || threads > pool_.size()) threads = pool_.size();
   route_locked(layer, n_tokens, input, threads);
   const size_t slots = static_cast<size_t>(n_tokens) * static_cast<size_t>(router_.top_k());
@@ -137,7 +137,7 @@ void Engine::compute_shared_scale(const InferArgs& a) {
 }
 
 void Engine::reserve(int32_t tokens, int32_t top_k) {
-  std::lock_guard<std::mutex> lock(call_mutex_);
+  std::lock_guard<FairMutex> lock(call_mutex_);
   const size_t slots = static_cast<size_t>(tokens) * static_cast<size_t>(top_k);
   const int32_t F = store_.shape().d_ff;
   const size_t ldh = static_cast<size_t>(round_up(F, 16));
@@ -306,7 +306,7 @@ void Engine::infer(const InferArgs& args) {
     fail(COLIBRI_ERR_INVALID_ARGUMENT, "no routing given (expert_ids and routing_blob are NULL) and this model "
                                        "has no built-in router");
   }
-  std::lock_guard<std::mutex> lock(call_mutex_);
+  std::lock_guard<FairMutex> lock(call_mutex_);
   if (args.expert_ids != nullptr) {
     run_locked(args);
     return;
@@ -328,7 +328,7 @@ void Engine::infer_blob(const InferArgs& args, const void* blob, size_t blob_siz
                                            " tokens but n_tokens is " + std::to_string(args.n_tokens));
   }
   if (args.n_tokens == 0) return;
-  std::lock_guard<std::mutex> lock(call_mutex_);
+  std::lock_guard<FairMutex> lock(call_mutex_);
   const size_t slots = static_cast<size_t>(header.n_tokens) * static_cast<size_t>(header.top_k);
   if (blob_ids_.size() < slots) {
     blob_ids_.resize(slots);

@@ -17,6 +17,7 @@
 #include "kernels/kernels.h"
 #include "moe/expert_store.h"
 #include "moe/router.h"
+#include "runtime/fair_mutex.h"
 #include "runtime/thread_pool.h"
 
 namespace colibri {
@@ -65,7 +66,7 @@ class Engine {
   // is held no call can still be reading what fn replaces).
   template <class Fn>
   void exclusive(Fn&& fn) {
-    std::lock_guard<std::mutex> lock(call_mutex_);
+    std::lock_guard<FairMutex> lock(call_mutex_);
     fn();
   }
 
@@ -105,7 +106,7 @@ class Engine {
     return prefill_ != nullptr && n_tokens >= prefill_min_tokens_ ? *prefill_ : *kernels_;
   }
 
-  std::mutex call_mutex_;  // guards the scratch below
+  FairMutex call_mutex_;  // guards the scratch below; callers served in arrival order
   // Scratch, grown on demand and reused across calls.
   std::vector<int32_t> expert_offsets_;  // [E+1] start of each expert's slots
   std::vector<int32_t> slot_token_;      // [slots] token of each slot, grouped by expert
