@@ -596,14 +596,18 @@ LATENCY_KEYS = ("p50_ms", "p90_ms", "p99_ms", "min_ms", "mean_ms", "max_ms", "to
 
 def kernel_for_call(kernels, T, k, E):
     """The kernel table most of a call's experts run, from colibri bench's
-    "kernels" description ("decode X, prefill Y from N tokens/expert"): the
-    prefill table when the average expert gets at least N tokens."""
-    m = re.match(r"decode ([\w-]+)(?:, prefill ([\w-]+) from (\d+) tokens/expert)?", kernels or "")
+    "kernels" description ("decode X, prefill Y from N tokens/expert, Z from
+    M tokens/expert"): the highest prefill table whose N the average expert
+    reaches, else the decode table."""
+    m = re.match(r"decode ([\w-]+)", kernels or "")
     if not m:
         return ""
-    if m.group(2) and T * k / float(E) >= int(m.group(3)):
-        return m.group(2).lower()
-    return m.group(1).lower()
+    chosen = m.group(1)
+    per_expert = T * k / float(E)
+    for name, n in re.findall(r"([\w-]+) from (\d+) tokens/expert", kernels):
+        if per_expert >= int(n):
+            chosen = name
+    return chosen.lower()
 
 
 def main(argv=None):

@@ -308,8 +308,9 @@ COLIBRI_API colibri_status_t colibri_model_info(const colibri_model_t* model,
                                                 colibri_model_info_t* out_info);
 COLIBRI_API colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* out_stats);
 
-/* Which kernels the model runs, e.g. "decode avx512, prefill avx512-gemm from
- * 32 tokens/expert". Owned by the model; valid until colibri_free. NULL model
+/* Which kernels the model runs, by tokens per expert, e.g. "decode avx512,
+ * prefill avx512-tokens from 12 tokens/expert, avx512-gemm from 128
+ * tokens/expert". Owned by the model; valid until colibri_free. NULL model
  * gives "". Thread-safe. */
 COLIBRI_API const char* colibri_model_kernels(const colibri_model_t* model);
 

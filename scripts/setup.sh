@@ -6,6 +6,7 @@
 #   libxxhash-dev         checksums of weight and routing files (XXH64)
 #   libcli11-dev          command-line parsing for the colibri tool
 #   libgtest-dev          unit tests
+#   libbenchmark-dev      per-kernel throughput benchmark (bench/kernel_bench.cpp)
 #   valgrind              leak check in the test suite
 #   python3-torch         PyTorch MoE baseline of the benchmark suite (bench/pytorch_moe.py)
 #   python3-numpy         reads model files and writes routings in bench/run_suite.py
@@ -17,7 +18,7 @@
 #   clang-tidy            static checks over src/ (.clang-tidy)
 set -euo pipefail
 
-packages=(cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev valgrind
+packages=(cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev libbenchmark-dev valgrind
   python3-torch python3-numpy python3-matplotlib libopenblas0-pthread python3-pytest python3-pip
   python3-setuptools clang libclang-rt-14-dev clang-tidy)
 missing=()

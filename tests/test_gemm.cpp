@@ -70,17 +70,12 @@ class GemmKernels : public ::testing::Test {
   }
 };
 
-#if defined(COLIBRI_HAVE_X86_KERNELS)
-TEST_F(GemmKernels, MatchFloat64Reference) {
-  const KernelTable& k = colibri::kernels::avx512_gemm_kernels();
-  std::mt19937 rng(20261130);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  for (WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
-    for (int D : {1, 7, 16, 33, 100, 129}) {
-      for (int F : {1, 5, 17, 48, 100}) {
-        for (int n : {1, 3, 8, 9, 21}) {
-          SCOPED_TRACE(std::string(type_name(wt)) + " D=" + std::to_string(D) + " F=" + std::to_string(F) +
-                       " n=" + std::to_string(n));
+// One expert of D x F, n tokens gathered from n + 3 (some repeated): both
+// phases over partial row ranges against float64, outputs poisoned.
+void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::mt19937& rng) {
+          SCOPED_TRACE(std::string(k.name) + " " + type_name(wt) + " D=" + std::to_string(D) +
+                       " F=" + std::to_string(F) + " n=" + std::to_string(n));
+          std::uniform_real_distribution<float> u(-1.0f, 1.0f);
           const Packed p = make_packed(D, F, wt, rng);
           const int T = n + 3;
           std::vector<float> x(static_cast<size_t>(T) * D);
@@ -168,10 +163,43 @@ TEST_F(GemmKernels, MatchFloat64Reference) {
             }
           }
           EXPECT_LE(worst, 1.0) << "worst down element: " << where;
+}
+
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+TEST_F(GemmKernels, PanelGemmMatchesFloat64Reference) {
+  std::mt19937 rng(20261130);
+  for (WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
+    for (int D : {1, 7, 16, 33, 100, 129}) {
+      for (int F : {1, 5, 17, 48, 100}) {
+        for (int n : {1, 3, 8, 9, 21}) check_table(colibri::kernels::avx512_gemm_kernels(), wt, D, F, n, rng);
+      }
+    }
+  }
+}
+
+// Token counts cover each lane layout (4 and 8 tokens per vector with pairs
+// and quads of k, 1-4 vectors of 16) and groups split at 64; D and F cross
+// the 128-k weight chunk and the row blocks' tails (rows moved back to end
+// at the range end).
+TEST_F(GemmKernels, TokenLanesMatchFloat64Reference) {
+  std::mt19937 rng(20261201);
+  for (WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
+    for (int D : {1, 7, 33, 129, 300}) {
+      for (int F : {1, 5, 17, 48, 140}) {
+        for (int n : {1, 2, 4, 5, 8, 9, 13, 16, 21, 30, 33, 40, 50, 64, 70}) {
+          check_table(colibri::kernels::avx512_tokens_kernels(), wt, D, F, n, rng);
         }
       }
     }
   }
+}
+
+// d_ff large enough that a token group's transposed activations would pass
+// the kernel's L2 budget: fewer token vectors per group in phase 2.
+TEST_F(GemmKernels, TokenLanesLargeDffMatchesFloat64Reference) {
+  std::mt19937 rng(20261202);
+  check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kF16, 5, 8200, 70, rng);
+  check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kBF16, 3, 4100, 40, rng);
 }
 #endif
 

@@ -1,6 +1,6 @@
 // Small AVX-512 building blocks shared by the prefill kernels
-// (ffn_avx512_gemm.cpp, ffn_amx.cpp). Include ONLY from translation units
-// compiled with AVX-512 flags, after <immintrin.h>.
+// (ffn_avx512_gemm.cpp, ffn_avx512_tokens.cpp, ffn_amx.cpp). Include ONLY
+// from translation units compiled with AVX-512 flags.
 //
 // Everything is in an anonymous namespace on purpose: each including TU
 // gets its own internal copy, compiled with its own flags, so the linker can
@@ -11,9 +11,30 @@
 #include <stdlib.h>
 
 #include <cstddef>
+#include <cstdint>
+
+#include "kernels/kernels.h"
+#include "kernels/x86_intrinsics.h"
 
 namespace colibri::kernels {
 namespace {
+
+// 16 consecutive weights of one row from element k, widened to fp32.
+inline __m512 load16(const void* row, size_t k, WeightType t) {
+  switch (t) {
+    case WeightType::kF32:
+      return _mm512_loadu_ps(static_cast<const float*>(row) + k);
+    case WeightType::kF16:
+      return _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + k)));
+    case WeightType::kBF16: {
+      const __m512i wide = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + k)));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+  }
+  return _mm512_setzero_ps();
+}
 
 // Grow-only per-thread buffer, 64-byte aligned. Allocated on a thread's
 // first call (or for a larger shape); later calls reuse it, so the hot path

@@ -42,15 +42,7 @@
 // no inline helpers from other headers (avx512_common.h is the exception:
 // its helpers sit in an anonymous namespace too), no std templates, so no function of
 // this ISA-flagged TU can be picked by the linker for a flag-less caller.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "kernels/x86_intrinsics.h"
 #include <stdlib.h>
 #include <string.h>
 

@@ -8,18 +8,7 @@
 // namespace, nothing calls the inline helpers of kernels.h, no std::
 // templates are used, and exp comes from libm's expf (std::exp(float) is an
 // inline function that a -O0 build would emit here).
-// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own
-// _mm512_undefined_*() placeholders (GCC PR105593); the warnings point into
-// the headers, so silencing them around the include keeps ours visible.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "kernels/x86_intrinsics.h"
 #include <math.h>
 
 #include <cstddef>

@@ -34,15 +34,7 @@
 // with vague (COMDAT) linkage that a flag-less translation unit might also
 // emit: everything lives in an anonymous namespace, the inline helpers of
 // kernels.h are not called, no std:: templates are used.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "kernels/x86_intrinsics.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -15,15 +15,7 @@
 // no inline helpers from other headers (avx512_common.h is the exception:
 // its helpers sit in an anonymous namespace too), no std templates, so no function of
 // this ISA-flagged TU can be picked by the linker for a flag-less caller.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "kernels/x86_intrinsics.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -42,22 +34,6 @@ constexpr int kPanelRows = 16;
 
 thread_local ScratchBuffer t_panels;
 
-// Loads 16 consecutive weights of one row as fp32.
-inline __m512 load16(const void* row, size_t k, WeightType t) {
-  switch (t) {
-    case WeightType::kF32:
-      return _mm512_loadu_ps(static_cast<const float*>(row) + k);
-    case WeightType::kF16:
-      return _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + k)));
-    case WeightType::kBF16: {
-      const __m512i wide = _mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + k)));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-    }
-  }
-  return _mm512_setzero_ps();
-}
 
 // panel[k*16 + r] = W[row0 + r][k] for r < valid (zeros for r >= valid),
 // k in [0, K). Rows are padded to 64 bytes with zeros, so reading a whole

@@ -12,6 +12,9 @@ namespace colibri::kernels {
 // fp32 compute for f32/f16/bf16 weights (ffn_avx512_gemm.cpp). Only call
 // when the CPU supports AVX-512 (isa_supported(Isa::kAvx512)).
 const KernelTable& avx512_gemm_kernels();
+// fp32 compute, tokens in the vector lanes, weights broadcast as stored
+// (ffn_avx512_tokens.cpp): for 16-64 tokens per expert. Same requirement.
+const KernelTable& avx512_tokens_kernels();
 #endif
 
 }  // namespace colibri::kernels

@@ -11,10 +11,15 @@
 namespace colibri::kernels {
 namespace {
 
-// Tokens per expert from which the prefill kernels beat the decode kernels,
-// measured on the development machine (docs/KERNELS.md): below these the
-// per-call panel packing costs more than the better inner loop saves.
-constexpr int32_t kGemmMinTokens = 64;
+// Tokens per expert from which each prefill table beats the ones below it,
+// measured on the development machine with bench/kernel_bench.cpp
+// (docs/KERNELS.md). Below kTokensMinTokens the per-call widening of the
+// weights costs more than the FMA-bound inner loop saves; from
+// kGemmMinTokens the panel GEMM, which packs each weight panel once for all
+// of an expert's tokens, overtakes the token-lane kernel, which widens them
+// once per group of 64 tokens.
+constexpr int32_t kTokensMinTokens = 8;
+constexpr int32_t kGemmMinTokens = 128;
 constexpr int32_t kAmxMinTokens = 8;
 
 char ascii_lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
@@ -114,26 +119,26 @@ const KernelTable& kernel_table_for(Isa isa, WeightType wt, Precision p) {
   return kernel_table(isa);
 }
 
-const KernelTable* prefill_table_for(Isa isa, WeightType wt, bool bf16_compute, int32_t* min_tokens) {
+PrefillTiers prefill_tiers_for(Isa isa, WeightType wt, bool bf16_compute) {
+  PrefillTiers tiers;
 #if defined(COLIBRI_HAVE_X86_KERNELS)
-  if (isa < Isa::kAvx512 || !isa_supported(Isa::kAvx512)) return nullptr;
+  if (isa < Isa::kAvx512 || !isa_supported(Isa::kAvx512)) return tiers;
   if ((wt == WeightType::kBF16 || bf16_compute) && amx_available()) {
-    *min_tokens = kAmxMinTokens;
-    return &amx_bf16_kernels();
+    tiers.tier[tiers.count++] = {&amx_bf16_kernels(), kAmxMinTokens};
+    return tiers;
   }
   // bf16 weights without AMX stay on the bf16 dot-product (or fp32) decode
-  // kernels: the fp32 GEMM would drop the bf16 precision contract's speed
+  // kernels: the fp32 kernels would drop the bf16 precision contract's speed
   // without its accuracy being asked for.
-  if (wt == WeightType::kBF16 && bf16_compute_available(isa)) return nullptr;
-  *min_tokens = kGemmMinTokens;
-  return &avx512_gemm_kernels();
+  if (wt == WeightType::kBF16 && bf16_compute_available(isa)) return tiers;
+  tiers.tier[tiers.count++] = {&avx512_tokens_kernels(), kTokensMinTokens};
+  tiers.tier[tiers.count++] = {&avx512_gemm_kernels(), kGemmMinTokens};
 #else
   (void)isa;
   (void)wt;
   (void)bf16_compute;
-  (void)min_tokens;
-  return nullptr;
 #endif
+  return tiers;
 }
 
 }  // namespace colibri::kernels

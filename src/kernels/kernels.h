@@ -114,13 +114,30 @@ const KernelTable& kernel_table_for(Isa isa, WeightType wt, Precision p = Precis
 // True when kernel_table_for(isa, kBF16, kDefault) is the bf16-compute table.
 bool bf16_compute_available(Isa isa);
 
-// The prefill (many tokens per expert) table for weights of type `wt` at
-// level `isa`, or nullptr when the decode table is best for every token
-// count. *min_tokens receives the tokens per expert from which it wins
-// (measured; docs/KERNELS.md). bf16 weights, or any weights when
-// `bf16_compute`, use AMX tiles where amx_available(); otherwise f32/f16
-// weights use the fp32 AVX-512 GEMM.
-const KernelTable* prefill_table_for(Isa isa, WeightType wt, bool bf16_compute, int32_t* min_tokens);
+// A prefill (many tokens per expert) table and the tokens per expert from
+// which it beats the tables below it (measured; docs/KERNELS.md).
+struct PrefillTier {
+  const KernelTable* table = nullptr;
+  int32_t min_tokens = 0;
+};
+struct PrefillTiers {
+  PrefillTier tier[2];  // ascending min_tokens
+  int count = 0;        // 0: the decode table is best for every token count
+
+  // The table for an expert with n tokens, `decode` below the first tier.
+  const KernelTable& pick(int32_t n, const KernelTable& decode) const {
+    for (int i = count - 1; i >= 0; --i) {
+      if (n >= tier[i].min_tokens) return *tier[i].table;
+    }
+    return decode;
+  }
+};
+
+// The prefill tiers for weights of type `wt` at level `isa`. bf16 weights,
+// or any weights when `bf16_compute`, use AMX tiles where amx_available();
+// otherwise f32/f16 weights use the fp32 AVX-512 kernels: tokens in the
+// lanes for mid counts, the weight-panel GEMM for large ones.
+PrefillTiers prefill_tiers_for(Isa isa, WeightType wt, bool bf16_compute);
 
 // Per-ISA tables (defined in ffn_<isa>.cpp).
 const KernelTable& scalar_kernels();

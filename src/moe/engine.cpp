@@ -39,7 +39,7 @@ void Engine::set_router(const colibri_router_desc_t& desc) {
   // Router weights are f32 and computed in fp32 whatever the experts' type:
   // the choice of experts should not depend on the weight format.
   router_decode_ = &kernels::kernel_table_for(kernels_->isa, kernels::WeightType::kF32, kernels::Precision::kFp32);
-  router_prefill_ = kernels::prefill_table_for(kernels_->isa, kernels::WeightType::kF32, false, &router_prefill_min_);
+  router_prefill_ = kernels::prefill_tiers_for(kernels_->isa, kernels::WeightType::kF32, false);
 }
 
 // Grows the per-token scratch (router logits, shared expert) to `tokens`.
@@ -83,8 +83,7 @@ void Engine::route_locked(int32_t layer, int32_t n_tokens, const float* input, i
   // logits[t][e] = router_e . x_t: the router is the "down" block of an
   // expert with E output rows, so the down kernels compute it, split over
   // rows of E.
-  const kernels::KernelTable& table =
-      router_prefill_ != nullptr && n_tokens >= router_prefill_min_ ? *router_prefill_ : *router_decode_;
+  const kernels::KernelTable& table = router_prefill_.pick(n_tokens, *router_decode_);
   if (static_cast<double>(T) * E * rs.d_ff < 262144.0) threads = 1;
   const int32_t rows = rows_per_item(E, threads, E);
   const uint8_t* w = store_.router(layer);
@@ -240,7 +239,7 @@ void Engine::run_locked(const InferArgs& a) {
     max_tokens = std::max(max_tokens, expert_offsets_[static_cast<size_t>(e) + 1] - expert_offsets_[static_cast<size_t>(e)]);
   }
   if (Fs > 0) max_tokens = std::max(max_tokens, a.n_tokens);
-  const bool coarse = prefill_ != nullptr && max_tokens >= prefill_min_tokens_;
+  const bool coarse = prefill_.count > 0 && max_tokens >= prefill_.tier[0].min_tokens;
   const int64_t active = static_cast<int64_t>(active_experts_.size());
 
   // Phase 1: (expert, block of d_ff rows), the shared expert's blocks first

@@ -70,15 +70,11 @@ class Engine {
     fn();
   }
 
-  // Kernels for experts that received at least `min_tokens` tokens in a
-  // call (the prefill GEMM path); below that the decode kernels run.
-  // nullptr disables the switch.
-  void set_prefill_kernels(const kernels::KernelTable* table, int32_t min_tokens) {
-    prefill_ = table;
-    prefill_min_tokens_ = min_tokens;
-  }
-  const kernels::KernelTable* prefill_kernels() const { return prefill_; }
-  int32_t prefill_min_tokens() const { return prefill_min_tokens_; }
+  // Kernels for experts by the tokens they received in a call (the prefill
+  // paths); below the first tier the decode kernels run. No tiers disables
+  // the switch.
+  void set_prefill_kernels(const kernels::PrefillTiers& tiers) { prefill_ = tiers; }
+  const kernels::PrefillTiers& prefill_kernels() const { return prefill_; }
 
  private:
   struct Phase1Item {
@@ -99,12 +95,9 @@ class Engine {
   int32_t n_experts_;
   ThreadPool& pool_;
   const kernels::KernelTable* kernels_;
-  const kernels::KernelTable* prefill_ = nullptr;
-  int32_t prefill_min_tokens_ = 0;
+  kernels::PrefillTiers prefill_;
 
-  const kernels::KernelTable& table_for(int32_t n_tokens) const {
-    return prefill_ != nullptr && n_tokens >= prefill_min_tokens_ ? *prefill_ : *kernels_;
-  }
+  const kernels::KernelTable& table_for(int32_t n_tokens) const { return prefill_.pick(n_tokens, *kernels_); }
 
   FairMutex call_mutex_;  // guards the scratch below; callers served in arrival order
   // Scratch, grown on demand and reused across calls.
@@ -119,8 +112,7 @@ class Engine {
   // Built-in router and shared expert.
   RouterRule router_;
   const kernels::KernelTable* router_decode_ = nullptr;   // f32 weights, fp32 compute
-  const kernels::KernelTable* router_prefill_ = nullptr;
-  int32_t router_prefill_min_ = 0;
+  kernels::PrefillTiers router_prefill_;
   std::vector<float> logits_;          // [T][E]
   std::vector<int32_t> identity_;      // 0, 1, 2, ... (token index of the shared expert / router)
   std::vector<float> ones_;            // weight 1 per token (router logits)

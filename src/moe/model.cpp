@@ -161,14 +161,13 @@ void Model::start(const colibri_open_options_t& o) {
   const kernels::WeightType wt = store_->shape().weight_type;
   engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_,
                                      kernels::kernel_table_for(isa, wt));
-  int32_t min_tokens = 0;
-  const kernels::KernelTable* prefill = kernels::prefill_table_for(isa, wt, o.bf16_compute != 0, &min_tokens);
-  engine_->set_prefill_kernels(prefill, min_tokens);
+  const kernels::PrefillTiers prefill = kernels::prefill_tiers_for(isa, wt, o.bf16_compute != 0);
+  engine_->set_prefill_kernels(prefill);
   if (manifest_.has_router()) engine_->set_router(manifest_.router);
   kernels_description_ = std::string("decode ") + engine_->kernels().name;
-  if (prefill != nullptr) {
-    kernels_description_ += std::string(", prefill ") + prefill->name + " from " +
-                            std::to_string(min_tokens) + " tokens/expert";
+  for (int i = 0; i < prefill.count; ++i) {
+    kernels_description_ += std::string(i == 0 ? ", prefill " : ", ") + prefill.tier[i].table->name + " from " +
+                            std::to_string(prefill.tier[i].min_tokens) + " tokens/expert";
   }
   if (o.reserve_tokens < 0) {
     fail(COLIBRI_ERR_INVALID_ARGUMENT, "options.reserve_tokens must be >= 0, got " +

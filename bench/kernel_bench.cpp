@@ -1,0 +1,127 @@
+// Single-thread throughput of each kernel table on one expert, by tokens per
+// expert: the measurement behind the engine's decode/prefill crossover
+// (docs/KERNELS.md). One iteration = phase 1 over all d_ff rows, then phase 2
+// over all d_model rows, for n tokens. Reports GFLOP/s (2 * 3 * D * F * n
+// per iteration).
+//
+//   build/bench/colibri_kernel_bench --benchmark_filter='f16/1024x4096'
+//
+// Names: <table>/<dtype>/<D>x<F>/n:<tokens>. Shapes are the benchmark
+// suite's (seed, qwen3-moe, olmoe); the weights of one expert stay in the
+// last-level cache, so this measures the kernels' compute, not DRAM.
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/amx.h"
+#include "kernels/gemm.h"
+#include "kernels/kernels.h"
+#include "util/half.h"
+
+namespace {
+
+using colibri::kernels::ExpertShape;
+using colibri::kernels::KernelTable;
+using colibri::kernels::WeightType;
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<uint8_t, FreeDeleter>;
+
+Buffer aligned_bytes(size_t n) {
+  return Buffer(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)));
+}
+
+// Random weights in the packed layout (kernels.h), padding zero.
+Buffer random_rows(size_t rows, size_t cols, size_t stride, WeightType t, std::mt19937* rng) {
+  const size_t elem = colibri::kernels::weight_type_size(t);
+  Buffer b = aligned_bytes(rows * stride * elem);
+  std::memset(b.get(), 0, rows * stride * elem);
+  std::uniform_real_distribution<float> dist(-0.05f, 0.05f);
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t c = 0; c < cols; ++c) {
+      const float v = dist(*rng);
+      uint8_t* at = b.get() + (r * stride + c) * elem;
+      if (t == WeightType::kF32) {
+        std::memcpy(at, &v, 4);
+      } else {
+        const uint16_t h = t == WeightType::kF16 ? colibri::float_to_f16(v) : colibri::float_to_bf16(v);
+        std::memcpy(at, &h, 2);
+      }
+    }
+  }
+  return b;
+}
+
+void run_expert(benchmark::State& state, const KernelTable* table, WeightType t, int32_t D, int32_t F) {
+  const int32_t n = static_cast<int32_t>(state.range(0));
+  const ExpertShape s = colibri::kernels::make_expert_shape(D, F, t);
+  std::mt19937 rng(42);
+  Buffer gate_up = random_rows(2 * static_cast<size_t>(F), static_cast<size_t>(D), s.gate_up_stride, t, &rng);
+  Buffer down = random_rows(static_cast<size_t>(D), static_cast<size_t>(F), s.down_stride, t, &rng);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  // Tokens gathered from a larger call, as the engine does.
+  const int32_t call_tokens = 4 * n;
+  std::vector<float> x(static_cast<size_t>(call_tokens) * D), y(static_cast<size_t>(call_tokens) * D, 0.0f);
+  for (float& v : x) v = dist(rng);
+  std::vector<int32_t> index(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) index[static_cast<size_t>(i)] = 4 * i + 1;
+  std::vector<float> weight(static_cast<size_t>(n), 0.5f);
+  const size_t ldh = (static_cast<size_t>(F) + 15) / 16 * 16;
+  std::vector<float> h(static_cast<size_t>(n) * ldh);
+  for (auto _ : state) {
+    table->gate_up(s, gate_up.get(), x.data(), static_cast<size_t>(D), index.data(), n, 0, F, h.data(), ldh);
+    table->down(s, down.get(), h.data(), ldh, index.data(), weight.data(), n, 0, D, y.data(),
+                static_cast<size_t>(D));
+    benchmark::ClobberMemory();
+  }
+  const double flops = 6.0 * D * F * n;
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops * 1e-9 * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+
+const char* dtype_name(WeightType t) {
+  return t == WeightType::kF32 ? "f32" : t == WeightType::kF16 ? "f16" : "bf16";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace colibri::kernels;
+  std::vector<const KernelTable*> tables{&kernel_table(default_isa())};
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  if (isa_supported(Isa::kAvx512)) {
+    tables.push_back(&avx512_gemm_kernels());
+    tables.push_back(&avx512_tokens_kernels());
+    if (bf16_compute_available(default_isa())) tables.push_back(&avx512_bf16_kernels());
+    if (amx_available()) tables.push_back(&amx_bf16_kernels());
+  }
+#endif
+  const int32_t shapes[][2] = {{1024, 4096}, {2048, 768}, {2048, 1024}};
+  for (const KernelTable* table : tables) {
+    for (WeightType t : {WeightType::kF16, WeightType::kBF16, WeightType::kF32}) {
+      for (const auto& shape : shapes) {
+        const std::string name = std::string(table->name) + "/" + dtype_name(t) + "/" + std::to_string(shape[0]) +
+                                 "x" + std::to_string(shape[1]);
+        benchmark::RegisterBenchmark(name.c_str(), run_expert, table, t, shape[0], shape[1])
+            ->ArgName("n")
+            ->Arg(1)->Arg(4)->Arg(8)->Arg(12)->Arg(16)->Arg(24)->Arg(32)->Arg(48)->Arg(64)->Arg(128)
+            ->Unit(benchmark::kMicrosecond)
+            ->MeasureProcessCPUTime()
+            ->UseRealTime();
+      }
+    }
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
