@@ -46,6 +46,7 @@ constexpr size_t kXtBudgetBytes = size_t{1} << 20;
 thread_local ScratchBuffer t_xt;
 thread_local ScratchBuffer t_wf;
 thread_local ScratchBuffer t_out;
+thread_local ScratchBuffer t_part;  // phase 2 accumulators across K spans
 
 // Rows per register block for NV token vectors: R*NV = 24 accumulators,
 // leaving registers for NV activation vectors and the broadcast weight.
@@ -189,22 +190,30 @@ inline void micro_kernel(const float* wf, const float* xt, int32_t kn, __m512* a
   for (int i = 0; i < R * NV; ++i) acc[i] = c[i];
 }
 
-// Full-K products of rows [row0, row0 + R) with the group's NV token
-// vectors, lanes as in transpose_tokens (summed over each lane's P k-steps
-// by lane_sums).
+// Products of rows [row0, row0 + R) with the group's NV token vectors over
+// k in [k_begin, k_end) (multiples of 16; xt holds k from k_begin), added to
+// acc; lanes as in transpose_tokens (summed over each lane's P k-steps by
+// lane_sums).
 template <int R, int NV, int P>
-void block_products(const char* w, size_t row_bytes, WeightType t, int32_t row0, int32_t K16, const float* xt,
-                    float* wf, __m512* acc) {
-  for (int i = 0; i < R * NV; ++i) acc[i] = _mm512_setzero_ps();
-  for (int32_t kc = 0; kc < K16; kc += kKc) {
-    const int32_t kn = K16 - kc < kKc ? K16 - kc : kKc;
+void block_products(const char* w, size_t row_bytes, WeightType t, int32_t row0, int32_t k_begin, int32_t k_end,
+                    const float* xt, float* wf, __m512* acc) {
+  for (int32_t kc = k_begin; kc < k_end; kc += kKc) {
+    const int32_t kn = k_end - kc < kKc ? k_end - kc : kKc;
     // Prefetch target: the next chunk of these rows, or the first chunk of
     // the next R rows (prefetches never fault, even past the matrix).
-    const ptrdiff_t next = kc + kn < K16 ? static_cast<ptrdiff_t>(kn * weight_type_size(t))
-                                         : static_cast<ptrdiff_t>(R * row_bytes) - static_cast<ptrdiff_t>(kc * weight_type_size(t));
+    const ptrdiff_t next = kc + kn < k_end ? static_cast<ptrdiff_t>(kn * weight_type_size(t))
+                                           : static_cast<ptrdiff_t>(R * row_bytes) -
+                                                 static_cast<ptrdiff_t>((kc - k_begin) * weight_type_size(t));
     widen_rows<R>(w, row_bytes, row0, t, kc, kn, next, wf);
-    micro_kernel<R, NV, P>(wf, xt + static_cast<size_t>(kc / P) * (16 * NV), kn, acc);
+    micro_kernel<R, NV, P>(wf, xt + static_cast<size_t>((kc - k_begin) / P) * (16 * NV), kn, acc);
   }
+}
+
+template <int R, int NV, int P>
+void full_products(const char* w, size_t row_bytes, WeightType t, int32_t row0, int32_t K16, const float* xt,
+                   float* wf, __m512* acc) {
+  for (int i = 0; i < R * NV; ++i) acc[i] = _mm512_setzero_ps();
+  block_products<R, NV, P>(w, row_bytes, t, row0, 0, K16, xt, wf, acc);
 }
 
 // Adds each lane group of P lanes into its first lane (lane P*j holds token
@@ -256,26 +265,32 @@ void gate_up_group(const ExpertShape& s, const char* w, size_t row_bytes, const 
       // The last block is moved back to end at f_end; its first rows were
       // already stored by the previous block and are skipped.
       const int32_t f0 = f + RF <= f_end ? f : f_end - RF;
-      block_products<R, NV, P>(w, row_bytes, s.weight_type, 2 * f0, K16, xt, wf, acc);
+      full_products<R, NV, P>(w, row_bytes, s.weight_type, 2 * f0, K16, xt, wf, acc);
       store(acc, RF, f - f0, f0);
     }
   } else {
     for (int32_t f = f_begin; f < f_end; ++f) {
-      block_products<2, NV, P>(w, row_bytes, s.weight_type, 2 * f, K16, xt, wf, acc);
+      full_products<2, NV, P>(w, row_bytes, s.weight_type, 2 * f, K16, xt, wf, acc);
       store(acc, 1, 0, f);
     }
   }
 }
 
 // Phase 2 for one token group: y[token] += weight * (down_d . h_token).
+// d_ff can be long (14336 for Mixtral) and Xt for a whole group would not
+// fit L2, so K is walked in spans of `k_span` (a multiple of kKc): each span's
+// Xt is built once and every row block adds its span to accumulators kept in
+// `part` (one R x NV block of vectors per row block); the sums still run
+// over k in ascending order, so the result does not depend on the span.
 template <int NV, int P>
-void down_group(const ExpertShape& s, const char* w, size_t row_bytes, const float* xt, const int32_t* token_index,
-                const float* weight, int32_t i0, int32_t count, int32_t d_begin, int32_t d_end, float* y,
-                size_t ldy, float* wf, float* out) {
+void down_group(const ExpertShape& s, const char* w, size_t row_bytes, const float* h, size_t ldh,
+                const int32_t* token_index, const float* weight, int32_t i0, int32_t count, int32_t d_begin,
+                int32_t d_end, float* y, size_t ldy, int32_t k_span, float* xt, float* wf, float* out,
+                __m512* part) {
   constexpr int R = block_rows<NV>();
   constexpr int kPerVector = 16 / P;
-  const int32_t K16 = (s.d_ff + 15) / 16 * 16;
-  __m512 acc[R * NV];
+  const int32_t K = s.d_ff;
+  const int32_t K16 = (K + 15) / 16 * 16;
   // out[r][lane]: lane sums; then added token by token, tokens in order, so
   // a token listed twice accumulates in a fixed order.
   auto store = [&](const __m512* a, int nr, int skip, int32_t d0) {
@@ -290,16 +305,27 @@ void down_group(const ExpertShape& s, const char* w, size_t row_bytes, const flo
     }
   };
   const int32_t nd = d_end - d_begin;
-  if (nd >= R) {
-    for (int32_t d = d_begin; d < d_end; d += R) {
-      const int32_t d0 = d + R <= d_end ? d : d_end - R;
-      block_products<R, NV, P>(w, row_bytes, s.weight_type, d0, K16, xt, wf, acc);
-      store(acc, R, d - d0, d0);
-    }
-  } else {
-    for (int32_t d = d_begin; d < d_end; ++d) {
-      block_products<1, NV, P>(w, row_bytes, s.weight_type, d, K16, xt, wf, acc);
-      store(acc, 1, 0, d);
+  const bool blocked = nd >= R;
+  const int32_t blocks = blocked ? (nd + R - 1) / R : nd;
+  const int block_vectors = blocked ? R * NV : NV;
+  for (int32_t i = 0; i < blocks * block_vectors; ++i) part[i] = _mm512_setzero_ps();
+  for (int32_t k0 = 0; k0 < K16; k0 += k_span) {
+    const int32_t k1 = K16 - k0 < k_span ? K16 : k0 + k_span;
+    transpose_tokens<P>(h + k0, ldh, nullptr, i0, count, (K < k1 ? K : k1) - k0, NV, xt);
+    const bool last = k1 == K16;
+    for (int32_t b = 0; b < blocks; ++b) {
+      __m512* acc = part + static_cast<size_t>(b) * block_vectors;
+      if (blocked) {
+        // The last block is moved back to end at d_end; its first rows were
+        // already added by the previous block and are skipped.
+        const int32_t d = d_begin + b * R;
+        const int32_t d0 = d + R <= d_end ? d : d_end - R;
+        block_products<R, NV, P>(w, row_bytes, s.weight_type, d0, k0, k1, xt, wf, acc);
+        if (last) store(acc, R, d - d0, d0);
+      } else {
+        block_products<1, NV, P>(w, row_bytes, s.weight_type, d_begin + b, k0, k1, xt, wf, acc);
+        if (last) store(acc, 1, 0, d_begin + b);
+      }
     }
   }
 }
@@ -371,23 +397,28 @@ void down_tokens(const ExpertShape& s, const void* down, const float* h, size_t 
                  const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t K16 = (s.d_ff + 15) / 16 * 16;
-  const int32_t group = group_tokens(K16);
-  float* xt = static_cast<float*>(t_xt.get(static_cast<size_t>(K16) * static_cast<size_t>(group) * sizeof(float)));
+  constexpr int32_t kGroup = 64;
+  // K span whose Xt for a full group stays within the L2 budget.
+  const int32_t fit = static_cast<int32_t>(kXtBudgetBytes / (kGroup * sizeof(float)) / kKc * kKc);
+  const int32_t k_span = K16 < fit ? K16 : fit;
+  const size_t part_vectors = static_cast<size_t>(d_end - d_begin + 24) * 4;  // >= blocks * R * NV
+  float* xt = static_cast<float*>(t_xt.get(static_cast<size_t>(k_span) * kGroup * sizeof(float)));
   float* wf = static_cast<float*>(t_wf.get(static_cast<size_t>(24) * kKc * sizeof(float)));
   float* out = static_cast<float*>(t_out.get(static_cast<size_t>(24) * 16 * sizeof(float)));
-  if (xt == nullptr || wf == nullptr || out == nullptr) {
+  __m512* part = static_cast<__m512*>(t_part.get(part_vectors * sizeof(__m512)));
+  if (xt == nullptr || wf == nullptr || out == nullptr || part == nullptr) {
     avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
   }
   const char* w = static_cast<const char*>(down);
   const size_t row_bytes = s.down_stride * weight_type_size(s.weight_type);
-  for (int32_t i0 = 0; i0 < n; i0 += group) {
-    const int32_t count = n - i0 < group ? n - i0 : group;
+  for (int32_t i0 = 0; i0 < n; i0 += kGroup) {
+    const int32_t count = n - i0 < kGroup ? n - i0 : kGroup;
     with_layout(count, [&](auto nv_tag, auto p_tag) {
       constexpr int NV = decltype(nv_tag)::value;
       constexpr int P = decltype(p_tag)::value;
-      transpose_tokens<P>(h, ldh, nullptr, i0, count, s.d_ff, NV, xt);
-      down_group<NV, P>(s, w, row_bytes, xt, token_index, weight, i0, count, d_begin, d_end, y, ldy, wf, out);
+      down_group<NV, P>(s, w, row_bytes, h, ldh, token_index, weight, i0, count, d_begin, d_end, y, ldy, k_span, xt,
+                        wf, out, part);
     });
   }
 }
