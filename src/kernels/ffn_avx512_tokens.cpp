@@ -308,13 +308,18 @@ void down_group(const ExpertShape& s, const char* w, size_t row_bytes, const flo
   const bool blocked = nd >= R;
   const int32_t blocks = blocked ? (nd + R - 1) / R : nd;
   const int block_vectors = blocked ? R * NV : NV;
-  for (int32_t i = 0; i < blocks * block_vectors; ++i) part[i] = _mm512_setzero_ps();
+  // With one span the accumulators need not outlive their block.
+  const bool one_span = k_span >= K16;
+  __m512 local[R * NV];
   for (int32_t k0 = 0; k0 < K16; k0 += k_span) {
     const int32_t k1 = K16 - k0 < k_span ? K16 : k0 + k_span;
     transpose_tokens<P>(h + k0, ldh, nullptr, i0, count, (K < k1 ? K : k1) - k0, NV, xt);
     const bool last = k1 == K16;
     for (int32_t b = 0; b < blocks; ++b) {
-      __m512* acc = part + static_cast<size_t>(b) * block_vectors;
+      __m512* acc = one_span ? local : part + static_cast<size_t>(b) * block_vectors;
+      if (k0 == 0) {
+        for (int i = 0; i < block_vectors; ++i) acc[i] = _mm512_setzero_ps();
+      }
       if (blocked) {
         // The last block is moved back to end at d_end; its first rows were
         // already added by the previous block and are skipped.
