@@ -20,7 +20,7 @@ namespace {
 // once per group of 64 tokens.
 constexpr int32_t kTokensMinTokens = 8;
 constexpr int32_t kGemmMinTokens = 128;
-constexpr int32_t kAmxMinTokens = 8;
+constexpr int32_t kAmxMinTokens = 4;
 
 char ascii_lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
 
