@@ -178,7 +178,7 @@ TEST_F(GemmKernels, PanelGemmMatchesFloat64Reference) {
 }
 
 // Token counts cover each lane layout (4 and 8 tokens per vector with pairs
-// and quads of k, 1-4 vectors of 16) and groups split at 64; D and F cross
+// and quads of k, 1-4 vectors; 3 vectors of 16) and groups split at 48; D and F cross
 // the 128-k weight chunk and the row blocks' tails (rows moved back to end
 // at the range end).
 TEST_F(GemmKernels, TokenLanesMatchFloat64Reference) {
@@ -194,12 +194,14 @@ TEST_F(GemmKernels, TokenLanesMatchFloat64Reference) {
   }
 }
 
-// d_ff large enough that a token group's transposed activations would pass
-// the kernel's L2 budget: fewer token vectors per group in phase 2.
-TEST_F(GemmKernels, TokenLanesLargeDffMatchesFloat64Reference) {
+// d_ff and d_model large enough that a token group's transposed activations
+// would pass the kernel's L2 budget: phase 2 walks K in spans (2 and 3
+// here), phase 1 takes smaller token groups.
+TEST_F(GemmKernels, TokenLanesLongKMatchesFloat64Reference) {
   std::mt19937 rng(20261202);
   check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kF16, 5, 8200, 70, rng);
-  check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kBF16, 3, 4100, 40, rng);
+  check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kBF16, 3, 11000, 40, rng);
+  check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kF32, 9000, 3, 40, rng);
 }
 #endif
 
