@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/amx.h"
 #include "kernels/gemm.h"
 #include "util/half.h"
 
@@ -166,6 +167,34 @@ void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::
 }
 
 #if defined(COLIBRI_HAVE_X86_KERNELS)
+// Which table an expert with n tokens gets: decode below the first tier,
+// then the highest tier reached; bf16 weights only ever go to AMX.
+TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
+  using colibri::kernels::Isa;
+  const KernelTable& decode = colibri::kernels::kernel_table(Isa::kAvx512);
+  const colibri::kernels::PrefillTiers f16 = colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kF16, false);
+  ASSERT_EQ(f16.count, 2);
+  EXPECT_EQ(&f16.pick(1, decode), &decode);
+  EXPECT_EQ(&f16.pick(f16.tier[0].min_tokens - 1, decode), &decode);
+  EXPECT_EQ(&f16.pick(f16.tier[0].min_tokens, decode), &colibri::kernels::avx512_tokens_kernels());
+  EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens - 1, decode), &colibri::kernels::avx512_tokens_kernels());
+  EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens, decode), &colibri::kernels::avx512_gemm_kernels());
+  EXPECT_EQ(&f16.pick(100000, decode), &colibri::kernels::avx512_gemm_kernels());
+  EXPECT_LT(f16.tier[0].min_tokens, f16.tier[1].min_tokens);
+
+  const colibri::kernels::PrefillTiers bf16 =
+      colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kBF16, false);
+  if (colibri::kernels::amx_available()) {
+    ASSERT_EQ(bf16.count, 1);
+    EXPECT_STREQ(bf16.tier[0].table->name, "amx-bf16");
+  }
+  for (int i = 0; i < bf16.count; ++i) EXPECT_STRNE(bf16.tier[i].table->name, "avx512-tokens");
+
+  // Below AVX-512 there are no prefill tables at all.
+  EXPECT_EQ(colibri::kernels::prefill_tiers_for(Isa::kAvx2, WeightType::kF16, false).count, 0);
+  EXPECT_EQ(colibri::kernels::prefill_tiers_for(Isa::kScalar, WeightType::kBF16, true).count, 0);
+}
+
 TEST_F(GemmKernels, PanelGemmMatchesFloat64Reference) {
   std::mt19937 rng(20261130);
   for (WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {

@@ -5,21 +5,25 @@
 // call and spread over the expert's tokens: with 8-32 tokens per expert the
 // shuffles, which compete with the FMAs for the same two ports, eat a large
 // part of the time. Here the roles are swapped: the activations of up to 48
-// tokens are transposed once per call (Xt[k][token], a small array in L2),
-// the weights stay row-major as stored, and each weight is broadcast from
-// memory against one vector of 16 tokens:
+// tokens are transposed once per call (Xt, a small array in L2), the
+// weights stay row-major as stored, and weights are broadcast from memory
+// against vectors of tokens:
 //
-//   acc[r][v] += broadcast(W[r][k]) * Xt[k][16v .. 16v+16)
+//   acc[r][v] += broadcast(W[r][k .. k+P)) * Xt[k/P][16v .. 16v+16)
 //
-// f16/bf16 weights are widened into a small fp32 chunk in L1 first (a load,
-// a convert and a store per 16 weights, no shuffles), because there is no
-// broadcast-and-widen instruction. The register block is R rows x NV token
-// vectors (24 accumulators), so each k step issues NV vector loads, R
-// broadcasts and R*NV FMAs. Lanes past the last token are zero and wasted,
-// which is why the engine only uses this table from 16 tokens per expert.
+// With P = 1 a vector holds 16 tokens at one k; with P = 2 or 4 it holds 8
+// or 4 tokens at 2 or 4 consecutive k (summed at the end), so groups of 8 or
+// 12 tokens fill their lanes too. f16/bf16 weights are widened into a small
+// fp32 chunk in L1 first (a load, a convert and a store per 16 weights, no
+// shuffles), because there is no broadcast-and-widen instruction. The
+// register block is R rows x NV token vectors (24 accumulators), so each k
+// step issues NV vector loads, R broadcasts and R*NV FMAs. Below 8 tokens
+// per expert the lanes and the widening are not paid back and the engine
+// uses the decode kernels (docs/KERNELS.md).
 //
-// Results are sums over k in ascending order, one FMA per k, for every
-// (row, token): independent of how rows are split between threads.
+// Results are sums over k in ascending order for every (row, token) (P
+// interleaved partial sums when P > 1): independent of how rows are split
+// between threads and of the K spans of phase 2.
 //
 // Same linkage rules as ffn_avx512.cpp: everything in an anonymous namespace.
 #include "kernels/x86_intrinsics.h"
