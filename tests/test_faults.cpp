@@ -11,11 +11,13 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "colibri.h"
@@ -214,6 +216,114 @@ TEST_F(FaultTest, OutOfMemoryWhileOpening) {
   });
   EXPECT_EQ(code, 0) << "10 setrlimit, 11 opened anyway, 12 handle leaked, 13 wrong status, 14 no message, "
                         "15 small model failed after, 16 wrong output";
+#endif
+}
+
+// The prefill kernels allocate their per-thread scratch (transposed
+// activations, weight panels, AMX tiles: a few hundred KiB) on a thread's
+// first prefill call. When that fails they must fall back to the decode
+// kernels: the same results up to rounding, not a crash and not an output
+// left unwritten.
+TEST_F(FaultTest, OutOfMemoryForPrefillScratchFallsBackToDecodeKernels) {
+#ifdef COLIBRI_UNDER_SANITIZER
+  GTEST_SKIP() << "sanitizers reserve terabytes of address space; RLIMIT_AS cannot be tested under them";
+#else
+  constexpr int kT = 128, kExperts = 4, kD = 2048, kF = 256;  // 32 tokens per expert: prefill kernels
+  for (colibri_dtype_t dtype : {COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16}) {
+    SCOPED_TRACE(dtype == COLIBRI_DTYPE_F16 ? "f16" : "bf16");
+    colibri_test::TempDir dir;
+    colibri::ModelWriteSpec spec;
+    spec.n_experts = kExperts;
+    spec.d_model = kD;
+    spec.d_ff = kF;
+    spec.dtype = dtype;
+    colibri::write_random_model(dir.path(), spec, 11);
+    std::vector<float> x(static_cast<size_t>(kT) * kD), w(kT, 1.0f);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
+    std::vector<int32_t> ids(kT);
+    for (int t = 0; t < kT; ++t) ids[static_cast<size_t>(t)] = t % kExperts;
+    colibri_open_options_t o;
+    colibri_open_options_default(&o);
+    o.n_threads = 1;
+    o.reserve_tokens = kT;  // the engine's own scratch, allocated at open
+    auto infer = [&](colibri_model_t* m, std::vector<float>* y) {
+      y->assign(x.size(), std::nanf(""));
+      colibri_infer_t in;
+      colibri_infer_default(&in);
+      in.n_tokens = kT;
+      in.input = x.data();
+      in.output = y->data();
+      in.top_k = 1;
+      in.expert_ids = ids.data();
+      in.expert_weights = w.data();
+      return colibri_infer(m, &in);
+    };
+    colibri_model_t* model = nullptr;
+    ASSERT_EQ(colibri_open(dir.path().c_str(), &o, &model), COLIBRI_OK) << colibri_last_error();
+    const std::string kernels = colibri_model_kernels(model);
+    std::vector<float> expected;
+    ASSERT_EQ(infer(model, &expected), COLIBRI_OK);
+    colibri_free(model);
+    if (kernels.find("prefill") == std::string::npos) GTEST_SKIP() << "no prefill kernels here: " << kernels;
+
+    const int code = in_child([&] {
+      colibri_model_t* m = nullptr;
+      if (colibri_open(dir.path().c_str(), &o, &m) != COLIBRI_OK) return 10;
+      std::vector<float> y;
+      y.reserve(x.size());
+      std::vector<void*> hoard;
+      hoard.reserve(size_t{1} << 20);
+      int result = 0;
+      // A fresh thread (its stack mapped before the limit), so the kernels'
+      // thread-local scratch starts empty: the thread that forked this child
+      // already has its own from the run above.
+      std::thread caller([&] {
+        long pages = 0;
+        std::ifstream statm("/proc/self/statm");
+        statm >> pages;
+        const rlim_t now = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE));
+        const rlimit limit{now, now};
+        if (setrlimit(RLIMIT_AS, &limit) != 0) {
+          result = 11;
+          return;
+        }
+        // Take what the heap still has free, so no allocation of the
+        // kernels' size can succeed.
+        for (size_t size : {size_t{1} << 16, size_t{1} << 12, size_t{256}}) {
+          while (hoard.size() < hoard.capacity()) {
+            void* p = std::malloc(size);
+            if (p == nullptr) break;
+            hoard.push_back(p);
+          }
+        }
+        void* probe = std::malloc(size_t{64} << 10);
+        if (probe != nullptr) {
+          std::free(probe);
+          result = 12;
+          return;
+        }
+        if (infer(m, &y) != COLIBRI_OK) {
+          result = 13;
+          return;
+        }
+      });
+      caller.join();
+      for (void* p : hoard) std::free(p);
+      if (result != 0) return result;
+      double err = 0, ref = 0;
+      for (size_t i = 0; i < y.size(); ++i) {
+        if (!std::isfinite(y[i])) return 14;
+        err += (static_cast<double>(y[i]) - expected[i]) * (static_cast<double>(y[i]) - expected[i]);
+        ref += static_cast<double>(expected[i]) * expected[i];
+      }
+      colibri_free(m);
+      // fp32 paths agree to rounding; bf16 paths each round activations.
+      const double tol = dtype == COLIBRI_DTYPE_F16 ? 1e-5 : 1e-2;
+      return std::sqrt(err / ref) <= tol ? 0 : 15;
+    });
+    EXPECT_EQ(code, 0) << "10 open, 11 setrlimit, 12 limit not binding, 13 infer failed, 14 NaN/inf (output not "
+                          "written), 15 wrong output";
+  }
 #endif
 }
 

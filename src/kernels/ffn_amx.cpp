@@ -447,13 +447,24 @@ struct DownPhase {
   }
 };
 
+// When the per-thread scratch cannot be allocated (out of memory on a
+// thread's first prefill call): the decode kernels for these weights, which
+// need none. bf16 weights keep the bf16 activation rounding (vdpbf16ps,
+// present on every CPU with AMX-BF16); others compute in fp32.
+const KernelTable& decode_fallback(WeightType t) {
+  return t == WeightType::kBF16 && cpu_has_avx512_bf16() ? avx512_bf16_kernels() : avx512_kernels();
+}
+
 void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                  const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h,
                  size_t ldh) {
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t units = (f_end - f_begin + kTile - 1) / kTile;
   Plan pl;
-  if (!make_plan(s.d_model, n, units, &pl)) return;  // cannot happen in practice; the engine pre-warms
+  if (!make_plan(s.d_model, n, units, &pl)) {
+    decode_fallback(s.weight_type).gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    return;
+  }
   configure_tiles();
   pack_all(pl, x, ldx, token_index, n, s.d_model);
   const size_t elem = elem_size(s.weight_type);
@@ -468,7 +479,10 @@ void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t units = (d_end - d_begin + 2 * kTile - 1) / (2 * kTile);
   Plan pl;
-  if (!make_plan(s.d_ff, n, units, &pl)) return;
+  if (!make_plan(s.d_ff, n, units, &pl)) {
+    decode_fallback(s.weight_type).down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    return;
+  }
   configure_tiles();
   pack_all(pl, h, ldh, nullptr, n, s.d_ff);
   const size_t elem = elem_size(s.weight_type);

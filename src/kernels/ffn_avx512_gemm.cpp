@@ -110,7 +110,13 @@ void gate_up_gemm(const ExpertShape& s, const void* gate_up, const float* x, siz
   const int32_t K = s.d_model;
   const size_t K16 = (static_cast<size_t>(K) + 15) / 16 * 16;
   float* G = static_cast<float*>(t_panels.get(2 * K16 * kPanelRows * sizeof(float)));
-  if (G == nullptr) return;  // cannot happen in practice; the engine pre-warms
+  if (G == nullptr) {
+    // No memory for the panels (a few hundred KiB, allocated on a thread's
+    // first call): the decode kernels need no scratch and give the same
+    // sums up to rounding.
+    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    return;
+  }
   float* U = G + K16 * kPanelRows;
   const size_t elem = s.weight_type == WeightType::kF32 ? 4 : 2;
   // Packed rows: 2f is gate row f, 2f+1 is up row f, so gate rows are every
@@ -173,7 +179,10 @@ void down_gemm(const ExpertShape& s, const void* down, const float* h, size_t ld
   const int32_t K = s.d_ff;
   const size_t K16 = (static_cast<size_t>(K) + 15) / 16 * 16;
   float* A = static_cast<float*>(t_panels.get(2 * K16 * kPanelRows * sizeof(float)));
-  if (A == nullptr) return;
+  if (A == nullptr) {
+    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    return;
+  }
   float* B = A + K16 * kPanelRows;
   const size_t elem = s.weight_type == WeightType::kF32 ? 4 : 2;
   for (int32_t d = d_begin; d < d_end; d += 2 * kPanelRows) {
