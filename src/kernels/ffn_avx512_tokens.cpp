@@ -160,7 +160,7 @@ inline void widen_rows(const char* w, size_t row_bytes, int32_t row0, WeightType
     const char* ahead = row + static_cast<size_t>(kc) * elem + next;
     for (size_t b = 0; b < static_cast<size_t>(kn) * elem; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     for (int32_t kk = 0; kk < kn; kk += 16) {
-      _mm512_store_ps(wf + r * kKc + kk, load16(row, static_cast<size_t>(kc + kk), t));
+      _mm512_store_ps(wf + r * kKc + kk, load16(row, static_cast<size_t>(kc) + static_cast<size_t>(kk), t));
     }
   }
 }
