@@ -68,8 +68,10 @@ typedef struct colibri_model colibri_model_t;
 
 /* ---------------------------------------------------------------- errors */
 
-/* Message of the last failure on the calling thread ("" if none). The
- * pointer stays valid until the next Colibri call on this thread. */
+/* Message of the last failure on the calling thread ("" if none), at most
+ * 4095 bytes (a longer one is cut short, ending in "..."). Kept in a fixed
+ * per-thread buffer, so reporting a failure never allocates. The pointer
+ * stays valid until the next Colibri call on this thread. */
 COLIBRI_API const char* colibri_last_error(void);
 
 /* Non-fatal notices from the last colibri_open on this thread (e.g. "mlock

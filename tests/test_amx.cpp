@@ -253,6 +253,16 @@ TEST_F(AmxKernels, MatchRoundedFloat64Reference) { run_shapes(true); }
 
 TEST_F(AmxKernels, MatchUnroundedFloat64Reference) { run_shapes(false); }
 
+// With no working memory to be had, the kernels fall back to the decode
+// kernels (bf16 dot products for bf16 weights, fp32 otherwise), which stay
+// within the same bound; they must not return with the output unwritten.
+TEST_F(AmxKernels, NoScratchFallsBackToDecodeKernels) {
+  colibri::kernels::KernelScratch none;
+  none.set_limit(0);
+  const colibri::kernels::ScratchScope scope(&none);
+  run_shapes(false);
+}
+
 // A model-sized slice: long K (many tile steps), 5 token blocks.
 TEST_F(AmxKernels, LargerShape) {
   const KernelTable& k = colibri::kernels::amx_bf16_kernels();

@@ -143,6 +143,22 @@ TEST_F(ApiTest, MissingModelDirectory) {
   EXPECT_TRUE(error_names({"no_such_model"}));
 }
 
+// Messages live in a fixed per-thread buffer (no allocation on the error
+// path); one longer than it is cut short and says so.
+TEST_F(ApiTest, OverlongMessageIsCutShort) {
+  const std::string path = "/nonexistent/" + std::string(6000, 'p');
+  colibri_model_t* m = nullptr;
+  EXPECT_NE(colibri_open(path.c_str(), nullptr, &m), COLIBRI_OK);
+  EXPECT_EQ(m, nullptr);
+  const std::string err = colibri_last_error();
+  EXPECT_EQ(err.size(), 4095u);
+  EXPECT_EQ(err.substr(err.size() - 3), "...");
+  EXPECT_NE(err.find("/nonexistent/ppp"), std::string::npos) << err.substr(0, 200);
+  // A later, shorter message replaces it whole.
+  EXPECT_NE(colibri_open("/nonexistent/short", nullptr, &m), COLIBRI_OK);
+  EXPECT_NE(std::string(colibri_last_error()).find("/nonexistent/short"), std::string::npos);
+}
+
 TEST_F(ApiTest, MissingManifest) {
   std::filesystem::remove(manifest_path_);
   EXPECT_EQ(open_status(dir_), COLIBRI_ERR_IO);

@@ -223,6 +223,20 @@ TEST_F(GemmKernels, TokenLanesMatchFloat64Reference) {
   }
 }
 
+// With no working memory to be had, both prefill tables fall back to the
+// decode kernels; they must not return with the output unwritten.
+TEST_F(GemmKernels, NoScratchFallsBackToDecodeKernels) {
+  colibri::kernels::KernelScratch none;
+  none.set_limit(0);
+  const colibri::kernels::ScratchScope scope(&none);
+  std::mt19937 rng(20261203);
+  for (const KernelTable* k : {&colibri::kernels::avx512_tokens_kernels(), &colibri::kernels::avx512_gemm_kernels()}) {
+    for (WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
+      for (int n : {8, 21, 70}) check_table(*k, wt, 129, 48, n, rng);
+    }
+  }
+}
+
 // d_ff and d_model large enough that a token group's transposed activations
 // would pass the kernel's L2 budget: phase 2 walks K in spans (2 and 3
 // here), phase 1 takes smaller token groups.

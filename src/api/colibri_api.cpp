@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <new>
 #include <string>
 
@@ -30,11 +31,46 @@ struct colibri_routing {
 
 namespace {
 
-thread_local std::string t_last_error;
-thread_local std::string t_last_warning;
+// A per-thread message. A plain char array on purpose: a thread_local with
+// a destructor (std::string) makes glibc allocate on a thread's first call
+// to register that destructor, and abort the process if the allocation
+// fails, which a call under memory exhaustion must not do.
+struct ThreadMessage {
+  static constexpr size_t kBytes = 4096;
+  char text[kBytes];
 
-colibri_status_t set_error(colibri_status_t status, std::string message) {
-  t_last_error = std::move(message);
+  void clear() { text[0] = '\0'; }
+  const char* c_str() const { return text; }
+  // The concatenation of the pieces; longer messages are cut short,
+  // ending in "...". Never allocates.
+  void set(std::initializer_list<const char*> pieces) {
+    size_t used = 0;
+    for (const char* piece : pieces) {
+      for (; *piece != '\0'; ++piece) {
+        if (used == kBytes - 1) {
+          std::memcpy(text + kBytes - 4, "...", 4);
+          return;
+        }
+        text[used++] = *piece;
+      }
+    }
+    text[used] = '\0';
+  }
+  void set(const std::string& message) { set({message.c_str()}); }
+};
+
+thread_local ThreadMessage t_last_error;
+thread_local ThreadMessage t_last_warning;
+
+colibri_status_t set_error(colibri_status_t status, const std::string& message) {
+  t_last_error.set(message);
+  return status;
+}
+
+// Without building a std::string: for the error paths that may run out of
+// memory themselves.
+colibri_status_t set_error(colibri_status_t status, std::initializer_list<const char*> pieces) {
+  t_last_error.set(pieces);
   return status;
 }
 
@@ -46,18 +82,18 @@ colibri_status_t guarded(const char* function, Body&& body) {
     t_last_error.clear();
     return body();
   } catch (const colibri::Error& e) {
-    return set_error(e.status(), e.what());
+    return set_error(e.status(), {e.what()});
   } catch (const std::bad_alloc&) {
-    return set_error(COLIBRI_ERR_OUT_OF_MEMORY, std::string(function) + ": out of memory");
+    return set_error(COLIBRI_ERR_OUT_OF_MEMORY, {function, ": out of memory"});
   } catch (const std::exception& e) {
-    return set_error(COLIBRI_ERR_INTERNAL, std::string(function) + ": " + e.what());
+    return set_error(COLIBRI_ERR_INTERNAL, {function, ": ", e.what()});
   } catch (...) {
-    return set_error(COLIBRI_ERR_INTERNAL, std::string(function) + ": unknown error");
+    return set_error(COLIBRI_ERR_INTERNAL, {function, ": unknown error"});
   }
 }
 
 colibri_status_t null_argument(const char* function, const char* name) {
-  return set_error(COLIBRI_ERR_INVALID_ARGUMENT, std::string(function) + ": " + name + " is NULL");
+  return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {function, ": ", name, " is NULL"});
 }
 
 constexpr size_t kMaxRouteTextBytes = size_t{1} << 32;  // 4 GiB
@@ -117,7 +153,7 @@ colibri_status_t colibri_open(const char* path, const colibri_open_options_t* op
   return guarded("colibri_open", [&] {
     std::string warnings;
     auto* model = new colibri_model(path, o, &warnings);
-    t_last_warning = std::move(warnings);
+    t_last_warning.set(warnings);
     *out_model = model;
     return COLIBRI_OK;
   });
@@ -155,7 +191,7 @@ colibri_status_t colibri_open_memory(const colibri_model_desc_t* desc, const col
   return guarded("colibri_open_memory", [&] {
     std::string warnings;
     auto* model = new colibri_model(*desc, o, &warnings);
-    t_last_warning = std::move(warnings);
+    t_last_warning.set(warnings);
     *out_model = model;
     return COLIBRI_OK;
   });
@@ -293,7 +329,7 @@ colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int3
       model->impl.swap_expert(layer, expert, static_cast<const uint8_t*>(source->data), source->size,
                               "colibri_swap_expert: source data", checksum, &warnings);
     }
-    t_last_warning = std::move(warnings);
+    t_last_warning.set(warnings);
     return COLIBRI_OK;
   });
 }

@@ -36,23 +36,6 @@ inline __m512 load16(const void* row, size_t k, WeightType t) {
   return _mm512_setzero_ps();
 }
 
-// Grow-only per-thread buffer, 64-byte aligned. Allocated on a thread's
-// first call (or for a larger shape); later calls reuse it, so the hot path
-// allocates nothing in steady state.
-struct ScratchBuffer {
-  void* data = nullptr;
-  size_t bytes = 0;
-  ~ScratchBuffer() { free(data); }
-  void* get(size_t n) {
-    if (n > bytes) {
-      free(data);
-      data = aligned_alloc(64, (n + 63) / 64 * 64);  // size a multiple of the alignment
-      bytes = data != nullptr ? n : 0;
-    }
-    return data;
-  }
-};
-
 // In-register transpose of a 16x16 block of 32-bit elements: r[i] holds row
 // i on entry and column i on exit.
 inline void transpose16(__m512 r[16]) {

@@ -61,9 +61,10 @@ constexpr size_t kTileElems = static_cast<size_t>(kTile) * kKStep;  // bf16 per 
 
 #define COLIBRI_UNROLL _Pragma("GCC unroll 16")
 
-thread_local ScratchBuffer t_act;    // activations, bf16 VNNI tiles
-thread_local ScratchBuffer t_panel;  // converted / padded weight panels
-thread_local ScratchBuffer t_acc;    // fp32 accumulator tiles kept between K chunks
+// KernelScratch slots.
+constexpr int kActSlot = 0;    // activations, bf16 VNNI tiles
+constexpr int kPanelSlot = 1;  // converted / padded weight panels
+constexpr int kAccSlot = 2;    // fp32 accumulator tiles kept between K chunks
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -290,7 +291,7 @@ struct Plan {
   float* acc = nullptr;
 };
 
-bool make_plan(int32_t K, int32_t n, int32_t units, Plan* p) {
+bool make_plan(int32_t K, int32_t n, int32_t units, KernelScratch* scratch, Plan* p) {
   p->S = (K + kKStep - 1) / kKStep;
   p->nb = (n + kTile - 1) / kTile;
   p->passes = (p->nb + 1) / 2;
@@ -306,9 +307,9 @@ bool make_plan(int32_t K, int32_t n, int32_t units, Plan* p) {
     p->RG = min_i32(p->RG, units);
   }
   p->block_elems = static_cast<size_t>(p->S) * kTileElems;
-  p->act = static_cast<uint16_t*>(t_act.get(static_cast<size_t>(p->nb) * p->block_elems * 2));
-  p->panel = static_cast<uint16_t*>(t_panel.get(2 * static_cast<size_t>(kTile) * p->CS * kKStep * 2));
-  p->acc = static_cast<float*>(t_acc.get(static_cast<size_t>(p->RG) * p->passes * pass_acc));
+  p->act = static_cast<uint16_t*>(scratch->get(kActSlot, static_cast<size_t>(p->nb) * p->block_elems * 2));
+  p->panel = static_cast<uint16_t*>(scratch->get(kPanelSlot, 2 * static_cast<size_t>(kTile) * p->CS * kKStep * 2));
+  p->acc = static_cast<float*>(scratch->get(kAccSlot, static_cast<size_t>(p->RG) * p->passes * pass_acc));
   return p->act != nullptr && p->panel != nullptr && p->acc != nullptr;
 }
 
@@ -461,7 +462,7 @@ void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t units = (f_end - f_begin + kTile - 1) / kTile;
   Plan pl;
-  if (!make_plan(s.d_model, n, units, &pl)) {
+  if (!make_plan(s.d_model, n, units, &bound_scratch(), &pl)) {
     decode_fallback(s.weight_type).gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
     return;
   }
@@ -479,7 +480,7 @@ void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t units = (d_end - d_begin + 2 * kTile - 1) / (2 * kTile);
   Plan pl;
-  if (!make_plan(s.d_ff, n, units, &pl)) {
+  if (!make_plan(s.d_ff, n, units, &bound_scratch(), &pl)) {
     decode_fallback(s.weight_type).down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
   }
@@ -492,10 +493,19 @@ void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh
   release_tiles();
 }
 
+// Both phases' plans for the largest call: n tokens, row ranges of
+// max_rows (units of 16 f rows in phase 1, 32 d rows in phase 2).
+bool reserve_amx(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
+  if (max_tokens <= 0 || max_rows <= 0) return true;
+  Plan pl;
+  return make_plan(s.d_model, max_tokens, (max_rows + kTile - 1) / kTile, scratch, &pl) &&
+         make_plan(s.d_ff, max_tokens, (max_rows + 2 * kTile - 1) / (2 * kTile), scratch, &pl);
+}
+
 }  // namespace
 
 const KernelTable& amx_bf16_kernels() {
-  static const KernelTable table{Isa::kAvx512, "amx-bf16", gate_up_amx, down_amx};
+  static const KernelTable table{Isa::kAvx512, "amx-bf16", gate_up_amx, down_amx, reserve_amx};
   return table;
 }
 

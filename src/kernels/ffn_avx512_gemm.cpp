@@ -32,7 +32,10 @@ constexpr int kPanelRows = 16;
 // registers; GCC does not do that on its own for arrays of __m512.
 #define COLIBRI_UNROLL _Pragma("GCC unroll 16")
 
-thread_local ScratchBuffer t_panels;
+// Two 16-row fp32 panels of K16 x 16 (KernelScratch slot 0).
+size_t panel_bytes(int32_t K) {
+  return 2 * ((static_cast<size_t>(K) + 15) / 16 * 16) * kPanelRows * sizeof(float);
+}
 
 
 // panel[k*16 + r] = W[row0 + r][k] for r < valid (zeros for r >= valid),
@@ -109,7 +112,7 @@ void gate_up_gemm(const ExpertShape& s, const void* gate_up, const float* x, siz
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t K = s.d_model;
   const size_t K16 = (static_cast<size_t>(K) + 15) / 16 * 16;
-  float* G = static_cast<float*>(t_panels.get(2 * K16 * kPanelRows * sizeof(float)));
+  float* G = static_cast<float*>(bound_scratch().get(0, panel_bytes(K)));
   if (G == nullptr) {
     // No memory for the panels (a few hundred KiB, allocated on a thread's
     // first call): the decode kernels need no scratch and give the same
@@ -178,7 +181,7 @@ void down_gemm(const ExpertShape& s, const void* down, const float* h, size_t ld
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t K = s.d_ff;
   const size_t K16 = (static_cast<size_t>(K) + 15) / 16 * 16;
-  float* A = static_cast<float*>(t_panels.get(2 * K16 * kPanelRows * sizeof(float)));
+  float* A = static_cast<float*>(bound_scratch().get(0, panel_bytes(K)));
   if (A == nullptr) {
     avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
@@ -209,10 +212,14 @@ void down_gemm(const ExpertShape& s, const void* down, const float* h, size_t ld
   }
 }
 
+bool reserve_gemm(const ExpertShape& s, int32_t /*max_tokens*/, int32_t /*max_rows*/, KernelScratch* scratch) {
+  return scratch->get(0, panel_bytes(s.d_model > s.d_ff ? s.d_model : s.d_ff)) != nullptr;
+}
+
 }  // namespace
 
 const KernelTable& avx512_gemm_kernels() {
-  static const KernelTable table{Isa::kAvx512, "avx512-gemm", gate_up_gemm, down_gemm};
+  static const KernelTable table{Isa::kAvx512, "avx512-gemm", gate_up_gemm, down_gemm, reserve_gemm};
   return table;
 }
 

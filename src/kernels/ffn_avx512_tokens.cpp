@@ -51,10 +51,11 @@ constexpr int32_t kMaxGroup = 48;
 // smaller groups.
 constexpr size_t kXtBudgetBytes = size_t{1} << 20;
 
-thread_local ScratchBuffer t_xt;
-thread_local ScratchBuffer t_wf;
-thread_local ScratchBuffer t_out;
-thread_local ScratchBuffer t_part;  // phase 2 accumulators across K spans
+// KernelScratch slots.
+constexpr int kXtSlot = 0;    // transposed activations
+constexpr int kWfSlot = 1;    // widened weight chunk
+constexpr int kOutSlot = 2;   // phase 2 lane sums of one row block
+constexpr int kPartSlot = 3;  // phase 2 accumulators across K spans
 
 // Rows per register block for NV token vectors: R*NV = 24 accumulators,
 // leaving registers for NV activation vectors and the broadcast weight.
@@ -377,13 +378,45 @@ void with_layout(int32_t count, Fn&& fn) {
   fn(Int<3>{}, Int<1>{});
 }
 
+// Scratch sizes.
+constexpr size_t kWfBytes = size_t{24} * kKc * sizeof(float);
+constexpr size_t kOutBytes = size_t{24} * 16 * sizeof(float);
+
+size_t gate_up_xt_bytes(int32_t K16) {
+  return static_cast<size_t>(K16) * static_cast<size_t>(group_tokens(K16)) * sizeof(float);
+}
+
+// Phase 2's K span: as long as keeps Xt for a full group within the L2 budget.
+int32_t down_k_span(int32_t K16) {
+  const int32_t fit = static_cast<int32_t>(kXtBudgetBytes / (kMaxGroup * sizeof(float)) / kKc * kKc);
+  return K16 < fit ? K16 : fit;
+}
+
+size_t down_xt_bytes(int32_t K16) {
+  return static_cast<size_t>(down_k_span(K16)) * kMaxGroup * sizeof(float);
+}
+
+// Accumulators of every row block of a phase 2 range: at least
+// blocks * R * NV vectors (R * NV = 24 per block of R >= 6 rows, NV per
+// single row).
+size_t part_bytes(int32_t rows) { return (static_cast<size_t>(rows) + 24) * 4 * sizeof(__m512); }
+
+bool reserve_tokens_kernels(const ExpertShape& s, int32_t /*max_tokens*/, int32_t max_rows, KernelScratch* scratch) {
+  const int32_t Kg = (s.d_model + 15) / 16 * 16;
+  const int32_t Kd = (s.d_ff + 15) / 16 * 16;
+  const size_t xt = gate_up_xt_bytes(Kg) > down_xt_bytes(Kd) ? gate_up_xt_bytes(Kg) : down_xt_bytes(Kd);
+  return scratch->get(kXtSlot, xt) != nullptr && scratch->get(kWfSlot, kWfBytes) != nullptr &&
+         scratch->get(kOutSlot, kOutBytes) != nullptr && scratch->get(kPartSlot, part_bytes(max_rows)) != nullptr;
+}
+
 void gate_up_tokens(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                     const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t K16 = (s.d_model + 15) / 16 * 16;
   const int32_t group = group_tokens(K16);
-  float* xt = static_cast<float*>(t_xt.get(static_cast<size_t>(K16) * static_cast<size_t>(group) * sizeof(float)));
-  float* wf = static_cast<float*>(t_wf.get(static_cast<size_t>(24) * kKc * sizeof(float)));
+  KernelScratch& scratch = bound_scratch();
+  float* xt = static_cast<float*>(scratch.get(kXtSlot, gate_up_xt_bytes(K16)));
+  float* wf = static_cast<float*>(scratch.get(kWfSlot, kWfBytes));
   if (xt == nullptr || wf == nullptr) {
     // Out of memory for a few hundred KiB of scratch: the decode kernels
     // need none and give the same sums up to rounding.
@@ -407,14 +440,12 @@ void down_tokens(const ExpertShape& s, const void* down, const float* h, size_t 
                  const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t K16 = (s.d_ff + 15) / 16 * 16;
-  // K span whose Xt for a full group stays within the L2 budget.
-  const int32_t fit = static_cast<int32_t>(kXtBudgetBytes / (kMaxGroup * sizeof(float)) / kKc * kKc);
-  const int32_t k_span = K16 < fit ? K16 : fit;
-  const size_t part_vectors = static_cast<size_t>(d_end - d_begin + 24) * 4;  // >= blocks * R * NV
-  float* xt = static_cast<float*>(t_xt.get(static_cast<size_t>(k_span) * kMaxGroup * sizeof(float)));
-  float* wf = static_cast<float*>(t_wf.get(static_cast<size_t>(24) * kKc * sizeof(float)));
-  float* out = static_cast<float*>(t_out.get(static_cast<size_t>(24) * 16 * sizeof(float)));
-  __m512* part = static_cast<__m512*>(t_part.get(part_vectors * sizeof(__m512)));
+  const int32_t k_span = down_k_span(K16);
+  KernelScratch& scratch = bound_scratch();
+  float* xt = static_cast<float*>(scratch.get(kXtSlot, down_xt_bytes(K16)));
+  float* wf = static_cast<float*>(scratch.get(kWfSlot, kWfBytes));
+  float* out = static_cast<float*>(scratch.get(kOutSlot, kOutBytes));
+  __m512* part = static_cast<__m512*>(scratch.get(kPartSlot, part_bytes(d_end - d_begin)));
   if (xt == nullptr || wf == nullptr || out == nullptr || part == nullptr) {
     avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
@@ -435,7 +466,7 @@ void down_tokens(const ExpertShape& s, const void* down, const float* h, size_t 
 }  // namespace
 
 const KernelTable& avx512_tokens_kernels() {
-  static const KernelTable table{Isa::kAvx512, "avx512-tokens", gate_up_tokens, down_tokens};
+  static const KernelTable table{Isa::kAvx512, "avx512-tokens", gate_up_tokens, down_tokens, reserve_tokens_kernels};
   return table;
 }
 

@@ -41,7 +41,33 @@ Isa compute_default_isa() {
   return requested < detected ? requested : detected;
 }
 
+thread_local KernelScratch* t_bound_scratch = nullptr;
+
 }  // namespace
+
+KernelScratch::~KernelScratch() {
+  for (void* p : data_) std::free(p);
+}
+
+void* KernelScratch::get(int slot, size_t bytes) {
+  if (bytes > size_[slot]) {
+    std::free(data_[slot]);
+    // aligned_alloc wants a size that is a multiple of the alignment.
+    data_[slot] = bytes <= limit_ ? std::aligned_alloc(64, (bytes + 63) / 64 * 64) : nullptr;
+    size_[slot] = data_[slot] != nullptr ? bytes : 0;
+  }
+  return data_[slot];
+}
+
+KernelScratch& bound_scratch() {
+  if (t_bound_scratch != nullptr) return *t_bound_scratch;
+  thread_local KernelScratch own;
+  return own;
+}
+
+ScratchScope::ScratchScope(KernelScratch* scratch) : previous_(t_bound_scratch) { t_bound_scratch = scratch; }
+
+ScratchScope::~ScratchScope() { t_bound_scratch = previous_; }
 
 Isa default_isa() {
   // Cached so every engine in the process agrees even if the environment is

@@ -70,6 +70,53 @@ using DownFn = void (*)(const ExpertShape& shape, const void* down, const float*
                         const int32_t* token_index, const float* weight, int32_t n,
                         int32_t d_begin, int32_t d_end, float* y, size_t ldy);
 
+// Working memory of the prefill kernels: a few grow-only, 64-byte aligned
+// buffers. The engine owns one per pool thread, sizes them at open through
+// KernelTable::reserve, and binds the right one to the thread running each
+// work item (ScratchScope), so calls within the reserved size allocate
+// nothing, whichever thread calls. Kernels run with none bound (tests,
+// benchmarks) use one owned by the thread.
+class KernelScratch {
+ public:
+  static constexpr int kSlots = 4;
+  KernelScratch() = default;
+  ~KernelScratch();
+  KernelScratch(const KernelScratch&) = delete;
+  KernelScratch& operator=(const KernelScratch&) = delete;
+  // Buffer `slot` with room for at least `bytes`, growing it (the only
+  // allocation) when it is smaller; nullptr if that allocation fails or
+  // would pass the limit, and the buffer is then empty.
+  void* get(int slot, size_t bytes);
+  // Caps each buffer at `bytes` (default: no cap). Tests use 0 to make
+  // every kernel take its no-scratch path.
+  void set_limit(size_t bytes) { limit_ = bytes; }
+
+ private:
+  void* data_[kSlots] = {};
+  size_t size_[kSlots] = {};
+  size_t limit_ = ~size_t{0};
+};
+
+// The scratch bound to this thread, or the thread's own.
+KernelScratch& bound_scratch();
+
+// Binds `scratch` to the calling thread until destroyed.
+class ScratchScope {
+ public:
+  explicit ScratchScope(KernelScratch* scratch);
+  ~ScratchScope();
+  ScratchScope(const ScratchScope&) = delete;
+  ScratchScope& operator=(const ScratchScope&) = delete;
+
+ private:
+  KernelScratch* previous_;
+};
+
+// Sizes `scratch` for calls of the table on experts of `shape` with up to
+// `max_tokens` tokens and row ranges of up to `max_rows` rows; false if an
+// allocation failed (the kernels then fall back to scratch-free paths).
+using ReserveFn = bool (*)(const ExpertShape& shape, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch);
+
 // Instruction-set levels, lowest first. A level is usable when the CPU and
 // the OS (XCR0) support it.
 enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
@@ -79,6 +126,7 @@ struct KernelTable {
   const char* name = "scalar";
   GateUpFn gate_up = nullptr;
   DownFn down = nullptr;
+  ReserveFn reserve = nullptr;  // tables that use KernelScratch; nullptr: none needed
 };
 
 // Highest level this CPU and OS support (CPUID + XCR0), computed once.

@@ -30,6 +30,7 @@ Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, Th
                const kernels::KernelTable& kernels)
     : store_(store), n_layers_(n_layers), n_experts_(n_experts), pool_(pool), kernels_(&kernels) {
   expert_offsets_.resize(static_cast<size_t>(n_experts) + 1);
+  kernel_scratch_ = std::make_unique<kernels::KernelScratch[]>(static_cast<size_t>(pool.size()));
   active_experts_.reserve(static_cast<size_t>(n_experts));
 }
 
@@ -87,7 +88,8 @@ void Engine::route_locked(int32_t layer, int32_t n_tokens, const float* input, i
   if (static_cast<double>(T) * E * rs.d_ff < 262144.0) threads = 1;
   const int32_t rows = rows_per_item(E, threads, E);
   const uint8_t* w = store_.router(layer);
-  pool_.parallel_for((E + rows - 1) / rows, threads, [&](int64_t item, int) {
+  pool_.parallel_for((E + rows - 1) / rows, threads, [&](int64_t item, int thread) {
+    const kernels::ScratchScope scope(&kernel_scratch_[static_cast<size_t>(thread)]);
     const int32_t e0 = static_cast<int32_t>(item) * rows;
     table.down(rs, w, input, static_cast<size_t>(rs.d_ff), identity_.data(), ones_.data(), n_tokens, e0,
                std::min(E, e0 + rows), logits_.data(), static_cast<size_t>(E));
@@ -156,6 +158,33 @@ void Engine::reserve(int32_t tokens, int32_t top_k) {
   const size_t shared_rows = static_cast<size_t>(store_.shared_shape().d_ff);
   const size_t max_items = active * static_cast<size_t>((F + 15) / 16) + (shared_rows + 15) / 16;
   if (phase1_items_.capacity() < max_items) phase1_items_.reserve(max_items);
+  reserve_kernel_scratch(tokens);
+}
+
+void Engine::reserve_kernel_scratch(int32_t tokens) {
+  // An expert can get every token of a call; row ranges are at most a
+  // whole matrix.
+  const kernels::ExpertShape& shape = store_.shape();
+  const kernels::ExpertShape& shared = store_.shared_shape();
+  const kernels::ExpertShape& router = store_.router_shape();
+  const int32_t rows = std::max({shape.d_model, shape.d_ff, shared.d_ff, router.d_model});
+  for (int t = 0; t < pool_.size(); ++t) {
+    kernels::KernelScratch* scratch = &kernel_scratch_[static_cast<size_t>(t)];
+    // A failed reservation is not an error: the kernels fall back to the
+    // decode kernels when a call finds no scratch.
+    for (int i = 0; i < prefill_.count; ++i) {
+      const kernels::KernelTable& table = *prefill_.tier[i].table;
+      if (table.reserve == nullptr) continue;
+      (void)table.reserve(shape, tokens, rows, scratch);
+      if (shared.d_ff > 0) (void)table.reserve(shared, tokens, rows, scratch);
+    }
+    if (has_router()) {
+      for (int i = 0; i < router_prefill_.count; ++i) {
+        const kernels::KernelTable& table = *router_prefill_.tier[i].table;
+        if (table.reserve != nullptr) (void)table.reserve(router, tokens, rows, scratch);
+      }
+    }
+  }
 }
 
 void Engine::bucket(const InferArgs& a) {
@@ -256,7 +285,8 @@ void Engine::run_locked(const InferArgs& a) {
   for (size_t i = 0; i < active_experts_.size(); ++i) {
     for (int32_t f = 0; f < F; f += f_rows) phase1_items_.push_back({static_cast<int32_t>(i), f});
   }
-  pool_.parallel_for(static_cast<int64_t>(phase1_items_.size()), threads, [&](int64_t item, int) {
+  pool_.parallel_for(static_cast<int64_t>(phase1_items_.size()), threads, [&](int64_t item, int thread) {
+    const kernels::ScratchScope scope(&kernel_scratch_[static_cast<size_t>(thread)]);
     const Phase1Item& it = phase1_items_[static_cast<size_t>(item)];
     if (it.active < 0) {
       table_for(a.n_tokens).gate_up(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(),
@@ -276,7 +306,8 @@ void Engine::run_locked(const InferArgs& a) {
   int32_t d_rows = rows_per_item(D, threads, D);
   if (coarse) d_rows = std::min(D, round_up((D + 2 * threads - 1) / (2 * threads), 16));
   const int64_t d_items = (D + d_rows - 1) / d_rows;
-  pool_.parallel_for(d_items, threads, [&](int64_t item, int) {
+  pool_.parallel_for(d_items, threads, [&](int64_t item, int thread) {
+    const kernels::ScratchScope scope(&kernel_scratch_[static_cast<size_t>(thread)]);
     const int32_t d_begin = static_cast<int32_t>(item) * d_rows;
     const int32_t d_end = std::min(D, d_begin + d_rows);
     for (int32_t t = 0; t < a.n_tokens; ++t) {

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <memory>
 #include <vector>
 
 #include "kernels/kernels.h"
@@ -89,6 +90,7 @@ class Engine {
   void compute_shared_scale(const InferArgs& a);
   void check_layer(int32_t layer) const;
   void reserve_tokens_locked(int32_t tokens);
+  void reserve_kernel_scratch(int32_t tokens);
 
   const ExpertStore& store_;
   int32_t n_layers_;
@@ -96,6 +98,9 @@ class Engine {
   ThreadPool& pool_;
   const kernels::KernelTable* kernels_;
   kernels::PrefillTiers prefill_;
+  // The prefill kernels' working memory, one per pool thread, sized by
+  // reserve() and bound to the thread that runs each work item.
+  std::unique_ptr<kernels::KernelScratch[]> kernel_scratch_;
 
   const kernels::KernelTable& table_for(int32_t n_tokens) const { return prefill_.pick(n_tokens, *kernels_); }
 
