@@ -90,9 +90,11 @@ typedef struct colibri_open_options_s {
   int32_t huge_pages;       /* 1 = try hugetlbfs, then THP, then normal pages */
   int32_t verify_checksums; /* 1 = verify manifest checksums at open */
   int32_t pin_threads;      /* 1 = pin worker i to core i */
-  int32_t reserve_tokens;   /* scratch sized at open for calls of up to this many
-                               tokens x min(n_experts, 8) experts; such calls
-                               allocate nothing. Larger calls grow it once. */
+  int32_t reserve_tokens;   /* scratch (the engine's and the kernels', for every
+                               pool thread) sized at open for calls of up to
+                               this many tokens x min(n_experts, 8) experts;
+                               such calls allocate nothing, from any thread.
+                               Larger calls grow it once. */
   int32_t bf16_compute;     /* 1 = f16 and f32 weights may be computed through
                                bf16 (weights and activations rounded to bf16,
                                AMX tiles where present) for many-token calls;

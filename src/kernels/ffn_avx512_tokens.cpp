@@ -405,8 +405,10 @@ bool reserve_tokens_kernels(const ExpertShape& s, int32_t /*max_tokens*/, int32_
   const int32_t Kg = (s.d_model + 15) / 16 * 16;
   const int32_t Kd = (s.d_ff + 15) / 16 * 16;
   const size_t xt = gate_up_xt_bytes(Kg) > down_xt_bytes(Kd) ? gate_up_xt_bytes(Kg) : down_xt_bytes(Kd);
+  // Phase 2's row ranges are d_model rows at most.
+  const int32_t down_rows = s.d_model < max_rows ? s.d_model : max_rows;
   return scratch->get(kXtSlot, xt) != nullptr && scratch->get(kWfSlot, kWfBytes) != nullptr &&
-         scratch->get(kOutSlot, kOutBytes) != nullptr && scratch->get(kPartSlot, part_bytes(max_rows)) != nullptr;
+         scratch->get(kOutSlot, kOutBytes) != nullptr && scratch->get(kPartSlot, part_bytes(down_rows)) != nullptr;
 }
 
 void gate_up_tokens(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
