@@ -101,7 +101,10 @@ int main(int argc, char** argv) {
     tables.push_back(&avx512_gemm_kernels());
     tables.push_back(&avx512_tokens_kernels());
     if (bf16_compute_available(default_isa())) tables.push_back(&avx512_bf16_kernels());
-    if (amx_available()) tables.push_back(&amx_bf16_kernels());
+    if (amx_available()) {
+      tables.push_back(&amx_bf16_kernels());
+      tables.push_back(&amx_f16_split_kernels());
+    }
   }
 #endif
   const int32_t shapes[][2] = {{1024, 4096}, {2048, 768}, {2048, 1024}};

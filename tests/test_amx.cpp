@@ -13,6 +13,11 @@
 //  - "unrounded": the exact weights and activations. Each product then also
 //    carries the bf16 rounding: one rounding (2^-8 relative, RNE on an 8-bit
 //    significand) for bf16 weights, two (2^-7 + 2^-16) for f16/f32 weights.
+// The split table ("amx-f16-split", f16 weights at fp32-grade precision) is
+// checked against the unrounded reference with the fp32 summation bound
+// (K 2^-24, without acc_rel's floor) over its 5K accumulated terms (each an exact product of two bf16 parts, summing
+// to at most (1 + 2^-8)^2 sum|w x|) plus the dropped lo*x3 part (<= 2^-24 of
+// each product).
 // Errors in g and u propagate through silu(g)*u with |silu'| <= 1.1:
 //   |silu(g')u' - silu(g)u| <= 1.1 e_g (|u| + e_u) + |silu(g)| e_u.
 #include <gtest/gtest.h>
@@ -21,6 +26,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <thread>
@@ -90,6 +96,24 @@ double product_rel(WeightType wt) {
 // 2^-24 on a running sum bounded by sum|terms|; 1e-5 covers K <= 167.
 double acc_rel(int K) { return std::max(1e-5, K * std::ldexp(1.0, -24)); }
 
+// Which reference a table is held to (see the top of the file).
+enum class Ref { kRounded, kUnrounded, kSplit };
+
+// Error bound relative to sum|terms| of a K-long dot product.
+double dot_rel(Ref ref, WeightType wt, int K) {
+  switch (ref) {
+    case Ref::kRounded:
+      return acc_rel(K);
+    case Ref::kUnrounded:
+      return product_rel(wt) + acc_rel(K) * (1 + product_rel(wt));
+    case Ref::kSplit:
+      // No 1e-5 floor here: the bound must be tight enough that dropping
+      // the x3 part (2^-16 of a product) fails for short K.
+      return std::ldexp(1.0, -24) + (5 * K + 1) * std::ldexp(1.0, -24) * 1.01;
+  }
+  return 0;
+}
+
 struct Worst {
   double ratio = 0;
   std::string where;
@@ -104,12 +128,13 @@ struct Worst {
 // One gate_up call over [fb, fe) into NaN-poisoned h, checked element-wise.
 // rounded: reference on bf16-rounded weights and x.
 void check_gate_up(const KernelTable& k, const Packed& p, const std::vector<float>& x, const std::vector<int32_t>& idx,
-                   int n, int fb, int fe, bool rounded, const std::string& label, Worst* overall) {
+                   int n, int fb, int fe, Ref ref_kind, const std::string& label, Worst* overall) {
+  const bool rounded = ref_kind == Ref::kRounded;
   const int D = p.s.d_model, F = p.s.d_ff;
   const size_t ldh = static_cast<size_t>(F) + 3;
   std::vector<float> h(static_cast<size_t>(n) * ldh, NAN);
   k.gate_up(p.s, p.gate_up.data(), x.data(), static_cast<size_t>(D), idx.data(), n, fb, fe, h.data(), ldh);
-  const double rel = rounded ? acc_rel(D) : product_rel(p.s.weight_type) + acc_rel(D) * (1 + product_rel(p.s.weight_type));
+  const double rel = dot_rel(ref_kind, p.s.weight_type, D);
   Worst worst;
   for (int i = 0; i < n; ++i) {
     for (size_t f = 0; f < ldh; ++f) {
@@ -150,14 +175,15 @@ void check_gate_up(const KernelTable& k, const Packed& p, const std::vector<floa
 // outside the range must be untouched.
 void check_down(const KernelTable& k, const Packed& p, const std::vector<float>& h, size_t ldh,
                 const std::vector<int32_t>& idx, const std::vector<float>& w, int n, int T, int db, int de,
-                bool rounded, std::mt19937& rng, const std::string& label, Worst* overall) {
+                Ref ref_kind, std::mt19937& rng, const std::string& label, Worst* overall) {
+  const bool rounded = ref_kind == Ref::kRounded;
   const int D = p.s.d_model, F = p.s.d_ff;
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   std::vector<float> y(static_cast<size_t>(T) * D);
   for (float& v : y) v = u(rng);
   const std::vector<float> y0 = y;
   k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, db, de, y.data(), static_cast<size_t>(D));
-  const double rel = rounded ? acc_rel(F) : product_rel(p.s.weight_type) + acc_rel(F) * (1 + product_rel(p.s.weight_type));
+  const double rel = dot_rel(ref_kind, p.s.weight_type, F);
   std::vector<double> ref(y0.begin(), y0.end()), tol(y0.size(), 1e-30);
   for (int i = 0; i < n; ++i) {
     for (int d = db; d < de; ++d) {
@@ -207,13 +233,27 @@ TEST(AmxTable, Name) {
   EXPECT_STREQ(k.name, "amx-bf16");
   EXPECT_NE(k.gate_up, nullptr);
   EXPECT_NE(k.down, nullptr);
+  EXPECT_STREQ(colibri::kernels::amx_f16_split_kernels().name, "amx-f16-split");
+}
+
+// The tables and the reference each is held to in the tests below that do
+// not compare against the rounded reference.
+struct TableCase {
+  const KernelTable* k;
+  Ref ref;
+};
+std::vector<TableCase> all_tables() {
+  return {{&colibri::kernels::amx_bf16_kernels(), Ref::kUnrounded},
+          {&colibri::kernels::amx_f16_split_kernels(), Ref::kSplit}};
 }
 
 // All shapes of test_gemm.cpp plus sizes that exercise the tile grid: K on
 // and off multiples of 32, more than two 16-token blocks (pairs + a single
 // block), row ranges with a partial last panel and a lone last panel.
-void run_shapes(bool rounded) {
-  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
+// The split table gets every weight type too: f32 and bf16 go to the fp32
+// kernels, which meet the same bound.
+void run_shapes(const KernelTable& k, Ref ref) {
+  const bool rounded = ref == Ref::kRounded;
   std::mt19937 rng(rounded ? 20261130 : 20261201);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   Worst gate_up_worst, down_worst;
@@ -231,7 +271,7 @@ void run_shapes(bool rounded) {
           std::vector<int32_t> idx(static_cast<size_t>(n));
           for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 7 + 2) % T;  // gathered, some repeated
           const int fb = F > 4 ? 1 : 0, fe = F > 4 ? F - 1 : F;
-          check_gate_up(k, p, x, idx, n, fb, fe, rounded, label, &gate_up_worst);
+          check_gate_up(k, p, x, idx, n, fb, fe, ref, label, &gate_up_worst);
 
           const size_t ldh = static_cast<size_t>(F) + 3;
           std::vector<float> h(static_cast<size_t>(n) * ldh);
@@ -239,19 +279,25 @@ void run_shapes(bool rounded) {
           std::vector<float> w(static_cast<size_t>(n));
           for (float& v : w) v = u(rng);
           const int db = D > 4 ? 2 : 0, de = D > 4 ? D - 1 : D;
-          check_down(k, p, h, ldh, idx, w, n, T, db, de, rounded, rng, label, &down_worst);
+          check_down(k, p, h, ldh, idx, w, n, T, db, de, ref, rng, label, &down_worst);
         }
       }
     }
   }
-  std::printf("[ worst    ] %s reference, error / tolerance: gate_up %.3g (%s), down %.3g (%s)\n",
+  std::printf("[ worst    ] %s, %s reference, error / tolerance: gate_up %.3g (%s), down %.3g (%s)\n", k.name,
               rounded ? "rounded" : "unrounded", gate_up_worst.ratio, gate_up_worst.where.c_str(), down_worst.ratio,
               down_worst.where.c_str());
 }
 
-TEST_F(AmxKernels, MatchRoundedFloat64Reference) { run_shapes(true); }
+TEST_F(AmxKernels, MatchRoundedFloat64Reference) { run_shapes(colibri::kernels::amx_bf16_kernels(), Ref::kRounded); }
 
-TEST_F(AmxKernels, MatchUnroundedFloat64Reference) { run_shapes(false); }
+TEST_F(AmxKernels, MatchUnroundedFloat64Reference) {
+  run_shapes(colibri::kernels::amx_bf16_kernels(), Ref::kUnrounded);
+}
+
+TEST_F(AmxKernels, SplitMatchesFloat64ReferenceAtFp32Bound) {
+  run_shapes(colibri::kernels::amx_f16_split_kernels(), Ref::kSplit);
+}
 
 // With no working memory to be had, the kernels fall back to the decode
 // kernels (bf16 dot products for bf16 weights, fp32 otherwise), which stay
@@ -260,16 +306,32 @@ TEST_F(AmxKernels, NoScratchFallsBackToDecodeKernels) {
   colibri::kernels::KernelScratch none;
   none.set_limit(0);
   const colibri::kernels::ScratchScope scope(&none);
-  run_shapes(false);
+  for (const TableCase& t : all_tables()) run_shapes(*t.k, t.ref);
+}
+
+// Each table on the weight types it computes on the tiles, held to its
+// tightest reference: the rounded one for amx-bf16, the fp32 bound for the
+// split table.
+struct TiledCase {
+  const KernelTable* k;
+  Ref ref;
+  WeightType wt;
+};
+std::vector<TiledCase> tiled_cases(std::initializer_list<WeightType> bf16_table_types) {
+  std::vector<TiledCase> cases;
+  for (WeightType wt : bf16_table_types) cases.push_back({&colibri::kernels::amx_bf16_kernels(), Ref::kRounded, wt});
+  cases.push_back({&colibri::kernels::amx_f16_split_kernels(), Ref::kSplit, WeightType::kF16});
+  return cases;
 }
 
 // A model-sized slice: long K (many tile steps), 5 token blocks.
 TEST_F(AmxKernels, LargerShape) {
-  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  for (WeightType wt : {WeightType::kBF16, WeightType::kF32}) {
-    SCOPED_TRACE(type_name(wt));
+  for (const TiledCase& tc : tiled_cases({WeightType::kBF16, WeightType::kF32})) {
+    const KernelTable& k = *tc.k;
+    const WeightType wt = tc.wt;
+    SCOPED_TRACE(std::string(k.name) + " " + type_name(wt));
     const int D = 520, F = 1000, n = 70, T = 90;
     const Packed p = make_packed(D, F, wt, rng);
     std::vector<float> x(static_cast<size_t>(T) * D);
@@ -277,13 +339,13 @@ TEST_F(AmxKernels, LargerShape) {
     std::vector<int32_t> idx(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 13 + 5) % T;
     Worst gw, dw;
-    check_gate_up(k, p, x, idx, n, 3, 250, true, "large", &gw);
+    check_gate_up(k, p, x, idx, n, 3, 250, tc.ref, "large", &gw);
     const size_t ldh = static_cast<size_t>(F);
     std::vector<float> h(static_cast<size_t>(n) * ldh);
     for (float& v : h) v = u(rng);
     std::vector<float> w(static_cast<size_t>(n));
     for (float& v : w) v = u(rng);
-    check_down(k, p, h, ldh, idx, w, n, T, 5, 517, true, rng, "large", &dw);
+    check_down(k, p, h, ldh, idx, w, n, T, 5, 517, tc.ref, rng, "large", &dw);
   }
 }
 
@@ -297,15 +359,16 @@ TEST_F(AmxKernels, LargerShape) {
 // unchunked call on a prefix of the tokens (storing and reloading fp32 tiles
 // is exact).
 TEST_F(AmxKernels, ChunkedK) {
-  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   struct Case {
     int D, F, n, fe, de;  // h rows [1, fe) and y columns [2, de) checked
   };
-  for (WeightType wt : {WeightType::kBF16, WeightType::kF16}) {
+  for (const TiledCase& tc : tiled_cases({WeightType::kBF16, WeightType::kF16})) {
+    const KernelTable& k = *tc.k;
+    const WeightType wt = tc.wt;
     for (Case cs : {Case{4096, 150, 129, 149, 19}, Case{300, 4096, 129, 21, 298}, Case{600, 600, 1030, 21, 19}}) {
-      const std::string label = std::string(type_name(wt)) + " D=" + std::to_string(cs.D) +
+      const std::string label = std::string(k.name) + " " + type_name(wt) + " D=" + std::to_string(cs.D) +
                                 " F=" + std::to_string(cs.F) + " n=" + std::to_string(cs.n);
       SCOPED_TRACE(label);
       const int D = cs.D, F = cs.F, n = cs.n, T = n + 5;
@@ -316,14 +379,14 @@ TEST_F(AmxKernels, ChunkedK) {
       for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 7 + 3) % T;
       Worst gw, dw;
       const int fe = cs.fe;
-      check_gate_up(k, p, x, idx, n, 1, fe, true, label, &gw);
+      check_gate_up(k, p, x, idx, n, 1, fe, tc.ref, label, &gw);
       const size_t ldh = static_cast<size_t>(F);
       std::vector<float> h(static_cast<size_t>(n) * ldh);
       for (float& v : h) v = u(rng);
       std::vector<float> w(static_cast<size_t>(n));
       for (float& v : w) v = u(rng);
       const int de = cs.de;
-      check_down(k, p, h, ldh, idx, w, n, T, 2, de, true, rng, label, &dw);
+      check_down(k, p, h, ldh, idx, w, n, T, 2, de, tc.ref, rng, label, &dw);
 
       const int m = 31;  // 2 blocks: one chunk
       std::vector<float> h_all(static_cast<size_t>(n) * ldh), h_few(static_cast<size_t>(m) * ldh);
@@ -350,11 +413,12 @@ TEST_F(AmxKernels, ChunkedK) {
 // token block or thread: splitting the rows (also across threads, each with
 // its own tile configuration and buffers) must give identical bits.
 TEST_F(AmxKernels, IndependentOfPartitionAndThreads) {
-  const KernelTable& k = colibri::kernels::amx_bf16_kernels();
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  for (WeightType wt : {WeightType::kBF16, WeightType::kF16, WeightType::kF32}) {
-    SCOPED_TRACE(type_name(wt));
+  for (const TiledCase& tc : tiled_cases({WeightType::kBF16, WeightType::kF16, WeightType::kF32})) {
+    const KernelTable& k = *tc.k;
+    const WeightType wt = tc.wt;
+    SCOPED_TRACE(std::string(k.name) + " " + type_name(wt));
     const int D = 200, F = 300, n = 37, T = 41;
     const Packed p = make_packed(D, F, wt, rng);
     std::vector<float> x(static_cast<size_t>(T) * D);

@@ -172,15 +172,34 @@ void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::
 TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
   using colibri::kernels::Isa;
   const KernelTable& decode = colibri::kernels::kernel_table(Isa::kAvx512);
+  // f32 weights: token lanes, then the panel GEMM.
+  const colibri::kernels::PrefillTiers f32 = colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kF32, false);
+  ASSERT_EQ(f32.count, 2);
+  EXPECT_EQ(&f32.pick(1, decode), &decode);
+  EXPECT_EQ(&f32.pick(f32.tier[0].min_tokens - 1, decode), &decode);
+  EXPECT_EQ(&f32.pick(f32.tier[0].min_tokens, decode), &colibri::kernels::avx512_tokens_kernels());
+  EXPECT_EQ(&f32.pick(f32.tier[1].min_tokens - 1, decode), &colibri::kernels::avx512_tokens_kernels());
+  EXPECT_EQ(&f32.pick(f32.tier[1].min_tokens, decode), &colibri::kernels::avx512_gemm_kernels());
+  EXPECT_EQ(&f32.pick(100000, decode), &colibri::kernels::avx512_gemm_kernels());
+  EXPECT_LT(f32.tier[0].min_tokens, f32.tier[1].min_tokens);
+
+  // f16 weights: token lanes, then the fp32-grade AMX split table where
+  // AMX is usable, else the panel GEMM; never the bf16-rounding AMX table
+  // unless asked for.
   const colibri::kernels::PrefillTiers f16 = colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kF16, false);
   ASSERT_EQ(f16.count, 2);
-  EXPECT_EQ(&f16.pick(1, decode), &decode);
-  EXPECT_EQ(&f16.pick(f16.tier[0].min_tokens - 1, decode), &decode);
   EXPECT_EQ(&f16.pick(f16.tier[0].min_tokens, decode), &colibri::kernels::avx512_tokens_kernels());
+  const KernelTable& f16_large = colibri::kernels::amx_available() ? colibri::kernels::amx_f16_split_kernels()
+                                                                   : colibri::kernels::avx512_gemm_kernels();
   EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens - 1, decode), &colibri::kernels::avx512_tokens_kernels());
-  EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens, decode), &colibri::kernels::avx512_gemm_kernels());
-  EXPECT_EQ(&f16.pick(100000, decode), &colibri::kernels::avx512_gemm_kernels());
-  EXPECT_LT(f16.tier[0].min_tokens, f16.tier[1].min_tokens);
+  EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens, decode), &f16_large);
+  EXPECT_EQ(&f16.pick(100000, decode), &f16_large);
+  const colibri::kernels::PrefillTiers f16_bf16 =
+      colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kF16, true);
+  if (colibri::kernels::amx_available()) {
+    ASSERT_EQ(f16_bf16.count, 1);
+    EXPECT_STREQ(f16_bf16.tier[0].table->name, "amx-bf16");
+  }
 
   const colibri::kernels::PrefillTiers bf16 =
       colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kBF16, false);

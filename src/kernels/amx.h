@@ -30,6 +30,18 @@ bool amx_available();
 // configuration on its first call and keeps it (never released), so the
 // calling threads must not use AMX tiles with another configuration.
 const KernelTable& amx_bf16_kernels();
+
+// Table "amx-f16-split" (isa kAvx512): f16 weights at fp32-grade precision on
+// the bf16 tiles. Each weight is split into two bf16 parts (hi = bf16(w), lo
+// = w - hi, both exact) and each activation into three (x1 = bf16(x), x2 =
+// bf16(x - x1), x3 = x - x1 - x2, exact), and five of the six products
+// (all but lo*x3, below 2^-25 of the product) are summed in the fp32
+// accumulator tiles: each product of two bf16 values is exact in fp32, so
+// the error is the fp32 summation's, as in the fp32 kernels, over 5x the
+// terms. Five tile products per multiply-add still run at about 2.6x the fp32
+// FMA peak. Weights of other types are passed to the fp32 kernels
+// (avx512_kernels). Same rules as amx_bf16_kernels for when it may run.
+const KernelTable& amx_f16_split_kernels();
 #endif
 
 }  // namespace colibri::kernels

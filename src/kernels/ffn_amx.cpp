@@ -1,4 +1,6 @@
-// AMX-BF16 prefill kernels (table "amx-bf16"; see amx.h for the precision).
+// AMX-BF16 prefill kernels: tables "amx-bf16" (one bf16 product per
+// multiply-add) and "amx-f16-split" (f16 weights at fp32-grade precision,
+// five bf16 products per multiply-add); see amx.h for the precision.
 //
 // Each phase is a small GEMM, C[rows][tokens] = W[rows][K] * X[tokens][K]^T,
 // computed with tdpbf16ps on 16x16 fp32 accumulator tiles:
@@ -6,16 +8,24 @@
 //            expert store writes, so bf16 weights are loaded straight from
 //            the model with the row stride (gate rows: every other row), no
 //            packing at all. f16/f32 weights, and a partial last panel of any
-//            type, are first converted into a zero-padded 16-row bf16 panel,
-//            once per panel (and K chunk) for all token blocks.
+//            type, are first converted into a zero-padded 16-row bf16 panel
+//            of contiguous 1 KiB tiles, once per panel (and K chunk) for all
+//            token blocks. The split table converts every f16 panel into two
+//            (hi and lo parts) and prefetches the next panel's weights into
+//            L2 while the tiles work on this one.
 //   B tile = 16 K pairs x 16 tokens x 2 (the "VNNI" layout tdpbf16ps wants
 //            for its second operand): the gathered activations, rounded to
 //            bf16 once per call into a per-thread buffer, one contiguous 1 KB
 //            tile per (16-token block, 32-K step); K is zero-padded to 32 and
 //            missing tokens of the last block are zero.
+//            The split table packs three tiles per step (the activations'
+//            three bf16 parts).
 // Tiles: 0-3 accumulators, 4-5 weights, 6-7 activations: a 2x2 register
 // blocking (gate/up or two down panels x two token blocks), so every loaded
-// tile feeds two tdpbf16ps. Accumulators go to a per-thread buffer; the
+// tile feeds two tdpbf16ps. The split table: 0-1 accumulators (gate and up,
+// or two down panels, one token block), 2-5 the hi/lo weight tiles, 6-7 the
+// activation parts; ten tdpbf16ps per seven loads. Each tile load sits right
+// before its first product: the tile unit takes them in program order. Accumulators go to a per-thread buffer; the
 // epilogue (silu(g)*u, or the weighted scatter-add into y with tokens in
 // order) works on 16x16 blocks transposed in registers to token-major. For
 // long K with many tokens, K is split into L2-sized chunks (see make_plan).
@@ -58,6 +68,7 @@ namespace {
 constexpr int kTile = 16;        // rows per tile, tokens per block, fp32 lanes
 constexpr int kKStep = 32;       // bf16 elements of K per tile row
 constexpr size_t kTileElems = static_cast<size_t>(kTile) * kKStep;  // bf16 per A/B tile
+constexpr int kMaxPieces = 3;    // bf16 parts of one activation (split table)
 
 #define COLIBRI_UNROLL _Pragma("GCC unroll 16")
 
@@ -110,33 +121,62 @@ inline __m512 to_bf16x32(__m512 lo, __m512 hi) {
   return _mm512_castsi512_ps((__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
-// One 16-token block of activations as S = Kp/32 B tiles: out[s*512 + kp*32
-// + t*2 + e] = bf16(act[t][s*32 + 2*kp + e]), zero for k >= K or t >= count.
-// A tile's row kp (64 bytes) holds K pair kp of all 16 tokens: the 16x16
-// transpose of the 32-bit pairs.
-void pack_activations(const float* const* act, int32_t count, int32_t K, int32_t S, uint16_t* out) {
+// The fp32 value of each bf16 in the low (half 0) or high (half 1) 16 of 32
+// packed bf16: exact.
+inline __m512 bf16_half_to_f32(__m512 packed, int half) {
+  const __m256i h = half == 0 ? _mm512_castsi512_si256(_mm512_castps_si512(packed))
+                              : _mm512_extracti64x4_epi64(_mm512_castps_si512(packed), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Splits 32 fp32 (lo, hi) into `pieces` packed bf16 vectors whose sum is the
+// input: out[0] = bf16(v), out[1] = bf16(v - out[0]), out[2] = v - out[0] -
+// out[1]. Each difference is exact in fp32, and after two bf16 roundings at
+// most 24 - 2*8 significant bits remain, so out[2] is exact and three pieces
+// hold every fp32 value (bar subnormals, which bf16 instructions flush).
+inline void split_bf16x32(__m512 lo, __m512 hi, int pieces, __m512* out) {
+  for (int p = 0; p < pieces; ++p) {
+    out[p] = to_bf16x32(lo, hi);
+    if (p + 1 < pieces) {
+      lo = _mm512_sub_ps(lo, bf16_half_to_f32(out[p], 0));
+      hi = _mm512_sub_ps(hi, bf16_half_to_f32(out[p], 1));
+    }
+  }
+}
+
+// One 16-token block of activations as S = Kp/32 steps of `pieces` B tiles:
+// out[(s*pieces + p)*512 + kp*32 + t*2 + e] = piece p of act[t][s*32 + 2*kp
+// + e] (pieces == 1: its bf16 rounding; 3: split_bf16x32), zero for k >= K or
+// t >= count. A tile's row kp (64 bytes) holds K pair kp of all 16 tokens:
+// the 16x16 transpose of the 32-bit pairs.
+void pack_activations(const float* const* act, int32_t count, int32_t K, int32_t S, int pieces, uint16_t* out) {
   for (int32_t s = 0; s < S; ++s) {
     const int32_t k = s * kKStep;
     const __mmask16 m_lo = mask16(K - k);
     const __mmask16 m_hi = mask16(K - k - 16);
-    __m512 r[16];
+    __m512 r[kMaxPieces][16];
     for (int t = 0; t < 16; ++t) {
+      __m512 split[kMaxPieces];
       if (t < count) {
-        const __m512 lo = _mm512_maskz_loadu_ps(m_lo, act[t] + k);
-        const __m512 hi = _mm512_maskz_loadu_ps(m_hi, act[t] + k + 16);
-        r[t] = to_bf16x32(lo, hi);
+        split_bf16x32(_mm512_maskz_loadu_ps(m_lo, act[t] + k), _mm512_maskz_loadu_ps(m_hi, act[t] + k + 16), pieces,
+                      split);
       } else {
-        r[t] = _mm512_setzero_ps();
+        for (int p = 0; p < pieces; ++p) split[p] = _mm512_setzero_ps();
       }
+      for (int p = 0; p < pieces; ++p) r[p][t] = split[p];
     }
-    transpose16(r);
-    uint16_t* tile = out + static_cast<size_t>(s) * kTileElems;
-    for (int i = 0; i < 16; ++i) _mm512_store_ps(tile + static_cast<size_t>(i) * kKStep, r[i]);
+    for (int p = 0; p < pieces; ++p) {
+      transpose16(r[p]);
+      uint16_t* tile = out + (static_cast<size_t>(s) * pieces + p) * kTileElems;
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(tile + static_cast<size_t>(i) * kKStep, r[p][i]);
+    }
   }
 }
 
-// Columns [k0, k0 + steps*32) of 16 weight rows as a row-major bf16 panel
-// (the A tile layout, stride steps*64 bytes): rows r < valid converted (RNE)
+// Columns [k0, k0 + steps*32) of 16 weight rows as a bf16 panel of `steps`
+// contiguous 1 KiB A tiles (tile s, row r at (s*16 + r)*32): with rows a
+// whole panel width apart, a tile's 16 lines fell into one or two L1 sets
+// (4 panels of 16 rows 1-4 KiB apart), and its loads missed. Rows r < valid converted (RNE)
 // from `rows + r*stride` (stride in elements), others zero; columns >= K
 // zero. bf16/f16 rows are padded to 64 bytes (32 elements) with zeros, so
 // whole 32-element groups below round_up(K, 32) are readable; f32 rows only
@@ -145,15 +185,16 @@ void convert_panel(const void* rows, size_t stride, WeightType wt, int32_t valid
                    int32_t steps, uint16_t* panel) {
   const size_t width = static_cast<size_t>(steps) * kKStep;
   for (int r = 0; r < kTile; ++r) {
-    uint16_t* dst = panel + static_cast<size_t>(r) * width;
+    // Column k of row r at dst + k*16: step k/32's tile, its row r.
+    uint16_t* dst = panel + static_cast<size_t>(r) * kKStep;
     if (r >= valid) {
-      for (size_t k = 0; k < width; k += kKStep) _mm512_store_si512(dst + k, _mm512_setzero_si512());
+      for (size_t k = 0; k < width; k += kKStep) _mm512_store_si512(dst + k * kTile, _mm512_setzero_si512());
       continue;
     }
     switch (wt) {
       case WeightType::kBF16: {
         const uint16_t* src = static_cast<const uint16_t*>(rows) + static_cast<size_t>(r) * stride + k0;
-        for (size_t k = 0; k < width; k += kKStep) _mm512_store_si512(dst + k, _mm512_loadu_si512(src + k));
+        for (size_t k = 0; k < width; k += kKStep) _mm512_store_si512(dst + k * kTile, _mm512_loadu_si512(src + k));
         break;
       }
       case WeightType::kF16: {
@@ -161,7 +202,7 @@ void convert_panel(const void* rows, size_t stride, WeightType wt, int32_t valid
         for (size_t k = 0; k < width; k += kKStep) {
           const __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
           const __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + 16)));
-          _mm512_store_ps(dst + k, to_bf16x32(lo, hi));
+          _mm512_store_ps(dst + k * kTile, to_bf16x32(lo, hi));
         }
         break;
       }
@@ -170,7 +211,7 @@ void convert_panel(const void* rows, size_t stride, WeightType wt, int32_t valid
         for (int32_t k = k0; k < k0 + steps * kKStep; k += kKStep) {
           const __m512 lo = _mm512_maskz_loadu_ps(mask16(K - k), src + k);
           const __m512 hi = _mm512_maskz_loadu_ps(mask16(K - k - 16), src + k + 16);
-          _mm512_store_ps(dst + (k - k0), to_bf16x32(lo, hi));
+          _mm512_store_ps(dst + static_cast<size_t>(k - k0) * kTile, to_bf16x32(lo, hi));
         }
         break;
       }
@@ -183,16 +224,46 @@ void convert_panel(const void* rows, size_t stride, WeightType wt, int32_t valid
 // `scratch`. data points at column k0.
 struct Panel {
   const char* data;
-  size_t stride_bytes;
+  size_t stride_bytes;  // between a tile's rows
+  size_t step_bytes;    // between consecutive K steps' tiles
 };
 
 Panel make_panel(const void* rows, size_t stride, WeightType wt, int32_t valid, int32_t K, int32_t k0,
                  int32_t steps, uint16_t* scratch) {
   if (wt == WeightType::kBF16 && valid == kTile) {
-    return Panel{static_cast<const char*>(rows) + static_cast<size_t>(k0) * 2, stride * 2};
+    return Panel{static_cast<const char*>(rows) + static_cast<size_t>(k0) * 2, stride * 2, kKStep * 2};
   }
   convert_panel(rows, stride, wt, valid, K, k0, steps, scratch);
-  return Panel{reinterpret_cast<const char*>(scratch), static_cast<size_t>(steps) * kKStep * 2};
+  return Panel{reinterpret_cast<const char*>(scratch), kKStep * 2, kTileElems * 2};
+}
+
+// Columns [k0, k0 + steps*32) of 16 f16 weight rows as two bf16 panels in
+// convert_panel's tile layout whose sum is the weights: hi = bf16(w) and
+// lo = bf16(w - hi), both exact (an f16 significand has 11 bits; hi keeps 8
+// and the rest fits in lo). Rows r >= valid are zero; f16 rows are padded
+// to 32 elements with zeros, so whole 32-element groups are readable.
+void split_panel_f16(const void* rows, size_t stride, int32_t valid, int32_t k0, int32_t steps, uint16_t* hi_panel,
+                     uint16_t* lo_panel) {
+  const size_t width = static_cast<size_t>(steps) * kKStep;
+  for (int r = 0; r < kTile; ++r) {
+    uint16_t* hi = hi_panel + static_cast<size_t>(r) * kKStep;
+    uint16_t* lo = lo_panel + static_cast<size_t>(r) * kKStep;
+    if (r >= valid) {
+      for (size_t k = 0; k < width; k += kKStep) {
+        _mm512_store_si512(hi + k * kTile, _mm512_setzero_si512());
+        _mm512_store_si512(lo + k * kTile, _mm512_setzero_si512());
+      }
+      continue;
+    }
+    const uint16_t* src = static_cast<const uint16_t*>(rows) + static_cast<size_t>(r) * stride + k0;
+    for (size_t k = 0; k < width; k += kKStep) {
+      __m512 parts[2];
+      split_bf16x32(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + 16))), 2, parts);
+      _mm512_store_ps(hi + k * kTile, parts[0]);
+      _mm512_store_ps(lo + k * kTile, parts[1]);
+    }
+  }
 }
 
 // Accumulator tile 2*b + a (+)= A_a * B_b over `steps` K steps, for a < NA
@@ -217,21 +288,78 @@ void tile_gemm(Panel A0, Panel A1, const uint16_t* B0, const uint16_t* B1, int32
     if (NA > 1 && NB > 1) _tile_loadd(3, c + 768, 64);
   }
   for (int32_t s = 0; s < steps; ++s) {
-    const size_t ka = static_cast<size_t>(s) * kKStep * 2;
     const size_t kb = static_cast<size_t>(s) * kTileElems;
-    _tile_loadd(4, A0.data + ka, A0.stride_bytes);
-    if (NA > 1) _tile_loadd(5, A1.data + ka, A1.stride_bytes);
+    // Each load right before the first product that needs it: the tile
+    // unit takes these in order, and four loads ahead of four products ran
+    // at a third of the rate (712 vs 2089-2210 GFLOP/s, tiles in L1).
+    _tile_loadd(4, A0.data + s * A0.step_bytes, A0.stride_bytes);
     _tile_loadd(6, B0 + kb, 64);
-    if (NB > 1) _tile_loadd(7, B1 + kb, 64);
     _tile_dpbf16ps(0, 4, 6);
-    if (NA > 1) _tile_dpbf16ps(1, 5, 6);
-    if (NB > 1) _tile_dpbf16ps(2, 4, 7);
-    if (NA > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7);
+    if (NA > 1) {
+      _tile_loadd(5, A1.data + s * A1.step_bytes, A1.stride_bytes);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if (NB > 1) {
+      _tile_loadd(7, B1 + kb, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      if (NA > 1) _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, c, 64);
   if (NA > 1) _tile_stored(1, c + 256, 64);
   if (NB > 1) _tile_stored(2, c + 512, 64);
   if (NA > 1 && NB > 1) _tile_stored(3, c + 768, 64);
+}
+
+
+// The split table's pass: accumulator tile a (+)= sum of the five products
+// A_a,hi B_x1 + A_a,lo B_x1 + A_a,hi B_x2 + A_a,lo B_x2 + A_a,hi B_x3 over
+// `steps` K steps, for a < NA panels and one token block whose three pieces
+// lie in B (step s at B + s*3*512); kept in c + a*256 (zeroed when `first`,
+// else loaded; always stored back). The dropped A_lo B_x3 is below 2^-25 of
+// the product. One tile per accumulator suffices: tdpbf16ps on the same
+// accumulator issues back to back (measured: one chain runs at the
+// four-chain rate).
+template <int NA>
+void tile_gemm_split(Panel A0, Panel A0lo, Panel A1, Panel A1lo, const uint16_t* B, int32_t steps, bool first,
+                     float* c) {
+  __asm__ volatile("" ::: "memory");  // as in tile_gemm
+  if (first) {
+    _tile_zero(0);
+    if (NA > 1) _tile_zero(1);
+  } else {
+    _tile_loadd(0, c, 64);
+    if (NA > 1) _tile_loadd(1, c + 256, 64);
+  }
+  for (int32_t s = 0; s < steps; ++s) {
+    // All four panels are converted, in the same layout.
+    const size_t ka = static_cast<size_t>(s) * A0.step_bytes;
+    const uint16_t* b = B + static_cast<size_t>(s) * 3 * kTileElems;
+    // Loads interleaved with the products as in tile_gemm.
+    _tile_loadd(2, A0.data + ka, A0.stride_bytes);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 2, 6);
+    _tile_loadd(3, A0lo.data + ka, A0lo.stride_bytes);
+    _tile_dpbf16ps(0, 3, 6);
+    if (NA > 1) {
+      _tile_loadd(4, A1.data + ka, A1.stride_bytes);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, A1lo.data + ka, A1lo.stride_bytes);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    _tile_loadd(7, b + kTileElems, 64);
+    _tile_dpbf16ps(0, 2, 7);
+    _tile_dpbf16ps(0, 3, 7);
+    if (NA > 1) {
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(1, 5, 7);
+    }
+    _tile_loadd(6, b + 2 * kTileElems, 64);
+    _tile_dpbf16ps(0, 2, 6);
+    if (NA > 1) _tile_dpbf16ps(1, 4, 6);
+  }
+  _tile_stored(0, c, 64);
+  if (NA > 1) _tile_stored(1, c + 256, 64);
 }
 
 // h[i0 + t][f .. f+valid) = silu(cg) * cu for t < count, from the 16x16
@@ -285,17 +413,21 @@ struct Plan {
   int32_t passes = 0;  // tile_gemm calls per unit and chunk: pairs of blocks, plus a lone last block
   int32_t CS = 0;      // K steps per chunk
   int32_t RG = 1;      // units per group
+  bool split = false;  // the split table: hi/lo weight panels, three activation pieces
+  int pieces = 1;      // B tiles per K step and token block
   size_t block_elems = 0;
   uint16_t* act = nullptr;
   uint16_t* panel = nullptr;
   float* acc = nullptr;
 };
 
-bool make_plan(int32_t K, int32_t n, int32_t units, KernelScratch* scratch, Plan* p) {
+bool make_plan(int32_t K, int32_t n, int32_t units, bool split, KernelScratch* scratch, Plan* p) {
+  p->split = split;
+  p->pieces = split ? 3 : 1;
   p->S = (K + kKStep - 1) / kKStep;
   p->nb = (n + kTile - 1) / kTile;
   p->passes = (p->nb + 1) / 2;
-  const size_t step_bytes = static_cast<size_t>(p->nb) * kTileElems * 2;
+  const size_t step_bytes = static_cast<size_t>(p->nb) * p->pieces * kTileElems * 2;
   const size_t pass_acc = 4 * 256 * sizeof(float);
   p->CS = p->S;
   p->RG = 1;
@@ -306,18 +438,54 @@ bool make_plan(int32_t K, int32_t n, int32_t units, KernelScratch* scratch, Plan
     p->RG = rg < 1 ? 1 : rg > static_cast<size_t>(kMaxGroupUnits) ? kMaxGroupUnits : static_cast<int32_t>(rg);
     p->RG = min_i32(p->RG, units);
   }
-  p->block_elems = static_cast<size_t>(p->S) * kTileElems;
+  p->block_elems = static_cast<size_t>(p->S) * p->pieces * kTileElems;
   p->act = static_cast<uint16_t*>(scratch->get(kActSlot, static_cast<size_t>(p->nb) * p->block_elems * 2));
-  p->panel = static_cast<uint16_t*>(scratch->get(kPanelSlot, 2 * static_cast<size_t>(kTile) * p->CS * kKStep * 2));
+  const size_t panels = split ? 4 : 2;
+  p->panel = static_cast<uint16_t*>(scratch->get(kPanelSlot, panels * kTile * p->CS * kKStep * 2));
   p->acc = static_cast<float*>(scratch->get(kAccSlot, static_cast<size_t>(p->RG) * p->passes * pass_acc));
   return p->act != nullptr && p->panel != nullptr && p->acc != nullptr;
 }
 
-// The A side of one unit for one K chunk: one or two 16-row panels.
+// Part `part` of `parts` of the cache lines of columns [k0, k0 + steps*32)
+// of `nrows` weight rows, row_bytes apart, prefetched into L2.
+void prefetch_rows(const char* rows, int32_t nrows, size_t row_bytes, size_t elem, int32_t k0, int32_t steps,
+                   int32_t part, int32_t parts) {
+  const size_t per_row = static_cast<size_t>(steps) * kKStep * elem / 64;
+  const size_t total = per_row * static_cast<size_t>(nrows);
+  const size_t end = total * static_cast<size_t>(part + 1) / static_cast<size_t>(parts);
+  for (size_t i = total * static_cast<size_t>(part) / static_cast<size_t>(parts); i < end; ++i) {
+    const char* line = rows + (i / per_row) * row_bytes + static_cast<size_t>(k0) * elem + (i % per_row) * 64;
+    _mm_prefetch(line, _MM_HINT_T1);
+  }
+}
+
+// The A side of one unit for one K chunk: one or two 16-row panels (and
+// their lo parts in the split table).
 struct Unit {
   Panel a0, a1;
+  Panel a0_lo, a1_lo;
   bool two;
 };
+
+// Panel `which` (0 or 1) of a unit for one K chunk: 16 rows from `rows`,
+// `stride` elements apart, `valid` of them real; the split table's hi/lo
+// pair, or make_panel's one. Each panel has its own part of `scratch`.
+void make_unit_panel(const void* rows, size_t stride, WeightType wt, int32_t valid, int32_t K, int32_t k0,
+                     int32_t steps, bool split, int which, uint16_t* scratch, Unit* un) {
+  const size_t panel_elems = static_cast<size_t>(kTile) * steps * kKStep;
+  Panel& main = which == 0 ? un->a0 : un->a1;
+  Panel& low = which == 0 ? un->a0_lo : un->a1_lo;
+  if (!split) {
+    main = make_panel(rows, stride, wt, valid, K, k0, steps, scratch + which * panel_elems);
+    low = Panel{nullptr, 0, 0};
+    return;
+  }
+  uint16_t* hi = scratch + 2 * which * panel_elems;
+  uint16_t* lo = hi + panel_elems;
+  split_panel_f16(rows, stride, valid, k0, steps, hi, lo);
+  main = Panel{reinterpret_cast<const char*>(hi), kKStep * 2, kTileElems * 2};
+  low = Panel{reinterpret_cast<const char*>(lo), kKStep * 2, kTileElems * 2};
+}
 
 // The C = W X^T loop nest shared by both phases, over `units` units of the
 // phase `ph`, which provides
@@ -328,6 +496,8 @@ struct Unit {
 // within a unit.
 template <class Phase>
 void run_gemm(Phase& ph, const Plan& pl, int32_t units) {
+  // Block b's accumulators at acc + b*512 in both tables (a pair's four
+  // tiles are block b's two and block b+1's two).
   const size_t unit_acc = static_cast<size_t>(pl.passes) * 1024;
   for (int32_t g0 = 0; g0 < units; g0 += pl.RG) {
     const int32_t g1 = min_i32(units, g0 + pl.RG);
@@ -337,10 +507,34 @@ void run_gemm(Phase& ph, const Plan& pl, int32_t units) {
       for (int32_t u = g0; u < g1; ++u) {
         const Unit un = ph.unit(u, c0 * kKStep, cs, pl.panel);
         float* acc = pl.acc + static_cast<size_t>(u - g0) * unit_acc;
-        const uint16_t* Bc = pl.act + static_cast<size_t>(c0) * kTileElems;
+        const uint16_t* Bc = pl.act + static_cast<size_t>(c0) * pl.pieces * kTileElems;
+        if (pl.split) {
+          // The weights of the next (unit, chunk) are converted right after
+          // this one: fetch them into L2 a slice per token block, under the
+          // tile products (the conversion otherwise waits on memory).
+          int32_t nu = u + 1, nc0 = c0;
+          if (nu == g1) {
+            nu = c0 + cs < pl.S ? g0 : g1;
+            nc0 = c0 + cs < pl.S ? c0 + cs : 0;
+          }
+          const bool prefetch = nu < units;
+          const int32_t ncs = min_i32(pl.CS, pl.S - nc0);
+          for (int32_t b = 0; b < pl.nb; ++b) {
+            if (prefetch) ph.prefetch(nu, nc0 * kKStep, ncs, b, pl.nb);
+            float* c = acc + static_cast<size_t>(b) * 512;
+            const uint16_t* B0 = Bc + static_cast<size_t>(b) * pl.block_elems;
+            if (un.two) {
+              tile_gemm_split<2>(un.a0, un.a0_lo, un.a1, un.a1_lo, B0, cs, first, c);
+            } else {
+              tile_gemm_split<1>(un.a0, un.a0_lo, un.a1, un.a1_lo, B0, cs, first, c);
+            }
+            if (last) ph.epilogue(u, b, 1, c);
+          }
+          continue;
+        }
         int32_t b = 0;
         for (; b + 2 <= pl.nb; b += 2) {
-          float* c = acc + static_cast<size_t>(b / 2) * 1024;
+          float* c = acc + static_cast<size_t>(b) * 512;
           const uint16_t* B0 = Bc + static_cast<size_t>(b) * pl.block_elems;
           if (un.two) {
             tile_gemm<2, 2>(un.a0, un.a1, B0, B0 + pl.block_elems, cs, first, c);
@@ -350,7 +544,7 @@ void run_gemm(Phase& ph, const Plan& pl, int32_t units) {
           if (last) ph.epilogue(u, b, 2, c);
         }
         if (b < pl.nb) {
-          float* c = acc + static_cast<size_t>(b / 2) * 1024;
+          float* c = acc + static_cast<size_t>(b) * 512;
           const uint16_t* B0 = Bc + static_cast<size_t>(b) * pl.block_elems;
           if (un.two) {
             tile_gemm<2, 1>(un.a0, un.a1, B0, nullptr, cs, first, c);
@@ -375,7 +569,7 @@ void pack_all(const Plan& pl, const float* base, size_t ld, const int32_t* token
       const size_t row = token_index != nullptr ? static_cast<size_t>(token_index[i0 + t]) : static_cast<size_t>(i0 + t);
       act[t] = base + row * ld;
     }
-    pack_activations(act, count, K, pl.S, pl.act + static_cast<size_t>(b) * pl.block_elems);
+    pack_activations(act, count, K, pl.S, pl.pieces, pl.act + static_cast<size_t>(b) * pl.block_elems);
   }
 }
 
@@ -387,6 +581,7 @@ struct GateUpPhase {
   size_t row_bytes, stride;
   WeightType wt;
   int32_t K, f_begin, f_end, n;
+  bool split;
   float* h;
   size_t ldh;
 
@@ -394,11 +589,14 @@ struct GateUpPhase {
   Unit unit(int32_t u, int32_t k0, int32_t steps, uint16_t* scratch) const {
     const char* gate = w + static_cast<size_t>(2 * (f_begin + u * kTile)) * row_bytes;
     Unit un;
-    un.a0 = make_panel(gate, 2 * stride, wt, valid(u), K, k0, steps, scratch);
-    un.a1 = make_panel(gate + row_bytes, 2 * stride, wt, valid(u), K, k0, steps,
-                       scratch + static_cast<size_t>(kTile) * steps * kKStep);
+    make_unit_panel(gate, 2 * stride, wt, valid(u), K, k0, steps, split, 0, scratch, &un);
+    make_unit_panel(gate + row_bytes, 2 * stride, wt, valid(u), K, k0, steps, split, 1, scratch, &un);
     un.two = true;
     return un;
+  }
+  void prefetch(int32_t u, int32_t k0, int32_t steps, int32_t part, int32_t parts) const {
+    const char* gate = w + static_cast<size_t>(2 * (f_begin + u * kTile)) * row_bytes;
+    prefetch_rows(gate, 2 * valid(u), row_bytes, row_bytes / stride, k0, steps, part, parts);
   }
   void epilogue(int32_t u, int32_t b, int32_t blocks, const float* c) const {
     const int32_t f = f_begin + u * kTile;
@@ -416,6 +614,7 @@ struct DownPhase {
   size_t row_bytes, stride;
   WeightType wt;
   int32_t K, d_begin, d_end, n;
+  bool split;
   const int32_t* token_index;
   const float* weight;
   float* y;
@@ -427,12 +626,18 @@ struct DownPhase {
     const char* r = w + static_cast<size_t>(d) * row_bytes;
     const int32_t nr = rows(u);
     Unit un;
-    un.a0 = make_panel(r, stride, wt, min_i32(kTile, nr), K, k0, steps, scratch);
+    make_unit_panel(r, stride, wt, min_i32(kTile, nr), K, k0, steps, split, 0, scratch, &un);
     un.two = nr > kTile;
-    un.a1 = un.two ? make_panel(r + kTile * row_bytes, stride, wt, nr - kTile, K, k0, steps,
-                                scratch + static_cast<size_t>(kTile) * steps * kKStep)
-                   : Panel{nullptr, 0};
+    if (un.two) {
+      make_unit_panel(r + kTile * row_bytes, stride, wt, nr - kTile, K, k0, steps, split, 1, scratch, &un);
+    } else {
+      un.a1 = un.a1_lo = Panel{nullptr, 0, 0};
+    }
     return un;
+  }
+  void prefetch(int32_t u, int32_t k0, int32_t steps, int32_t part, int32_t parts) const {
+    const char* r = w + static_cast<size_t>(d_begin + u * 2 * kTile) * row_bytes;
+    prefetch_rows(r, rows(u), row_bytes, row_bytes / stride, k0, steps, part, parts);
   }
   void epilogue(int32_t u, int32_t b, int32_t blocks, const float* c) const {
     const int32_t d = d_begin + u * 2 * kTile;
@@ -451,61 +656,116 @@ struct DownPhase {
 // When the per-thread scratch cannot be allocated (out of memory on a
 // thread's first prefill call): the decode kernels for these weights, which
 // need none. bf16 weights keep the bf16 activation rounding (vdpbf16ps,
-// present on every CPU with AMX-BF16); others compute in fp32.
-const KernelTable& decode_fallback(WeightType t) {
-  return t == WeightType::kBF16 && cpu_has_avx512_bf16() ? avx512_bf16_kernels() : avx512_kernels();
+// present on every CPU with AMX-BF16); others, and the split table, whose
+// results are fp32-grade, compute in fp32.
+const KernelTable& decode_fallback(WeightType t, bool split) {
+  return !split && t == WeightType::kBF16 && cpu_has_avx512_bf16() ? avx512_bf16_kernels() : avx512_kernels();
 }
 
-void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
-                 const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h,
-                 size_t ldh) {
+void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
+                   const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t units = (f_end - f_begin + kTile - 1) / kTile;
   Plan pl;
-  if (!make_plan(s.d_model, n, units, &bound_scratch(), &pl)) {
-    decode_fallback(s.weight_type).gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+  if (!make_plan(s.d_model, n, units, split, &bound_scratch(), &pl)) {
+    decode_fallback(s.weight_type, split).gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
     return;
   }
   configure_tiles();
   pack_all(pl, x, ldx, token_index, n, s.d_model);
   const size_t elem = elem_size(s.weight_type);
   GateUpPhase ph{static_cast<const char*>(gate_up), s.gate_up_stride * elem, s.gate_up_stride, s.weight_type,
-                 s.d_model, f_begin, f_end, n, h, ldh};
+                 s.d_model, f_begin, f_end, n, split, h, ldh};
   run_gemm(ph, pl, units);
   release_tiles();
 }
 
-void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-              const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+void down_tiles(bool split, const ExpertShape& s, const void* down, const float* h, size_t ldh,
+                const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y,
+                size_t ldy) {
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t units = (d_end - d_begin + 2 * kTile - 1) / (2 * kTile);
   Plan pl;
-  if (!make_plan(s.d_ff, n, units, &bound_scratch(), &pl)) {
-    decode_fallback(s.weight_type).down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+  if (!make_plan(s.d_ff, n, units, split, &bound_scratch(), &pl)) {
+    decode_fallback(s.weight_type, split).down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
   }
   configure_tiles();
   pack_all(pl, h, ldh, nullptr, n, s.d_ff);
   const size_t elem = elem_size(s.weight_type);
   DownPhase ph{static_cast<const char*>(down), s.down_stride * elem, s.down_stride, s.weight_type, s.d_ff, d_begin,
-               d_end, n, token_index, weight, y, ldy};
+               d_end, n, split, token_index, weight, y, ldy};
   run_gemm(ph, pl, units);
   release_tiles();
 }
 
-// Both phases' plans for the largest call: n tokens, row ranges of
-// max_rows (units of 16 f rows in phase 1, 32 d rows in phase 2).
-bool reserve_amx(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
+// Both phases' plans for the largest calls: row ranges of max_rows (units
+// of 16 f rows in phase 1, 32 d rows in phase 2), and up to max_tokens
+// tokens. The activation and accumulator buffers grow with the tokens, but
+// the panels shrink (more tokens, shorter K chunks) and are largest for one
+// token (no chunking); the scratch only grows, so planning both ends
+// reserves every call's size.
+bool reserve_tiles(bool split, const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
   if (max_tokens <= 0 || max_rows <= 0) return true;
   Plan pl;
-  return make_plan(s.d_model, max_tokens, (max_rows + kTile - 1) / kTile, scratch, &pl) &&
-         make_plan(s.d_ff, max_tokens, (max_rows + 2 * kTile - 1) / (2 * kTile), scratch, &pl);
+  const int32_t up_units = (max_rows + kTile - 1) / kTile, down_units = (max_rows + 2 * kTile - 1) / (2 * kTile);
+  const int32_t token_counts[2] = {max_tokens, 1};
+  for (int32_t n : token_counts) {
+    if (!make_plan(s.d_model, n, up_units, split, scratch, &pl) ||
+        !make_plan(s.d_ff, n, down_units, split, scratch, &pl)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
+                 int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+  gate_up_tiles(false, s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+}
+
+void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
+              const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+  down_tiles(false, s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+}
+
+bool reserve_amx(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
+  return reserve_tiles(false, s, max_tokens, max_rows, scratch);
+}
+
+// The split table takes f16 weights only (its panels split f16); anything
+// else goes to the fp32 kernels, whose precision it matches.
+void gate_up_split(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
+                   int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+  if (s.weight_type != WeightType::kF16) {
+    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    return;
+  }
+  gate_up_tiles(true, s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+}
+
+void down_split(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
+                const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+  if (s.weight_type != WeightType::kF16) {
+    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    return;
+  }
+  down_tiles(true, s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+}
+
+bool reserve_split(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
+  return s.weight_type != WeightType::kF16 || reserve_tiles(true, s, max_tokens, max_rows, scratch);
 }
 
 }  // namespace
 
 const KernelTable& amx_bf16_kernels() {
   static const KernelTable table{Isa::kAvx512, "amx-bf16", gate_up_amx, down_amx, reserve_amx};
+  return table;
+}
+
+const KernelTable& amx_f16_split_kernels() {
+  static const KernelTable table{Isa::kAvx512, "amx-f16-split", gate_up_split, down_split, reserve_split};
   return table;
 }
 

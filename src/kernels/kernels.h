@@ -182,9 +182,11 @@ struct PrefillTiers {
 };
 
 // The prefill tiers for weights of type `wt` at level `isa`. bf16 weights,
-// or any weights when `bf16_compute`, use AMX tiles where amx_available();
-// otherwise f32/f16 weights use the fp32 AVX-512 kernels: tokens in the
-// lanes for mid counts, the weight-panel GEMM for large ones.
+// or any weights when `bf16_compute`, use the "amx-bf16" tiles where
+// amx_available(); otherwise f32/f16 weights use the fp32 AVX-512 kernels
+// with tokens in the lanes for mid counts, and for large counts the
+// weight-panel GEMM, or for f16 weights on AMX the fp32-grade split table
+// ("amx-f16-split").
 PrefillTiers prefill_tiers_for(Isa isa, WeightType wt, bool bf16_compute);
 
 // Per-ISA tables (defined in ffn_<isa>.cpp).
