@@ -405,6 +405,12 @@ constexpr size_t kActChunkBytes = size_t{768} << 10;
 constexpr size_t kAccBytes = size_t{256} << 10;
 constexpr int32_t kMinChunkSteps = 16;
 constexpr int32_t kMaxGroupUnits = 8;
+// The split table converts each unit's panels for a whole K chunk before its
+// token blocks use them: four panels of 16 rows x 64 bytes per step. Capped
+// at 32 steps (128 KiB of panels) they stay in L2 next to the activations;
+// a whole Mixtral row (128-448 steps, 0.5-1.8 MiB of panels used by only two
+// or three token blocks) ran the layer at half the token-lane kernel's speed.
+constexpr int32_t kSplitChunkSteps = 32;
 
 // Per-call geometry and the thread's buffers.
 struct Plan {
@@ -431,9 +437,11 @@ bool make_plan(int32_t K, int32_t n, int32_t units, bool split, KernelScratch* s
   const size_t pass_acc = 4 * 256 * sizeof(float);
   p->CS = p->S;
   p->RG = 1;
-  if (static_cast<size_t>(p->S) * step_bytes > kActChunkBytes) {
+  const int32_t max_chunk = split ? kSplitChunkSteps : p->S;
+  if (static_cast<size_t>(p->S) * step_bytes > kActChunkBytes || p->S > max_chunk) {
     const size_t fit = kActChunkBytes / step_bytes;
     p->CS = min_i32(p->S, fit < static_cast<size_t>(kMinChunkSteps) ? kMinChunkSteps : static_cast<int32_t>(fit));
+    p->CS = min_i32(p->CS, max_chunk);
     const size_t rg = kAccBytes / (static_cast<size_t>(p->passes) * pass_acc);
     p->RG = rg < 1 ? 1 : rg > static_cast<size_t>(kMaxGroupUnits) ? kMaxGroupUnits : static_cast<int32_t>(rg);
     p->RG = min_i32(p->RG, units);

@@ -21,11 +21,13 @@ namespace {
 constexpr int32_t kTokensMinTokens = 8;
 constexpr int32_t kGemmMinTokens = 128;
 constexpr int32_t kAmxMinTokens = 4;
-// f16 weights on AMX at fp32-grade precision: five tile products per
-// multiply-add, half-empty 16-token blocks and two converted panels per
-// weight panel make the split table slower than the token lanes below about
-// 32 tokens per expert, and 1.6-1.9x faster from 64.
-constexpr int32_t kSplitMinTokens = 32;
+// f16 weights on AMX at fp32-grade precision: the split table converts each
+// weight panel into two bf16 panels before the tiles use it (no overlap with
+// the tile work), a cost that only enough tokens per panel repay. With the
+// weights streamed from memory (a Mixtral-sized expert, 352 MB) it ran at
+// 0.8x the token-lane kernel at 32 tokens, 0.8-1.04x at 48, 1.2-1.6x at 64
+// and 1.4-1.7x from 96 (bench/kernel_bench.cpp's method, one thread).
+constexpr int32_t kSplitMinTokens = 64;
 
 char ascii_lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
 
