@@ -11,8 +11,7 @@
 //            type, are first converted into a zero-padded 16-row bf16 panel
 //            of contiguous 1 KiB tiles, once per panel (and K chunk) for all
 //            token blocks. The split table converts every f16 panel into two
-//            (hi and lo parts) and prefetches the next panel's weights into
-//            L2 while the tiles work on this one.
+//            (hi and lo parts).
 //   B tile = 16 K pairs x 16 tokens x 2 (the "VNNI" layout tdpbf16ps wants
 //            for its second operand): the gathered activations, rounded to
 //            bf16 once per call into a per-thread buffer, one contiguous 1 KB
@@ -34,7 +33,11 @@
 // prefetch of the next panel (the hardware streams the row-major weights
 // better on its own), packing bf16 weights into contiguous tiles when
 // several token-block passes reuse them, and interleaving the two token
-// blocks' activation tiles.
+// blocks' activation tiles. For the split table (no gain measured, in
+// cache or with the weights streamed from memory, 16-256 tokens): prefetching
+// the next unit's f16 rows into L2 during this unit's tiles, converting the
+// next unit's panels a slice per K step between this unit's tile products
+// (double-buffered panels), and K sub-chunks sized for L1.
 //
 // Reproducibility: every output element is one tdpbf16ps chain over K in
 // the same 32-element steps, whatever row range, thread, token block or K
@@ -454,19 +457,6 @@ bool make_plan(int32_t K, int32_t n, int32_t units, bool split, KernelScratch* s
   return p->act != nullptr && p->panel != nullptr && p->acc != nullptr;
 }
 
-// Part `part` of `parts` of the cache lines of columns [k0, k0 + steps*32)
-// of `nrows` weight rows, row_bytes apart, prefetched into L2.
-void prefetch_rows(const char* rows, int32_t nrows, size_t row_bytes, size_t elem, int32_t k0, int32_t steps,
-                   int32_t part, int32_t parts) {
-  const size_t per_row = static_cast<size_t>(steps) * kKStep * elem / 64;
-  const size_t total = per_row * static_cast<size_t>(nrows);
-  const size_t end = total * static_cast<size_t>(part + 1) / static_cast<size_t>(parts);
-  for (size_t i = total * static_cast<size_t>(part) / static_cast<size_t>(parts); i < end; ++i) {
-    const char* line = rows + (i / per_row) * row_bytes + static_cast<size_t>(k0) * elem + (i % per_row) * 64;
-    _mm_prefetch(line, _MM_HINT_T1);
-  }
-}
-
 // The A side of one unit for one K chunk: one or two 16-row panels (and
 // their lo parts in the split table).
 struct Unit {
@@ -517,18 +507,7 @@ void run_gemm(Phase& ph, const Plan& pl, int32_t units) {
         float* acc = pl.acc + static_cast<size_t>(u - g0) * unit_acc;
         const uint16_t* Bc = pl.act + static_cast<size_t>(c0) * pl.pieces * kTileElems;
         if (pl.split) {
-          // The weights of the next (unit, chunk) are converted right after
-          // this one: fetch them into L2 a slice per token block, under the
-          // tile products (the conversion otherwise waits on memory).
-          int32_t nu = u + 1, nc0 = c0;
-          if (nu == g1) {
-            nu = c0 + cs < pl.S ? g0 : g1;
-            nc0 = c0 + cs < pl.S ? c0 + cs : 0;
-          }
-          const bool prefetch = nu < units;
-          const int32_t ncs = min_i32(pl.CS, pl.S - nc0);
           for (int32_t b = 0; b < pl.nb; ++b) {
-            if (prefetch) ph.prefetch(nu, nc0 * kKStep, ncs, b, pl.nb);
             float* c = acc + static_cast<size_t>(b) * 512;
             const uint16_t* B0 = Bc + static_cast<size_t>(b) * pl.block_elems;
             if (un.two) {
@@ -602,10 +581,6 @@ struct GateUpPhase {
     un.two = true;
     return un;
   }
-  void prefetch(int32_t u, int32_t k0, int32_t steps, int32_t part, int32_t parts) const {
-    const char* gate = w + static_cast<size_t>(2 * (f_begin + u * kTile)) * row_bytes;
-    prefetch_rows(gate, 2 * valid(u), row_bytes, row_bytes / stride, k0, steps, part, parts);
-  }
   void epilogue(int32_t u, int32_t b, int32_t blocks, const float* c) const {
     const int32_t f = f_begin + u * kTile;
     for (int32_t j = 0; j < blocks; ++j) {
@@ -642,10 +617,6 @@ struct DownPhase {
       un.a1 = un.a1_lo = Panel{nullptr, 0, 0};
     }
     return un;
-  }
-  void prefetch(int32_t u, int32_t k0, int32_t steps, int32_t part, int32_t parts) const {
-    const char* r = w + static_cast<size_t>(d_begin + u * 2 * kTile) * row_bytes;
-    prefetch_rows(r, rows(u), row_bytes, row_bytes / stride, k0, steps, part, parts);
   }
   void epilogue(int32_t u, int32_t b, int32_t blocks, const float* c) const {
     const int32_t d = d_begin + u * 2 * kTile;
