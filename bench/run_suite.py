@@ -357,8 +357,12 @@ def add_limit_metrics(row, limits):
     row["gbytes_per_s"] = row["bytes_per_call"] / p50 / 1e9
     row["gflop_per_s"] = row["flop_per_call"] / p50 / 1e9
     bw = limits.get("read_gbytes_per_s")
-    peak = limits.get({"bf16": "bf16_gflop_per_s", "amx_bf16": "amx_bf16_gflop_per_s"}.get(row["compute"],
-                                                                                         "fp32_gflop_per_s"))
+    peak = limits.get({"bf16": "bf16_gflop_per_s", "amx_bf16": "amx_bf16_gflop_per_s",
+                       "amx_split": "amx_bf16_gflop_per_s"}.get(row["compute"], "fp32_gflop_per_s"))
+    # The split table (f16 weights at fp32-grade precision) spends five tile
+    # products per multiply-add: its ceiling is a fifth of the tile peak.
+    if peak and row["compute"] == "amx_split":
+        peak /= 5.0
     row["fraction_of_bandwidth"] = row["gbytes_per_s"] / bw if bw else None
     row["fraction_of_peak"] = row["gflop_per_s"] / peak if peak else None
     # Decode is bound by reading weights, prefill by arithmetic: the limit
@@ -724,7 +728,8 @@ def main(argv=None):
                         row["other_load"], row["raw"] = load, j
                         row["kernel"] = kernel_for_call(j.get("kernels", ""), row["T"], row["k"], row["E"])
                         c = str(j.get("compute", "")).lower() or row["kernel"]
-                        row["compute"] = "amx_bf16" if "amx" in c else ("bf16" if "bf16" in c else "fp32")
+                        row["compute"] = ("amx_split" if "split" in c else "amx_bf16" if "amx" in c
+                                          else "bf16" if "bf16" in c else "fp32")
                         log("  colibri %s %s %s T=%d: p50 %.3f ms (others %.0f%%)"
                             % (row["weights"], isa, row["routing"], row["T"], row["p50_ms"], 100 * load))
 
@@ -904,7 +909,9 @@ def main(argv=None):
         "%% of limit: decode (T=1) rows as bytes of the distinct experts' weights / p50 / probe read bandwidth "
         "(huge pages; 'fits LLC' = those bytes fit in the last-level cache, so the row reads cache, not DRAM); "
         "other rows as FLOP / p50 / peak of the precision computed in (fp32 FMA for Colibri unless its JSON "
-        "says otherwise; PyTorch bf16 runs oneDNN %s), and as roofline time / p50, the roofline time being the "
+        "says otherwise; amx_split, Colibri's fp32-grade AMX table for f16 weights, against a fifth of the tile "
+        "peak, as it spends five tile products per multiply-add; PyTorch bf16 runs oneDNN %s), and as roofline "
+        "time / p50, the roofline time being the "
         "larger of reading the weights once at the probe's bandwidth and computing at that peak. "
         "others' load: share of the machine other processes used while the row was measured (rows above "
         "%.0f%% were measured again, the least disturbed attempt kept). "
