@@ -314,13 +314,12 @@ void tile_gemm(Panel A0, Panel A1, const uint16_t* B0, const uint16_t* B1, int32
   if (NA > 1 && NB > 1) _tile_stored(3, c + 768, 64);
 }
 
-
 // The split table's pass: accumulator tile a (+)= sum of the five products
 // A_a,hi B_x1 + A_a,lo B_x1 + A_a,hi B_x2 + A_a,lo B_x2 + A_a,hi B_x3 over
 // `steps` K steps, for a < NA panels and one token block whose three pieces
 // lie in B (step s at B + s*3*512); kept in c + a*256 (zeroed when `first`,
-// else loaded; always stored back). The dropped A_lo B_x3 is below 2^-25 of
-// the product. One tile per accumulator suffices: tdpbf16ps on the same
+// else loaded; always stored back). The dropped A_lo B_x3 is at most 2^-24
+// of the product. One tile per accumulator suffices: tdpbf16ps on the same
 // accumulator issues back to back (measured: one chain runs at the
 // four-chain rate).
 template <int NA>
@@ -410,9 +409,8 @@ constexpr int32_t kMinChunkSteps = 16;
 constexpr int32_t kMaxGroupUnits = 8;
 // The split table converts each unit's panels for a whole K chunk before its
 // token blocks use them: four panels of 16 rows x 64 bytes per step. Capped
-// at 32 steps (128 KiB of panels) they stay in L2 next to the activations;
-// a whole Mixtral row (128-448 steps, 0.5-1.8 MiB of panels used by only two
-// or three token blocks) ran the layer at half the token-lane kernel's speed.
+// at 32 steps (128 KiB of panels) they stay in L2 next to the activations,
+// where a whole Mixtral row (128-448 steps) would take 0.5-1.8 MiB.
 constexpr int32_t kSplitChunkSteps = 32;
 
 // Per-call geometry and the thread's buffers.
