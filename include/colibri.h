@@ -98,8 +98,10 @@ typedef struct colibri_open_options_s {
   int32_t bf16_compute;     /* 1 = f16 and f32 weights may be computed through
                                bf16 (weights and activations rounded to bf16,
                                AMX tiles where present) for many-token calls;
-                               0 = accurate fp32 (default). bf16 weights always
-                               use bf16 dot products. See docs/PRECISION.md. */
+                               0 = accurate fp32 (default; f16 weights may run
+                               on AMX tiles through an exact split into bf16
+                               parts, fp32-grade). bf16 weights always use
+                               bf16 dot products. See docs/PRECISION.md. */
 } colibri_open_options_t;
 
 /* Defaults: n_threads 0, lock_memory 1, huge_pages 1, verify_checksums 1,
@@ -313,7 +315,7 @@ COLIBRI_API colibri_status_t colibri_model_info(const colibri_model_t* model,
 COLIBRI_API colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* out_stats);
 
 /* Which kernels the model runs, by tokens per expert, e.g. "decode avx512,
- * prefill avx512-tokens from 12 tokens/expert, avx512-gemm from 128
+ * prefill avx512-tokens from 8 tokens/expert, amx-f16-split from 64
  * tokens/expert". Owned by the model; valid until colibri_free. NULL model
  * gives "". Thread-safe. */
 COLIBRI_API const char* colibri_model_kernels(const colibri_model_t* model);
