@@ -485,7 +485,7 @@ void make_unit_panel(const void* rows, size_t stride, WeightType wt, int32_t val
 
 // The C = W X^T loop nest shared by both phases, over `units` units of the
 // phase `ph`, which provides
-//   Unit unit(u, k0, steps, scratch): the panels of unit u, columns [k0, k0 + steps*32)
+//   Unit unit(u, k0, steps, split, scratch): the panels of unit u, columns [k0, k0 + steps*32)
 //   void epilogue(u, b, blocks, c): consume the finished accumulators of
 //     token blocks b .. b+blocks-1 (c: tile 2*j + a for block b+j, panel a).
 // Units are visited in order within a group and token blocks in order
@@ -501,7 +501,7 @@ void run_gemm(Phase& ph, const Plan& pl, int32_t units) {
       const int32_t cs = min_i32(pl.CS, pl.S - c0);
       const bool first = c0 == 0, last = c0 + cs == pl.S;
       for (int32_t u = g0; u < g1; ++u) {
-        const Unit un = ph.unit(u, c0 * kKStep, cs, pl.panel);
+        const Unit un = ph.unit(u, c0 * kKStep, cs, pl.split, pl.panel);
         float* acc = pl.acc + static_cast<size_t>(u - g0) * unit_acc;
         const uint16_t* Bc = pl.act + static_cast<size_t>(c0) * pl.pieces * kTileElems;
         if (pl.split) {
@@ -566,12 +566,11 @@ struct GateUpPhase {
   size_t row_bytes, stride;
   WeightType wt;
   int32_t K, f_begin, f_end, n;
-  bool split;
   float* h;
   size_t ldh;
 
   int32_t valid(int32_t u) const { return min_i32(kTile, f_end - f_begin - u * kTile); }
-  Unit unit(int32_t u, int32_t k0, int32_t steps, uint16_t* scratch) const {
+  Unit unit(int32_t u, int32_t k0, int32_t steps, bool split, uint16_t* scratch) const {
     const char* gate = w + static_cast<size_t>(2 * (f_begin + u * kTile)) * row_bytes;
     Unit un;
     make_unit_panel(gate, 2 * stride, wt, valid(u), K, k0, steps, split, 0, scratch, &un);
@@ -595,14 +594,13 @@ struct DownPhase {
   size_t row_bytes, stride;
   WeightType wt;
   int32_t K, d_begin, d_end, n;
-  bool split;
   const int32_t* token_index;
   const float* weight;
   float* y;
   size_t ldy;
 
   int32_t rows(int32_t u) const { return min_i32(2 * kTile, d_end - d_begin - u * 2 * kTile); }
-  Unit unit(int32_t u, int32_t k0, int32_t steps, uint16_t* scratch) const {
+  Unit unit(int32_t u, int32_t k0, int32_t steps, bool split, uint16_t* scratch) const {
     const int32_t d = d_begin + u * 2 * kTile;
     const char* r = w + static_cast<size_t>(d) * row_bytes;
     const int32_t nr = rows(u);
@@ -652,7 +650,7 @@ void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const 
   pack_all(pl, x, ldx, token_index, n, s.d_model);
   const size_t elem = elem_size(s.weight_type);
   GateUpPhase ph{static_cast<const char*>(gate_up), s.gate_up_stride * elem, s.gate_up_stride, s.weight_type,
-                 s.d_model, f_begin, f_end, n, split, h, ldh};
+                 s.d_model, f_begin, f_end, n, h, ldh};
   run_gemm(ph, pl, units);
   release_tiles();
 }
@@ -671,7 +669,7 @@ void down_tiles(bool split, const ExpertShape& s, const void* down, const float*
   pack_all(pl, h, ldh, nullptr, n, s.d_ff);
   const size_t elem = elem_size(s.weight_type);
   DownPhase ph{static_cast<const char*>(down), s.down_stride * elem, s.down_stride, s.weight_type, s.d_ff, d_begin,
-               d_end, n, split, token_index, weight, y, ldy};
+               d_end, n, token_index, weight, y, ldy};
   run_gemm(ph, pl, units);
   release_tiles();
 }

@@ -17,16 +17,16 @@ namespace {
 // weights costs more than the FMA-bound inner loop saves; from
 // kGemmMinTokens the panel GEMM, which packs each weight panel once for all
 // of an expert's tokens, overtakes the token-lane kernel, which widens them
-// once per group of 64 tokens.
+// once per group of 48 tokens.
 constexpr int32_t kTokensMinTokens = 8;
 constexpr int32_t kGemmMinTokens = 128;
 constexpr int32_t kAmxMinTokens = 4;
 // f16 weights on AMX at fp32-grade precision: the split table converts each
 // weight panel into two bf16 panels before the tiles use it (no overlap with
-// the tile work), a cost that only enough tokens per panel repay. With the
-// weights streamed from memory (a Mixtral-sized expert, 352 MB) it ran at
-// 0.8x the token-lane kernel at 32 tokens, 0.8-1.04x at 48, 1.2-1.6x at 64
-// and 1.4-1.7x from 96 (bench/kernel_bench.cpp's method, one thread).
+// the tile work), a cost that only enough tokens per panel repay: against
+// the token lanes 0.77-1.08x at 32 tokens, 0.95-1.38x at 48, 1.2-1.8x from
+// 64 (colibri_kernel_bench, repetitions interleaved; docs/KERNELS.md), and
+// slower in the Mixtral T=128 layer (about 32 tokens per expert).
 constexpr int32_t kSplitMinTokens = 64;
 
 char ascii_lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
