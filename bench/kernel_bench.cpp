@@ -6,6 +6,14 @@
 //
 //   build/bench/colibri_kernel_bench --benchmark_filter='f16/1024x4096'
 //
+// paired/<table>/...: each iteration runs the kernel, then the table's peak
+// loop (colibri_probe's register-only tdpbf16ps or fp32 FMA loop) for about
+// as long; of_ceiling is the median over iterations of kernel rate / (loop
+// rate / products per multiply-add), the kernel's efficiency against the
+// peak of the same moment. This host's tile and FMA rates swing by 2-5x
+// within seconds (other tenants), so a peak measured minutes apart, as the
+// suite's probe is, says little about one kernel.
+//
 // Names: <table>/<dtype>/<D>x<F>/n:<tokens>. Shapes are the benchmark
 // suite's (seed, qwen3-moe, olmoe); the weights of one expert stay in the
 // last-level cache, so this measures the kernels' compute, not DRAM. The
@@ -14,6 +22,8 @@
 // streams its weights from memory, as a layer does.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -24,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "probe_kernels.h"
 #include "kernels/amx.h"
 #include "kernels/gemm.h"
 #include "kernels/kernels.h"
@@ -115,6 +126,77 @@ void run_expert(benchmark::State& state, const KernelTable* table, WeightType t,
       benchmark::Counter(flops * 1e-9 * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
 }
 
+#if defined(COLIBRI_PROBE_X86)
+// The peak loop a table is measured against and its multiply-adds per FLOP
+// of useful work: the AMX tables run on the tile unit (the split table five
+// tile products per multiply-add); the others on the fp32 FMA units.
+struct Ceiling {
+  float (*loop)(uint64_t);
+  double flop_per_iter;
+  double products;
+};
+
+Ceiling ceiling_for(const KernelTable& table) {
+  const std::string name = table.name;
+  if (name == "amx-bf16") return {colibri_probe::amx_bf16_dot, colibri_probe::kAmxFlopPerIter, 1.0};
+  if (name == "amx-f16-split") return {colibri_probe::amx_bf16_dot, colibri_probe::kAmxFlopPerIter, 5.0};
+  const colibri_probe::Kernels k = colibri_probe::avx512_kernels();
+  return {k.fma, 2.0 * k.fma_accumulators * (k.vector_bits / 32), 1.0};
+}
+
+volatile float g_sink;
+
+void run_paired(benchmark::State& state, const KernelTable* table, WeightType t, int32_t D, int32_t F) {
+  const int32_t n = static_cast<int32_t>(state.range(0));
+  const ExpertShape s = colibri::kernels::make_expert_shape(D, F, t);
+  const ExpertWeights& weights = expert_weights(s);
+  std::mt19937 rng(43);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n) * D), y(static_cast<size_t>(n) * D, 0.0f);
+  for (float& v : x) v = dist(rng);
+  std::vector<int32_t> index(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) index[static_cast<size_t>(i)] = i;
+  std::vector<float> weight(static_cast<size_t>(n), 0.5f);
+  const size_t ldh = (static_cast<size_t>(F) + 15) / 16 * 16;
+  std::vector<float> h(static_cast<size_t>(n) * ldh);
+  const Ceiling c = ceiling_for(*table);
+  if (c.loop == colibri_probe::amx_bf16_dot && !colibri_probe::amx_enable()) {
+    state.SkipWithError("no tile state");
+    return;
+  }
+  using Clock = std::chrono::steady_clock;
+  const double flops = 6.0 * D * F * n;
+  uint64_t loop_iters = 1 << 12;
+  std::vector<double> ratios, kernel_rates, peak_rates;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    table->gate_up(s, weights.gate_up.get(), x.data(), static_cast<size_t>(D), index.data(), n, 0, F, h.data(), ldh);
+    table->down(s, weights.down.get(), h.data(), ldh, index.data(), weight.data(), n, 0, D, y.data(),
+                static_cast<size_t>(D));
+    benchmark::ClobberMemory();
+    const auto t1 = Clock::now();
+    g_sink = c.loop(loop_iters);
+    const auto t2 = Clock::now();
+    const double kernel_s = std::chrono::duration<double>(t1 - t0).count();
+    const double loop_s = std::chrono::duration<double>(t2 - t1).count();
+    const double peak = c.flop_per_iter * static_cast<double>(loop_iters) / loop_s / c.products;
+    kernel_rates.push_back(flops / kernel_s);
+    peak_rates.push_back(peak);
+    ratios.push_back(flops / kernel_s / peak);
+    // Next loop about as long as this kernel call.
+    const double want = static_cast<double>(loop_iters) * kernel_s / loop_s;
+    loop_iters = static_cast<uint64_t>(std::max(256.0, std::min(want, 1e9)));
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  state.counters["GFLOP/s"] = median(kernel_rates) * 1e-9;
+  state.counters["ceiling_GFLOP/s"] = median(peak_rates) * 1e-9;
+  state.counters["of_ceiling"] = median(ratios);
+}
+#endif
+
 const char* dtype_name(WeightType t) {
   return t == WeightType::kF32 ? "f32" : t == WeightType::kF16 ? "f16" : "bf16";
 }
@@ -163,6 +245,23 @@ int main(int argc, char** argv) {
         ->MeasureProcessCPUTime()
         ->UseRealTime();
   }
+#if defined(COLIBRI_PROBE_X86)
+  // Paired with the peak of the same moment, at the prefill sizes each
+  // table runs at in the engine.
+  for (const KernelTable* table : tables) {
+    const std::string name = table->name;
+    if (name != "avx512-tokens" && name != "avx512-gemm" && name != "amx-bf16" && name != "amx-f16-split") continue;
+    const WeightType t = name == "amx-bf16" ? WeightType::kBF16 : WeightType::kF16;
+    for (const auto& shape : shapes) {
+      const std::string bench_name =
+          "paired/" + name + "/" + dtype_name(t) + "/" + std::to_string(shape[0]) + "x" + std::to_string(shape[1]);
+      benchmark::RegisterBenchmark(bench_name.c_str(), run_paired, table, t, shape[0], shape[1])
+          ->ArgName("n")
+          ->Arg(16)->Arg(32)->Arg(64)->Arg(128)->Arg(256)
+          ->Unit(benchmark::kMicrosecond);
+    }
+  }
+#endif
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

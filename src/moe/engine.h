@@ -20,6 +20,7 @@
 #include "moe/router.h"
 #include "runtime/fair_mutex.h"
 #include "runtime/thread_pool.h"
+#include "util/aligned_vector.h"
 
 namespace colibri {
 
@@ -111,7 +112,7 @@ class Engine {
   std::vector<float> slot_weight_;       // [slots]
   std::vector<int32_t> active_experts_;  // experts with at least one slot, ascending
   std::vector<Phase1Item> phase1_items_;
-  std::vector<float> hidden_;            // [slots][ldh] silu(gate x) * up x
+  AlignedVector<float> hidden_;          // [slots][ldh] silu(gate x) * up x; rows on cache lines
   std::vector<int32_t> blob_ids_;        // decoded routing.bin, or the router's choice
   std::vector<float> blob_weights_;
   // Built-in router and shared expert.
@@ -122,7 +123,7 @@ class Engine {
   std::vector<int32_t> identity_;      // 0, 1, 2, ... (token index of the shared expert / router)
   std::vector<float> ones_;            // weight 1 per token (router logits)
   std::vector<float> shared_scale_;    // [T] sigmoid(shared_gate . x) or 1
-  std::vector<float> shared_hidden_;   // [T][ldh_shared]
+  AlignedVector<float> shared_hidden_; // [T][ldh_shared]
 };
 
 }  // namespace colibri
