@@ -454,6 +454,67 @@ TEST_F(AmxKernels, IndependentOfPartitionAndThreads) {
   }
 }
 
+// Phase 2 with its activations prepared once per expert (prepare_down, as
+// the engine runs it) gives down's bits exactly, for every row range; with
+// no scratch it falls back to the decode kernels on h, as down does.
+TEST_F(AmxKernels, PreparedDownMatchesDown) {
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (const TiledCase& tc : tiled_cases({WeightType::kBF16, WeightType::kF16, WeightType::kF32})) {
+    const KernelTable& k = *tc.k;
+    ASSERT_NE(k.prepared_bytes, nullptr);
+    ASSERT_NE(k.prepare_down, nullptr);
+    ASSERT_NE(k.down_prepared, nullptr);
+    // F not a multiple of 32 (zero-padded K), n from one token to several
+    // blocks and a chunked K (n = 129 at F = 4096).
+    struct Case {
+      int D, F, n;
+    };
+    for (Case cs : {Case{70, 200, 1}, Case{70, 200, 37}, Case{48, 4096, 129}}) {
+      const std::string label = std::string(k.name) + " " + type_name(tc.wt) + " F=" + std::to_string(cs.F) +
+                                " n=" + std::to_string(cs.n);
+      SCOPED_TRACE(label);
+      const int D = cs.D, F = cs.F, n = cs.n, T = n + 3;
+      const Packed p = make_packed(D, F, tc.wt, rng);
+      const size_t ldh = static_cast<size_t>(F) + 5;
+      std::vector<float> h(static_cast<size_t>(n) * ldh);
+      for (float& v : h) v = u(rng);
+      std::vector<int32_t> idx(static_cast<size_t>(n));
+      for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 5 + 2) % T;
+      std::vector<float> w(static_cast<size_t>(n));
+      for (float& v : w) v = u(rng);
+      const size_t bytes = k.prepared_bytes(p.s, n);
+      ASSERT_GT(bytes, 0u);
+      ASSERT_EQ(bytes % 64, 0u);
+      // Poisoned: every byte the kernels read must have been written.
+      std::vector<uint8_t> storage(bytes + 64, 0xff);
+      void* prepared = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
+      k.prepare_down(p.s, h.data(), ldh, n, prepared);
+      std::vector<float> y0(static_cast<size_t>(T) * D);
+      for (float& v : y0) v = u(rng);
+      std::vector<float> y_down = y0, y_prep = y0;
+      for (const auto& range : {std::pair<int, int>{0, D}, std::pair<int, int>{3, 35}, std::pair<int, int>{40, D}}) {
+        k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, range.first, range.second, y_down.data(), D);
+        k.down_prepared(p.s, p.down.data(), h.data(), ldh, prepared, idx.data(), w.data(), n, range.first,
+                        range.second, y_prep.data(), D);
+      }
+      ASSERT_EQ(std::memcmp(y_down.data(), y_prep.data(), y_down.size() * sizeof(float)), 0);
+
+      colibri::kernels::KernelScratch none;
+      none.set_limit(0);
+      const colibri::kernels::ScratchScope scope(&none);
+      std::vector<float> y_fb_down = y0, y_fb_prep = y0;
+      k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, 0, D, y_fb_down.data(), D);
+      k.down_prepared(p.s, p.down.data(), h.data(), ldh, prepared, idx.data(), w.data(), n, 0, D, y_fb_prep.data(), D);
+      ASSERT_EQ(std::memcmp(y_fb_down.data(), y_fb_prep.data(), y_fb_down.size() * sizeof(float)), 0);
+    }
+  }
+  // The split table prepares nothing for the weights it hands to the fp32
+  // kernels.
+  const KernelTable& split = colibri::kernels::amx_f16_split_kernels();
+  EXPECT_EQ(split.prepared_bytes(colibri::kernels::make_expert_shape(64, 64, WeightType::kBF16), 32), 0u);
+}
+
 #endif
 
 // Other code on the caller's thread may release the tiles between our calls

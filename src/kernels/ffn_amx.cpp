@@ -447,7 +447,8 @@ struct Plan {
   float* acc = nullptr;
 };
 
-bool make_plan(int32_t K, int32_t n, int32_t units, bool split, KernelScratch* scratch, Plan* p) {
+// The geometry of a call: steps, blocks, chunking (no buffers).
+void plan_geometry(int32_t K, int32_t n, int32_t units, bool split, Plan* p) {
   p->split = split;
   p->pieces = split ? 3 : 1;
   p->S = (K + kKStep - 1) / kKStep;
@@ -467,11 +468,25 @@ bool make_plan(int32_t K, int32_t n, int32_t units, bool split, KernelScratch* s
     p->RG = min_i32(p->RG, units);
   }
   p->block_elems = static_cast<size_t>(p->S) * p->pieces * kTileElems;
-  p->act = static_cast<uint16_t*>(scratch->get(kActSlot, static_cast<size_t>(p->nb) * p->block_elems * 2));
+}
+
+// Bytes of the packed activations of n tokens over K (all token blocks).
+size_t packed_activation_bytes(const Plan& p) { return static_cast<size_t>(p.nb) * p.block_elems * 2; }
+
+// plan_geometry plus the thread's buffers: the activations' only when
+// `own_activations` (not for prepared ones).
+bool make_plan(int32_t K, int32_t n, int32_t units, bool split, bool own_activations, KernelScratch* scratch,
+               Plan* p) {
+  plan_geometry(K, n, units, split, p);
+  if (own_activations) {
+    p->act = static_cast<uint16_t*>(scratch->get(kActSlot, packed_activation_bytes(*p)));
+    if (p->act == nullptr) return false;
+  }
   const size_t panels = split ? 4 : 2;
   p->panel = static_cast<uint16_t*>(scratch->get(kPanelSlot, panels * kTile * p->CS * kKStep * 2));
+  const size_t pass_acc = 4 * 256 * sizeof(float);
   p->acc = static_cast<float*>(scratch->get(kAccSlot, static_cast<size_t>(p->RG) * p->passes * pass_acc));
-  return p->act != nullptr && p->panel != nullptr && p->acc != nullptr;
+  return p->panel != nullptr && p->acc != nullptr;
 }
 
 // The A side of one unit for one K chunk: one or two 16-row panels (and
@@ -661,7 +676,7 @@ void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const 
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t units = (f_end - f_begin + kTile - 1) / kTile;
   Plan pl;
-  if (!make_plan(s.d_model, n, units, split, &bound_scratch(), &pl)) {
+  if (!make_plan(s.d_model, n, units, split, true, &bound_scratch(), &pl)) {
     decode_fallback(s.weight_type, split).gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
     return;
   }
@@ -675,23 +690,46 @@ void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const 
   release_tiles();
 }
 
-void down_tiles(bool split, const ExpertShape& s, const void* down, const float* h, size_t ldh,
+// `prepared`: the activations as prepare_down_tiles packed them, or null
+// to pack them here.
+void down_tiles(bool split, const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
                 const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y,
                 size_t ldy) {
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t units = (d_end - d_begin + 2 * kTile - 1) / (2 * kTile);
   Plan pl;
-  if (!make_plan(s.d_ff, n, units, split, &bound_scratch(), &pl)) {
+  if (!make_plan(s.d_ff, n, units, split, prepared == nullptr, &bound_scratch(), &pl)) {
     decode_fallback(s.weight_type, split).down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
   }
   configure_tiles();
-  pack_all(pl, h, ldh, nullptr, n, s.d_ff);
+  if (prepared != nullptr) {
+    pl.act = static_cast<uint16_t*>(const_cast<void*>(prepared));
+  } else {
+    pack_all(pl, h, ldh, nullptr, n, s.d_ff);
+  }
   const size_t elem = elem_size(s.weight_type);
   DownPhase ph{static_cast<const char*>(down), s.down_stride * elem, s.down_stride, s.weight_type, s.d_ff, d_begin,
                d_end, n, token_index, weight, y, ldy};
   run_gemm(ph, pl, units);
   release_tiles();
+}
+
+// Phase 2's packed activations, made once per expert for all its row blocks
+// (KernelTable::prepare_down): exactly what down_tiles packs for itself.
+size_t prepared_bytes_tiles(bool split, const ExpertShape& s, int32_t n) {
+  if (n <= 0) return 0;
+  Plan pl;
+  plan_geometry(s.d_ff, n, 1, split, &pl);
+  return packed_activation_bytes(pl);
+}
+
+void prepare_down_tiles(bool split, const ExpertShape& s, const float* h, size_t ldh, int32_t n, void* out) {
+  if (n <= 0) return;
+  Plan pl;
+  plan_geometry(s.d_ff, n, 1, split, &pl);
+  pl.act = static_cast<uint16_t*>(out);
+  pack_all(pl, h, ldh, nullptr, n, s.d_ff);
 }
 
 // Both phases' plans for the largest calls: row ranges of max_rows (units
@@ -706,8 +744,8 @@ bool reserve_tiles(bool split, const ExpertShape& s, int32_t max_tokens, int32_t
   const int32_t up_units = (max_rows + kTile - 1) / kTile, down_units = (max_rows + 2 * kTile - 1) / (2 * kTile);
   const int32_t token_counts[2] = {max_tokens, 1};
   for (int32_t n : token_counts) {
-    if (!make_plan(s.d_model, n, up_units, split, scratch, &pl) ||
-        !make_plan(s.d_ff, n, down_units, split, scratch, &pl)) {
+    if (!make_plan(s.d_model, n, up_units, split, true, scratch, &pl) ||
+        !make_plan(s.d_ff, n, down_units, split, true, scratch, &pl)) {
       return false;
     }
   }
@@ -721,7 +759,19 @@ void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size
 
 void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
               const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
-  down_tiles(false, s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+  down_tiles(false, s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
+}
+
+size_t prepared_bytes_amx(const ExpertShape& s, int32_t n) { return prepared_bytes_tiles(false, s, n); }
+
+void prepare_down_amx(const ExpertShape& s, const float* h, size_t ldh, int32_t n, void* out) {
+  prepare_down_tiles(false, s, h, ldh, n, out);
+}
+
+void down_prepared_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
+                       const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end,
+                       float* y, size_t ldy) {
+  down_tiles(false, s, down, h, ldh, prepared, token_index, weight, n, d_begin, d_end, y, ldy);
 }
 
 bool reserve_amx(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
@@ -745,7 +795,26 @@ void down_split(const ExpertShape& s, const void* down, const float* h, size_t l
     avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
   }
-  down_tiles(true, s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+  down_tiles(true, s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
+}
+
+// Weights other than f16 go to the fp32 kernels, which prepare nothing.
+size_t prepared_bytes_split(const ExpertShape& s, int32_t n) {
+  return s.weight_type == WeightType::kF16 ? prepared_bytes_tiles(true, s, n) : 0;
+}
+
+void prepare_down_split(const ExpertShape& s, const float* h, size_t ldh, int32_t n, void* out) {
+  if (s.weight_type == WeightType::kF16) prepare_down_tiles(true, s, h, ldh, n, out);
+}
+
+void down_prepared_split(const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
+                         const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end,
+                         float* y, size_t ldy) {
+  if (s.weight_type != WeightType::kF16) {
+    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    return;
+  }
+  down_tiles(true, s, down, h, ldh, prepared, token_index, weight, n, d_begin, d_end, y, ldy);
 }
 
 bool reserve_split(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
@@ -755,12 +824,14 @@ bool reserve_split(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, K
 }  // namespace
 
 const KernelTable& amx_bf16_kernels() {
-  static const KernelTable table{Isa::kAvx512, "amx-bf16", gate_up_amx, down_amx, reserve_amx};
+  static const KernelTable table{Isa::kAvx512,      "amx-bf16",       gate_up_amx,       down_amx, reserve_amx,
+                                 prepared_bytes_amx, prepare_down_amx, down_prepared_amx};
   return table;
 }
 
 const KernelTable& amx_f16_split_kernels() {
-  static const KernelTable table{Isa::kAvx512, "amx-f16-split", gate_up_split, down_split, reserve_split};
+  static const KernelTable table{Isa::kAvx512,        "amx-f16-split",    gate_up_split,      down_split, reserve_split,
+                                 prepared_bytes_split, prepare_down_split, down_prepared_split};
   return table;
 }
 

@@ -70,6 +70,27 @@ using DownFn = void (*)(const ExpertShape& shape, const void* down, const float*
                         const int32_t* token_index, const float* weight, int32_t n,
                         int32_t d_begin, int32_t d_end, float* y, size_t ldy);
 
+// Optional, for tables whose phase 2 first converts h into a layout of its
+// own (the AMX tables' bf16 tiles). The engine splits phase 2 into row
+// blocks, each of which runs every active expert's down for its rows; with
+// down converting h itself, every block repeats the conversion, whose cost
+// is that of the products of a few dozen rows. Tables with these entries get
+// h converted once per expert instead, in parallel over experts, and read
+// by all blocks:
+//   prepared_bytes(shape, n): bytes prepare_down writes for n tokens (0: this
+//     table does not prepare for `shape`; use down). For any split of n into
+//     parts, the parts' bytes sum to at most prepared_bytes(n) plus
+//     prepared_bytes(1) per part.
+//   prepare_down(shape, h, ldh, n, out): writes them to `out` (64-byte
+//     aligned); needs no scratch.
+//   down_prepared(..., h, ldh, prepared, ...): exactly down's result (same
+//     bits), reading `prepared` (h and ldh serve its no-scratch fallback).
+using PreparedBytesFn = size_t (*)(const ExpertShape& shape, int32_t n);
+using PrepareDownFn = void (*)(const ExpertShape& shape, const float* h, size_t ldh, int32_t n, void* out);
+using DownPreparedFn = void (*)(const ExpertShape& shape, const void* down, const float* h, size_t ldh,
+                                const void* prepared, const int32_t* token_index, const float* weight, int32_t n,
+                                int32_t d_begin, int32_t d_end, float* y, size_t ldy);
+
 // Working memory of the prefill kernels: a few grow-only, 64-byte aligned
 // buffers. The engine owns one per pool thread, sizes them at open through
 // KernelTable::reserve, and binds the right one to the thread running each
@@ -127,6 +148,10 @@ struct KernelTable {
   GateUpFn gate_up = nullptr;
   DownFn down = nullptr;
   ReserveFn reserve = nullptr;  // tables that use KernelScratch; nullptr: none needed
+  // All three or none (see PreparedBytesFn).
+  PreparedBytesFn prepared_bytes = nullptr;
+  PrepareDownFn prepare_down = nullptr;
+  DownPreparedFn down_prepared = nullptr;
 };
 
 // Highest level this CPU and OS support (CPUID + XCR0), computed once.

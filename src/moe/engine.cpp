@@ -32,6 +32,8 @@ Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, Th
   expert_offsets_.resize(static_cast<size_t>(n_experts) + 1);
   kernel_scratch_ = std::make_unique<kernels::KernelScratch[]>(static_cast<size_t>(pool.size()));
   active_experts_.reserve(static_cast<size_t>(n_experts));
+  prepared_offset_.resize(static_cast<size_t>(n_experts));
+  prepare_jobs_.reserve(static_cast<size_t>(n_experts) + 1);
 }
 
 void Engine::set_router(const colibri_router_desc_t& desc) {
@@ -152,6 +154,8 @@ void Engine::reserve(int32_t tokens, int32_t top_k) {
   }
   if (hidden_.size() < slots * ldh) hidden_.resize(slots * ldh);
   reserve_tokens_locked(tokens);
+  const size_t prepared = prepared_bound(slots, tokens);
+  if (prepared_.size() < prepared) prepared_.resize(prepared);
   // At most one phase-1 item per 16 rows of each active expert, and no
   // more experts are active than there are slots.
   const size_t active = std::min(static_cast<size_t>(n_experts_), slots);
@@ -185,6 +189,61 @@ void Engine::reserve_kernel_scratch(int32_t tokens) {
       }
     }
   }
+}
+
+size_t Engine::prepared_bound(size_t slots, int32_t tokens) const {
+  // Each region is rounded up to a cache line (at most 64 bytes more per
+  // region); one region per active expert and one for the shared expert.
+  const kernels::ExpertShape& shape = store_.shape();
+  const kernels::ExpertShape& shared = store_.shared_shape();
+  const size_t active = std::min(static_cast<size_t>(n_experts_), slots);
+  const int32_t n = static_cast<int32_t>(std::min<size_t>(slots, INT32_MAX));
+  size_t routed = 0, shared_bytes = 0;
+  for (int i = 0; i < prefill_.count; ++i) {
+    const kernels::KernelTable& table = *prefill_.tier[i].table;
+    if (table.prepared_bytes == nullptr || slots == 0) continue;
+    routed = std::max(routed, table.prepared_bytes(shape, n) + active * (table.prepared_bytes(shape, 1) + 64));
+    if (shared.d_ff > 0 && tokens > 0) shared_bytes = std::max(shared_bytes, table.prepared_bytes(shared, tokens) + 64);
+  }
+  return routed + shared_bytes;
+}
+
+void Engine::prepare_down_inputs(const InferArgs& a, int threads) {
+  const kernels::ExpertShape& shape = store_.shape();
+  const kernels::ExpertShape& shared_shape = store_.shared_shape();
+  const bool has_shared = store_.shared_gate_up(a.layer) != nullptr;
+  const size_t ldh = static_cast<size_t>(round_up(shape.d_ff, 16));
+  const size_t ldh_s = static_cast<size_t>(round_up(shared_shape.d_ff, 16));
+  size_t total = 0;
+  prepare_jobs_.clear();
+  auto plan = [&](int32_t active, const kernels::KernelTable& table, const kernels::ExpertShape& s, int32_t n) {
+    const size_t bytes = table.prepared_bytes != nullptr ? table.prepared_bytes(s, n) : 0;
+    if (bytes == 0) return kNotPrepared;
+    const size_t offset = total;
+    total += (bytes + 63) / 64 * 64;
+    prepare_jobs_.push_back({active, offset});
+    return offset;
+  };
+  shared_prepared_offset_ = has_shared ? plan(-1, table_for(a.n_tokens), shared_shape, a.n_tokens) : kNotPrepared;
+  for (size_t i = 0; i < active_experts_.size(); ++i) {
+    const int32_t e = active_experts_[i];
+    const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - expert_offsets_[static_cast<size_t>(e)];
+    prepared_offset_[i] = plan(static_cast<int32_t>(i), table_for(n), shape, n);
+  }
+  if (prepare_jobs_.empty()) return;
+  if (prepared_.size() < total) prepared_.resize(total);
+  pool_.parallel_for(static_cast<int64_t>(prepare_jobs_.size()), threads, [&](int64_t item, int /*thread*/) {
+    const PrepareJob& job = prepare_jobs_[static_cast<size_t>(item)];
+    uint8_t* out = prepared_.data() + job.offset;
+    if (job.active < 0) {
+      table_for(a.n_tokens).prepare_down(shared_shape, shared_hidden_.data(), ldh_s, a.n_tokens, out);
+      return;
+    }
+    const int32_t e = active_experts_[static_cast<size_t>(job.active)];
+    const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
+    const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
+    table_for(n).prepare_down(shape, hidden_.data() + static_cast<size_t>(begin) * ldh, ldh, n, out);
+  });
 }
 
 void Engine::bucket(const InferArgs& a) {
@@ -302,6 +361,10 @@ void Engine::run_locked(const InferArgs& a) {
               hidden_.data() + static_cast<size_t>(begin) * ldh, ldh);
   });
 
+  // Phase 2's inputs in each table's own layout, once per expert rather
+  // than once per row block.
+  prepare_down_inputs(a, threads);
+
   // Phase 2: blocks of d_model rows, every active expert in ascending order.
   int32_t d_rows = rows_per_item(D, threads, D);
   if (coarse) d_rows = std::min(D, round_up((D + 2 * threads - 1) / (2 * threads), 16));
@@ -314,17 +377,31 @@ void Engine::run_locked(const InferArgs& a) {
       float* row = a.output + static_cast<size_t>(t) * static_cast<size_t>(D);
       std::fill(row + d_begin, row + d_end, 0.0f);
     }
-    for (const int32_t e : active_experts_) {
+    for (size_t i = 0; i < active_experts_.size(); ++i) {
+      const int32_t e = active_experts_[i];
       const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
       const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
-      table_for(n).down(shape, store_.down(a.layer, e), hidden_.data() + static_cast<size_t>(begin) * ldh, ldh,
-             slot_token_.data() + begin, slot_weight_.data() + begin, n, d_begin, d_end, a.output,
-             static_cast<size_t>(D));
+      const kernels::KernelTable& table = table_for(n);
+      const float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
+      if (prepared_offset_[i] != kNotPrepared) {
+        table.down_prepared(shape, store_.down(a.layer, e), h, ldh, prepared_.data() + prepared_offset_[i],
+                            slot_token_.data() + begin, slot_weight_.data() + begin, n, d_begin, d_end, a.output,
+                            static_cast<size_t>(D));
+      } else {
+        table.down(shape, store_.down(a.layer, e), h, ldh, slot_token_.data() + begin, slot_weight_.data() + begin,
+                   n, d_begin, d_end, a.output, static_cast<size_t>(D));
+      }
     }
     if (Fs > 0) {
-      table_for(a.n_tokens).down(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s,
-                                 identity_.data(), shared_scale_.data(), a.n_tokens, d_begin, d_end, a.output,
-                                 static_cast<size_t>(D));
+      const kernels::KernelTable& table = table_for(a.n_tokens);
+      if (shared_prepared_offset_ != kNotPrepared) {
+        table.down_prepared(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s,
+                            prepared_.data() + shared_prepared_offset_, identity_.data(), shared_scale_.data(),
+                            a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D));
+      } else {
+        table.down(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s, identity_.data(),
+                   shared_scale_.data(), a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D));
+      }
     }
   });
 }

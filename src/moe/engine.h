@@ -92,6 +92,11 @@ class Engine {
   void check_layer(int32_t layer) const;
   void reserve_tokens_locked(int32_t tokens);
   void reserve_kernel_scratch(int32_t tokens);
+  // Bytes of phase 2's prepared inputs for `slots` routed slots over any
+  // number of active experts, plus the shared expert's for `tokens` tokens.
+  size_t prepared_bound(size_t slots, int32_t tokens) const;
+  // Plans and runs the preparation of phase 2's inputs (run_locked).
+  void prepare_down_inputs(const InferArgs& a, int threads);
 
   const ExpertStore& store_;
   int32_t n_layers_;
@@ -112,6 +117,18 @@ class Engine {
   std::vector<float> slot_weight_;       // [slots]
   std::vector<int32_t> active_experts_;  // experts with at least one slot, ascending
   std::vector<Phase1Item> phase1_items_;
+  // Phase 2's inputs prepared by the experts' tables (kernels::PreparedBytesFn):
+  // one region per job, at prepared_offset_[active index] (kNotPrepared:
+  // the table's down converts h itself) or shared_prepared_offset_.
+  struct PrepareJob {
+    int32_t active;  // index into active_experts_; -1 = the shared expert
+    size_t offset;
+  };
+  static constexpr size_t kNotPrepared = ~size_t{0};
+  std::vector<PrepareJob> prepare_jobs_;
+  std::vector<size_t> prepared_offset_;
+  size_t shared_prepared_offset_ = kNotPrepared;
+  AlignedVector<uint8_t> prepared_;
   AlignedVector<float> hidden_;          // [slots][ldh] silu(gate x) * up x; rows on cache lines
   std::vector<int32_t> blob_ids_;        // decoded routing.bin, or the router's choice
   std::vector<float> blob_weights_;
