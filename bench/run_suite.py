@@ -582,11 +582,14 @@ class Job:
         return False
 
 
-def colibri_bench(colibri, model, routing, isa, threads, iters, warmup):
+def colibri_bench(colibri, model, routing, isa, threads, iters, warmup, compare_threads=0):
     """routing: ("fixed", routing.bin) or ("cycled", (k, seed)) for colibri
-    bench's own random routings, a new one each call."""
+    bench's own random routings, a new one each call. compare_threads: also
+    run each iteration at that many threads, back to back (JSON "compare")."""
     cmd = [colibri, "bench", "--json", "--model", model, "--isa", isa, "--threads", str(threads),
            "--iters", str(iters), "--warmup", str(warmup), "--no-verify"]
+    if compare_threads:
+        cmd += ["--compare-threads", str(compare_threads)]
     if routing[0] == "fixed":
         cmd += ["--routing", routing[1]]
     else:
@@ -741,25 +744,26 @@ def main(argv=None):
                         jobs.append(job)
 
         # Thread scaling (the fast-path issue's target: 2 threads >= 1.8x one
-        # thread on the seed shape), right after the N-thread rows: the same
-        # model, routing and ISA at one thread.
+        # thread on the seed shape): the same model, routing and ISA, each
+        # iteration at N threads and at one thread back to back (colibri
+        # bench --compare-threads), for every weight type. Rows minutes apart
+        # compare two states of this host, not two thread counts.
         if a.threads > 1 and name in ("seed", "smoke"):
-            T, dt, isa = max(Ts), a.dtype_list[0], isas[-1]
-            ref = [r for r in rows if (r["shape"], r["T"], r["routing"], r["engine"], r["weights"], r["isa"]) ==
-                   (name, T, "fixed", "colibri", dt, isa) and "p50_ms" in r]
-            if ref:
-                def apply_one(j, load, ref=ref[0], T=T, dt=dt, isa=isa):
+            T, isa = max(Ts), isas[-1]
+            for dt in a.dtype_list:
+                def apply_one(j, load, T=T, dt=dt, isa=isa):
                     entry = {"shape": name, "T": T, "weights": dt, "isa": isa, "threads": a.threads,
-                             "p50_ms_1_thread": j["p50_ms"], "p50_ms_n_threads": ref["p50_ms"],
-                             "speedup": j["p50_ms"] / ref["p50_ms"], "other_load": load}
-                    doc["scaling"][:] = [e for e in doc["scaling"] if e["shape"] != name] + [entry]
-                    log("  colibri %s %s T=%d on 1 thread: p50 %.3f ms, %d threads %.2fx faster"
-                        % (dt, isa, T, j["p50_ms"], a.threads, entry["speedup"]))
+                             "p50_ms_1_thread": j["compare"]["p50_ms"], "p50_ms_n_threads": j["p50_ms"],
+                             "speedup": j["compare"]["pair_speedup_median"], "other_load": load}
+                    doc["scaling"][:] = [e for e in doc["scaling"] if (e["shape"], e["weights"]) != (name, dt)] + [entry]
+                    log("  colibri %s %s T=%d, %d threads against 1, call by call: %.2fx (p50 %.3f / %.3f ms)"
+                        % (dt, isa, T, a.threads, entry["speedup"], entry["p50_ms_1_thread"], j["p50_ms"]))
 
-                job = Job("colibri %s %s fixed T=%d, 1 thread" % (dt, isa, T),
+                job = Job("colibri %s %s fixed T=%d, %d threads against 1" % (dt, isa, T, a.threads),
                           lambda m=models[dt], b=routes[T]["bin"], i=isa:
-                          colibri_bench(colibri, m, ("fixed", b), i, 1, a.prefill_iters, a.warmup), apply_one)
-                run_job(job, shape=name, T=T, dtype=dt, isa=isa, routing="fixed, 1 thread")
+                          colibri_bench(colibri, m, ("fixed", b), i, a.threads, a.prefill_iters, a.warmup, 1),
+                          apply_one)
+                run_job(job, shape=name, T=T, dtype=dt, isa=isa, routing="fixed, threads compared")
 
         # Output check: colibri infer (default ISA) on an input PyTorch also gets.
         colibri_out = {}
@@ -918,7 +922,8 @@ def main(argv=None):
         "check: max |colibri - torch| / max |torch| on one input (default ISA)."
         % (CYCLED, bf16_kernel or "?", 100 * a.quiet_threshold), "",
         markdown_table(rows), "",
-    ] + ["Thread scaling (same run): %s %s weights, %s, T=%d: 1 thread p50 %.1f ms, %d threads %.1f ms: %.2fx"
+    ] + ["Thread scaling (calls at both counts back to back, median per-iteration ratio): %s %s weights, %s, T=%d: "
+         "1 thread p50 %.1f ms, %d threads %.1f ms: %.2fx"
          % (e["shape"], e["weights"], e["isa"], e["T"], e["p50_ms_1_thread"], e["threads"], e["p50_ms_n_threads"],
             e["speedup"]) for e in doc["scaling"]] + [""] + (["Errors:", ""] + ["- " + json.dumps(e) for e in doc["errors"]] + [""] if doc["errors"] else []))
     with open(os.path.join(a.out_dir, "results.md"), "w") as f:

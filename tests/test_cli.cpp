@@ -312,6 +312,17 @@ TEST_F(CliTest, BenchAndInfoSmoke) {
   const auto doc = nlohmann::json::parse(b.out);
   EXPECT_GT(doc["p50_ms"].get<double>(), 0.0);
   EXPECT_GE(doc["p99_ms"].get<double>(), doc["p50_ms"].get<double>());
+  EXPECT_FALSE(doc.contains("compare"));
+  // --compare-threads: both thread counts timed every iteration.
+  RunResult c = run("bench --model " + model + " --tokens 3 --top-k 2 --iters 5 --warmup 1 --threads 2 "
+                    "--compare-threads 1 --json");
+  ASSERT_EQ(c.exit_code, 0) << c.err;
+  const auto cdoc = nlohmann::json::parse(c.out);
+  ASSERT_TRUE(cdoc.contains("compare")) << c.out;
+  EXPECT_EQ(cdoc["compare"]["threads"].get<int>(), 1);
+  EXPECT_GT(cdoc["compare"]["p50_ms"].get<double>(), 0.0);
+  EXPECT_GT(cdoc["compare"]["pair_speedup_median"].get<double>(), 0.0);
+  EXPECT_NE(run("bench --model " + model + " --tokens 3 --top-k 2 --compare-threads 0").exit_code, 0);
   RunResult i = run("info --model " + model);
   ASSERT_EQ(i.exit_code, 0) << i.err;
   EXPECT_NE(i.out.find("experts      8"), std::string::npos) << i.out;

@@ -92,10 +92,20 @@ struct BenchResult {
   LatencySummary latency;
   double tokens_per_s = 0, gbytes_per_s = 0, gflop_per_s = 0;
   double bytes_per_call = 0, flop_per_call = 0;
+  // With compare_threads: the calls at that thread count, and the median
+  // over iterations of (its time / the main call's time) for the two calls
+  // of each iteration.
+  LatencySummary compare_latency;
+  double pair_speedup = 0;
 };
 
 struct BenchSetup {
   int32_t T = 0, layer = 0, iters = 100, warmup = 5, threads = 0;
+  // When > 0, every iteration also runs the call at this many threads,
+  // back to back with the main one (order alternating): on a host whose
+  // speed drifts with other tenants' load, only calls this close together
+  // compare thread counts fairly.
+  int32_t compare_threads = 0;
   const void* blob = nullptr;  // routing.bin path instead of arrays
   size_t blob_size = 0;
   std::vector<Routing> routings;  // cycled through, one per iteration
@@ -133,7 +143,7 @@ BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
     for (const Routing& r : s.routings) account(r.k, r.ids.data());
   }
 
-  std::vector<double> seconds;
+  std::vector<double> seconds, compare_seconds, ratios;
   double bytes = 0, flop = 0;
   for (int it = -s.warmup; it < s.iters; ++it) {
     const size_t which = static_cast<size_t>(it + s.warmup) % bytes_per_routing.size();
@@ -143,7 +153,6 @@ BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
     req.n_tokens = s.T;
     req.input = in.data();
     req.output = out.data();
-    req.n_threads = s.threads;
     if (s.blob != nullptr) {
       req.routing_blob = s.blob;
       req.routing_blob_size = s.blob_size;
@@ -152,12 +161,28 @@ BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
       req.expert_ids = s.routings[which].ids.data();
       req.expert_weights = s.routings[which].weights.data();
     }
-    const auto t0 = Clock::now();
-    check(colibri_infer(h.model, &req), "bench");
-    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (s.swapper != nullptr) s.swapper->request_done();
+    auto timed_call = [&](int32_t threads) {
+      req.n_threads = threads;
+      const auto t0 = Clock::now();
+      check(colibri_infer(h.model, &req), "bench");
+      const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (s.swapper != nullptr) s.swapper->request_done();
+      return dt;
+    };
+    double dt = 0, dt_compare = 0;
+    if (s.compare_threads > 0 && (it & 1) != 0) {
+      dt_compare = timed_call(s.compare_threads);
+      dt = timed_call(s.threads);
+    } else {
+      dt = timed_call(s.threads);
+      if (s.compare_threads > 0) dt_compare = timed_call(s.compare_threads);
+    }
     if (it >= 0) {
       seconds.push_back(dt);
+      if (s.compare_threads > 0) {
+        compare_seconds.push_back(dt_compare);
+        ratios.push_back(dt_compare / dt);
+      }
       bytes += bytes_per_routing[which];
       flop += flop_per_routing[which];
       if (s.progress) s.progress(it + 1, dt);
@@ -165,6 +190,11 @@ BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
   }
   BenchResult r;
   r.latency = summarize(seconds);
+  if (s.compare_threads > 0) {
+    r.compare_latency = summarize(compare_seconds);
+    std::sort(ratios.begin(), ratios.end());
+    r.pair_speedup = ratios[ratios.size() / 2];
+  }
   r.bytes_per_call = bytes / s.iters;
   r.flop_per_call = flop / s.iters;
   const double p50 = r.latency.p50_ms / 1e3;
@@ -197,7 +227,7 @@ nlohmann::json bench_json(const BenchResult& r) {
 
 struct BenchArgs {
   std::string model, routing, isa;
-  int tokens = 0, top_k = 0, iters = 100, warmup = 5, threads = 0, layer = 0, swap_every = 0;
+  int tokens = 0, top_k = 0, iters = 100, warmup = 5, threads = 0, layer = 0, swap_every = 0, compare_threads = 0;
   uint64_t seed = 1;
   bool json = false, no_verify = false;
 };
@@ -218,6 +248,7 @@ void run_bench(const BenchArgs& a) {
   s.iters = a.iters;
   s.warmup = a.warmup;
   s.threads = a.threads;
+  s.compare_threads = a.compare_threads;
   std::vector<uint8_t> blob;
   if (!a.routing.empty()) {
     RoutingHandle r;
@@ -268,6 +299,12 @@ void run_bench(const BenchArgs& a) {
     doc["isa"] = isa;
     doc["kernels"] = kernels;
     if (swapper) doc["swaps"] = swapper->swaps();
+    if (a.compare_threads > 0) {
+      doc["compare"] = {{"threads", a.compare_threads},
+                        {"p50_ms", r.compare_latency.p50_ms},
+                        {"p99_ms", r.compare_latency.p99_ms},
+                        {"pair_speedup_median", r.pair_speedup}};
+    }
     std::printf("%s\n", doc.dump(2).c_str());
   } else {
     std::printf("model        %s (%d experts, d_model %d, d_ff %d, %s), %d tokens, %d iterations, %d threads\n",
@@ -275,6 +312,11 @@ void run_bench(const BenchArgs& a) {
                 s.T, a.iters, info.n_threads);
     print_bench(r, kernels);
     if (swapper) std::printf("swaps        %ld (expert swapped every %d calls, concurrently)\n", swapper->swaps(), a.swap_every);
+    if (a.compare_threads > 0) {
+      std::printf("compare      %d threads: p50 %.3f ms; each iteration's %d-thread call took %.2fx its %d-thread call "
+                  "(median over iterations, calls back to back)\n",
+                  a.compare_threads, r.compare_latency.p50_ms, a.compare_threads, r.pair_speedup, info.n_threads);
+    }
   }
 }
 
@@ -415,6 +457,10 @@ void add_run_commands(CLI::App& app) {
   b->add_option("--swap-every", ba->swap_every,
                 "Stress: hot-swap an expert (with its own bytes) after every N calls, from another thread")
       ->check(CLI::NonNegativeNumber);
+  b->add_option("--compare-threads", ba->compare_threads,
+                "Also run every iteration at this many threads, back to back with the main call, and report the "
+                "median per-iteration ratio")
+      ->check(CLI::PositiveNumber);
   b->callback([ba] { run_bench(*ba); });
 
   auto da = std::make_shared<DemoArgs>();
