@@ -26,9 +26,10 @@ bool amx_available();
 
 #if defined(COLIBRI_HAVE_X86_KERNELS)
 // Table "amx-bf16" (isa kAvx512), for f32, f16 and bf16 weights. Its kernels
-// may only run when amx_available() returned true. Each thread loads its tile
-// configuration on its first call and keeps it (never released), so the
-// calling threads must not use AMX tiles with another configuration.
+// may only run when amx_available() returned true. Each call loads its tile
+// configuration and releases the tiles before it returns, so other AMX code
+// on the same thread (oneDNN's, under PyTorch) neither disturbs it nor is
+// disturbed.
 const KernelTable& amx_bf16_kernels();
 
 // Table "amx-f16-split" (isa kAvx512): f16 weights at fp32-grade precision on
