@@ -454,28 +454,33 @@ TEST_F(AmxKernels, IndependentOfPartitionAndThreads) {
   }
 }
 
-// Phase 2 with its activations prepared once per expert (prepare_down, as
-// the engine runs it) gives down's bits exactly, for every row range; with
-// no scratch it falls back to the decode kernels on h, as down does.
-TEST_F(AmxKernels, PreparedDownMatchesDown) {
+// Either phase with its activations prepared once per expert (`prepare`,
+// as the engine runs it) gives the plain kernel's bits exactly, for every
+// row range; with no scratch it falls back to the decode kernels on the
+// plain arguments, as the plain kernel does.
+TEST_F(AmxKernels, PreparedMatchesPlain) {
+  using colibri::kernels::Phase;
   std::mt19937 rng(13);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (const TiledCase& tc : tiled_cases({WeightType::kBF16, WeightType::kF16, WeightType::kF32})) {
     const KernelTable& k = *tc.k;
     ASSERT_NE(k.prepared_bytes, nullptr);
-    ASSERT_NE(k.prepare_down, nullptr);
+    ASSERT_NE(k.prepare, nullptr);
+    ASSERT_NE(k.gate_up_prepared, nullptr);
     ASSERT_NE(k.down_prepared, nullptr);
-    // F not a multiple of 32 (zero-padded K), n from one token to several
-    // blocks and a chunked K (n = 129 at F = 4096).
+    // D and F not multiples of 32 (zero-padded K), n from one token to
+    // several blocks, and chunked K (n = 129 at 4096).
     struct Case {
       int D, F, n;
     };
-    for (Case cs : {Case{70, 200, 1}, Case{70, 200, 37}, Case{48, 4096, 129}}) {
-      const std::string label = std::string(k.name) + " " + type_name(tc.wt) + " F=" + std::to_string(cs.F) +
-                                " n=" + std::to_string(cs.n);
+    for (Case cs : {Case{70, 200, 1}, Case{70, 200, 37}, Case{48, 4096, 129}, Case{4096, 48, 129}}) {
+      const std::string label = std::string(k.name) + " " + type_name(tc.wt) + " D=" + std::to_string(cs.D) +
+                                " F=" + std::to_string(cs.F) + " n=" + std::to_string(cs.n);
       SCOPED_TRACE(label);
       const int D = cs.D, F = cs.F, n = cs.n, T = n + 3;
       const Packed p = make_packed(D, F, tc.wt, rng);
+      std::vector<float> x(static_cast<size_t>(T) * D);
+      for (float& v : x) v = u(rng);
       const size_t ldh = static_cast<size_t>(F) + 5;
       std::vector<float> h(static_cast<size_t>(n) * ldh);
       for (float& v : h) v = u(rng);
@@ -483,36 +488,60 @@ TEST_F(AmxKernels, PreparedDownMatchesDown) {
       for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 5 + 2) % T;
       std::vector<float> w(static_cast<size_t>(n));
       for (float& v : w) v = u(rng);
-      const size_t bytes = k.prepared_bytes(p.s, n);
-      ASSERT_GT(bytes, 0u);
-      ASSERT_EQ(bytes % 64, 0u);
-      // Poisoned: every byte the kernels read must have been written.
-      std::vector<uint8_t> storage(bytes + 64, 0xff);
-      void* prepared = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
-      k.prepare_down(p.s, h.data(), ldh, n, prepared);
+      // Poisoned (NaN bytes): every byte the kernels read must have been written.
+      auto prepared_for = [&](Phase phase, const float* act, size_t ld, const int32_t* index,
+                              std::vector<uint8_t>* storage) {
+        const size_t bytes = k.prepared_bytes(p.s, phase, n);
+        EXPECT_GT(bytes, 0u);
+        EXPECT_EQ(bytes % 64, 0u);
+        storage->assign(bytes + 64, 0xff);
+        void* out = storage->data() + (64 - reinterpret_cast<uintptr_t>(storage->data()) % 64) % 64;
+        k.prepare(p.s, phase, act, ld, index, n, out);
+        return static_cast<const void*>(out);
+      };
+      std::vector<uint8_t> up_storage, down_storage;
+      const void* up = prepared_for(Phase::kGateUp, x.data(), static_cast<size_t>(D), idx.data(), &up_storage);
+      const void* down = prepared_for(Phase::kDown, h.data(), ldh, nullptr, &down_storage);
+
+      const std::pair<int, int> f_ranges[] = {{0, F}, {3, 35}, {40, F}};
+      std::vector<float> h_plain(static_cast<size_t>(n) * ldh, NAN), h_prep = h_plain;
+      for (const auto& r : f_ranges) {
+        k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, r.first, r.second, h_plain.data(), ldh);
+        k.gate_up_prepared(p.s, p.gate_up.data(), x.data(), D, idx.data(), up, n, r.first, r.second, h_prep.data(),
+                           ldh);
+      }
+      ASSERT_EQ(std::memcmp(h_plain.data(), h_prep.data(), h_plain.size() * sizeof(float)), 0);
+
       std::vector<float> y0(static_cast<size_t>(T) * D);
       for (float& v : y0) v = u(rng);
-      std::vector<float> y_down = y0, y_prep = y0;
-      for (const auto& range : {std::pair<int, int>{0, D}, std::pair<int, int>{3, 35}, std::pair<int, int>{40, D}}) {
-        k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, range.first, range.second, y_down.data(), D);
-        k.down_prepared(p.s, p.down.data(), h.data(), ldh, prepared, idx.data(), w.data(), n, range.first,
-                        range.second, y_prep.data(), D);
+      std::vector<float> y_plain = y0, y_prep = y0;
+      const std::pair<int, int> d_ranges[] = {{0, D}, {3, 35}, {40, D}};
+      for (const auto& r : d_ranges) {
+        k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, r.first, r.second, y_plain.data(), D);
+        k.down_prepared(p.s, p.down.data(), h.data(), ldh, down, idx.data(), w.data(), n, r.first, r.second,
+                        y_prep.data(), D);
       }
-      ASSERT_EQ(std::memcmp(y_down.data(), y_prep.data(), y_down.size() * sizeof(float)), 0);
+      ASSERT_EQ(std::memcmp(y_plain.data(), y_prep.data(), y_plain.size() * sizeof(float)), 0);
 
       colibri::kernels::KernelScratch none;
       none.set_limit(0);
       const colibri::kernels::ScratchScope scope(&none);
-      std::vector<float> y_fb_down = y0, y_fb_prep = y0;
-      k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, 0, D, y_fb_down.data(), D);
-      k.down_prepared(p.s, p.down.data(), h.data(), ldh, prepared, idx.data(), w.data(), n, 0, D, y_fb_prep.data(), D);
-      ASSERT_EQ(std::memcmp(y_fb_down.data(), y_fb_prep.data(), y_fb_down.size() * sizeof(float)), 0);
+      std::vector<float> hf_plain(static_cast<size_t>(n) * ldh, NAN), hf_prep = hf_plain;
+      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, hf_plain.data(), ldh);
+      k.gate_up_prepared(p.s, p.gate_up.data(), x.data(), D, idx.data(), up, n, 0, F, hf_prep.data(), ldh);
+      ASSERT_EQ(std::memcmp(hf_plain.data(), hf_prep.data(), hf_plain.size() * sizeof(float)), 0);
+      std::vector<float> yf_plain = y0, yf_prep = y0;
+      k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, 0, D, yf_plain.data(), D);
+      k.down_prepared(p.s, p.down.data(), h.data(), ldh, down, idx.data(), w.data(), n, 0, D, yf_prep.data(), D);
+      ASSERT_EQ(std::memcmp(yf_plain.data(), yf_prep.data(), yf_plain.size() * sizeof(float)), 0);
     }
   }
   // The split table prepares nothing for the weights it hands to the fp32
   // kernels.
   const KernelTable& split = colibri::kernels::amx_f16_split_kernels();
-  EXPECT_EQ(split.prepared_bytes(colibri::kernels::make_expert_shape(64, 64, WeightType::kBF16), 32), 0u);
+  const ExpertShape bf16 = colibri::kernels::make_expert_shape(64, 64, WeightType::kBF16);
+  EXPECT_EQ(split.prepared_bytes(bf16, Phase::kGateUp, 32), 0u);
+  EXPECT_EQ(split.prepared_bytes(bf16, Phase::kDown, 32), 0u);
 }
 
 #endif

@@ -671,17 +671,24 @@ const KernelTable& decode_fallback(WeightType t, bool split) {
   return !split && t == WeightType::kBF16 && cpu_has_avx512_bf16() ? avx512_bf16_kernels() : avx512_kernels();
 }
 
+// `prepared`: the activations as prepare_tiles packed them, or null to
+// pack them here.
 void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
-                   const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+                   const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin, int32_t f_end,
+                   float* h, size_t ldh) {
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t units = (f_end - f_begin + kTile - 1) / kTile;
   Plan pl;
-  if (!make_plan(s.d_model, n, units, split, true, &bound_scratch(), &pl)) {
+  if (!make_plan(s.d_model, n, units, split, prepared == nullptr, &bound_scratch(), &pl)) {
     decode_fallback(s.weight_type, split).gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
     return;
   }
   configure_tiles();
-  pack_all(pl, x, ldx, token_index, n, s.d_model);
+  if (prepared != nullptr) {
+    pl.act = static_cast<uint16_t*>(const_cast<void*>(prepared));
+  } else {
+    pack_all(pl, x, ldx, token_index, n, s.d_model);
+  }
   const size_t elem = elem_size(s.weight_type);
   GateUpPhase ph{static_cast<const char*>(gate_up), s.gate_up_stride * elem, s.gate_up_stride, s.weight_type,
                  s.d_model, f_begin, f_end, n, h, ldh};
@@ -690,7 +697,7 @@ void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const 
   release_tiles();
 }
 
-// `prepared`: the activations as prepare_down_tiles packed them, or null
+// `prepared`: the activations as prepare_tiles packed them, or null
 // to pack them here.
 void down_tiles(bool split, const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
                 const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y,
@@ -715,21 +722,25 @@ void down_tiles(bool split, const ExpertShape& s, const void* down, const float*
   release_tiles();
 }
 
-// Phase 2's packed activations, made once per expert for all its row blocks
-// (KernelTable::prepare_down): exactly what down_tiles packs for itself.
-size_t prepared_bytes_tiles(bool split, const ExpertShape& s, int32_t n) {
+// A phase's packed activations, made once per expert for all its row
+// blocks (KernelTable::prepare): exactly what the kernels pack for
+// themselves.
+int32_t phase_k(const ExpertShape& s, Phase phase) { return phase == Phase::kGateUp ? s.d_model : s.d_ff; }
+
+size_t prepared_bytes_tiles(bool split, const ExpertShape& s, Phase phase, int32_t n) {
   if (n <= 0) return 0;
   Plan pl;
-  plan_geometry(s.d_ff, n, 1, split, &pl);
+  plan_geometry(phase_k(s, phase), n, 1, split, &pl);
   return packed_activation_bytes(pl);
 }
 
-void prepare_down_tiles(bool split, const ExpertShape& s, const float* h, size_t ldh, int32_t n, void* out) {
+void prepare_tiles(bool split, const ExpertShape& s, Phase phase, const float* act, size_t ld,
+                   const int32_t* token_index, int32_t n, void* out) {
   if (n <= 0) return;
   Plan pl;
-  plan_geometry(s.d_ff, n, 1, split, &pl);
+  plan_geometry(phase_k(s, phase), n, 1, split, &pl);
   pl.act = static_cast<uint16_t*>(out);
-  pack_all(pl, h, ldh, nullptr, n, s.d_ff);
+  pack_all(pl, act, ld, token_index, n, phase_k(s, phase));
 }
 
 // Both phases' plans for the largest calls: row ranges of max_rows (units
@@ -754,7 +765,7 @@ bool reserve_tiles(bool split, const ExpertShape& s, int32_t max_tokens, int32_t
 
 void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
                  int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
-  gate_up_tiles(false, s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+  gate_up_tiles(false, s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
 }
 
 void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
@@ -762,10 +773,19 @@ void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh
   down_tiles(false, s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
 }
 
-size_t prepared_bytes_amx(const ExpertShape& s, int32_t n) { return prepared_bytes_tiles(false, s, n); }
+size_t prepared_bytes_amx(const ExpertShape& s, Phase phase, int32_t n) {
+  return prepared_bytes_tiles(false, s, phase, n);
+}
 
-void prepare_down_amx(const ExpertShape& s, const float* h, size_t ldh, int32_t n, void* out) {
-  prepare_down_tiles(false, s, h, ldh, n, out);
+void prepare_amx(const ExpertShape& s, Phase phase, const float* act, size_t ld, const int32_t* token_index,
+                 int32_t n, void* out) {
+  prepare_tiles(false, s, phase, act, ld, token_index, n, out);
+}
+
+void gate_up_prepared_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
+                          const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin, int32_t f_end,
+                          float* h, size_t ldh) {
+  gate_up_tiles(false, s, gate_up, x, ldx, token_index, prepared, n, f_begin, f_end, h, ldh);
 }
 
 void down_prepared_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
@@ -779,14 +799,15 @@ bool reserve_amx(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, Ker
 }
 
 // The split table takes f16 weights only (its panels split f16); anything
-// else goes to the fp32 kernels, whose precision it matches.
+// else goes to the fp32 kernels, whose precision it matches, and which
+// prepare nothing.
 void gate_up_split(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
                    int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
   if (s.weight_type != WeightType::kF16) {
     avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
     return;
   }
-  gate_up_tiles(true, s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+  gate_up_tiles(true, s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
 }
 
 void down_split(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
@@ -798,13 +819,23 @@ void down_split(const ExpertShape& s, const void* down, const float* h, size_t l
   down_tiles(true, s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
 }
 
-// Weights other than f16 go to the fp32 kernels, which prepare nothing.
-size_t prepared_bytes_split(const ExpertShape& s, int32_t n) {
-  return s.weight_type == WeightType::kF16 ? prepared_bytes_tiles(true, s, n) : 0;
+size_t prepared_bytes_split(const ExpertShape& s, Phase phase, int32_t n) {
+  return s.weight_type == WeightType::kF16 ? prepared_bytes_tiles(true, s, phase, n) : 0;
 }
 
-void prepare_down_split(const ExpertShape& s, const float* h, size_t ldh, int32_t n, void* out) {
-  if (s.weight_type == WeightType::kF16) prepare_down_tiles(true, s, h, ldh, n, out);
+void prepare_split(const ExpertShape& s, Phase phase, const float* act, size_t ld, const int32_t* token_index,
+                   int32_t n, void* out) {
+  if (s.weight_type == WeightType::kF16) prepare_tiles(true, s, phase, act, ld, token_index, n, out);
+}
+
+void gate_up_prepared_split(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
+                            const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin,
+                            int32_t f_end, float* h, size_t ldh) {
+  if (s.weight_type != WeightType::kF16) {
+    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    return;
+  }
+  gate_up_tiles(true, s, gate_up, x, ldx, token_index, prepared, n, f_begin, f_end, h, ldh);
 }
 
 void down_prepared_split(const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
@@ -824,14 +855,15 @@ bool reserve_split(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, K
 }  // namespace
 
 const KernelTable& amx_bf16_kernels() {
-  static const KernelTable table{Isa::kAvx512,      "amx-bf16",       gate_up_amx,       down_amx, reserve_amx,
-                                 prepared_bytes_amx, prepare_down_amx, down_prepared_amx};
+  static const KernelTable table{Isa::kAvx512,      "amx-bf16",  gate_up_amx,          down_amx, reserve_amx,
+                                 prepared_bytes_amx, prepare_amx, gate_up_prepared_amx, down_prepared_amx};
   return table;
 }
 
 const KernelTable& amx_f16_split_kernels() {
-  static const KernelTable table{Isa::kAvx512,        "amx-f16-split",    gate_up_split,      down_split, reserve_split,
-                                 prepared_bytes_split, prepare_down_split, down_prepared_split};
+  static const KernelTable table{Isa::kAvx512,        "amx-f16-split", gate_up_split,          down_split,
+                                 reserve_split,        prepared_bytes_split, prepare_split, gate_up_prepared_split,
+                                 down_prepared_split};
   return table;
 }
 

@@ -70,23 +70,31 @@ using DownFn = void (*)(const ExpertShape& shape, const void* down, const float*
                         const int32_t* token_index, const float* weight, int32_t n,
                         int32_t d_begin, int32_t d_end, float* y, size_t ldy);
 
-// Optional, for tables whose phase 2 first converts h into a layout of its
-// own (the AMX tables' bf16 tiles). The engine splits phase 2 into row
-// blocks, each of which runs every active expert's down for its rows; with
-// down converting h itself, every block repeats the conversion, whose cost
-// is that of the products of a few dozen rows. Tables with these entries get
-// h converted once per expert instead, in parallel over experts, and read
-// by all blocks:
-//   prepared_bytes(shape, n): bytes prepare_down writes for n tokens (0: this
-//     table does not prepare for `shape`; use down). For any split of n into
-//     parts, the parts' bytes sum to at most prepared_bytes(n) plus
-//     prepared_bytes(1) per part.
-//   prepare_down(shape, h, ldh, n, out): writes them to `out` (64-byte
-//     aligned); needs no scratch.
-//   down_prepared(..., h, ldh, prepared, ...): exactly down's result (same
-//     bits), reading `prepared` (h and ldh serve its no-scratch fallback).
-using PreparedBytesFn = size_t (*)(const ExpertShape& shape, int32_t n);
-using PrepareDownFn = void (*)(const ExpertShape& shape, const float* h, size_t ldh, int32_t n, void* out);
+// Optional, for tables that first convert a phase's activations (x in
+// phase 1, h in phase 2) into a layout of their own (the AMX tables' bf16
+// tiles). The engine splits each phase into row blocks (phase 2: every
+// block runs every active expert for its rows); with the conversion inside
+// gate_up / down, every block of an expert repeats it, at a cost of the
+// order of the products of a few dozen rows, so with many threads it would
+// dominate. Tables with these entries get each expert's activations
+// converted once, in parallel over experts, and read by all its blocks:
+//   prepared_bytes(shape, phase, n): bytes `prepare` writes for n tokens
+//     (0: this table does not prepare for `shape`; call gate_up / down).
+//     For any split of n into parts, the parts' bytes sum to at most
+//     prepared_bytes(n) plus prepared_bytes(1) per part.
+//   prepare(shape, phase, act, ld, token_index, n, out): token i is row
+//     token_index[i] of act (row i when token_index is null), rows ld
+//     floats apart; `out` 64-byte aligned. Needs no scratch.
+//   gate_up_prepared / down_prepared: exactly gate_up's / down's result
+//     (same bits), reading `prepared` (the plain arguments serve the
+//     no-scratch fallback).
+enum class Phase : uint8_t { kGateUp = 1, kDown = 2 };
+using PreparedBytesFn = size_t (*)(const ExpertShape& shape, Phase phase, int32_t n);
+using PrepareFn = void (*)(const ExpertShape& shape, Phase phase, const float* act, size_t ld,
+                           const int32_t* token_index, int32_t n, void* out);
+using GateUpPreparedFn = void (*)(const ExpertShape& shape, const void* gate_up, const float* x, size_t ldx,
+                                  const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin,
+                                  int32_t f_end, float* h, size_t ldh);
 using DownPreparedFn = void (*)(const ExpertShape& shape, const void* down, const float* h, size_t ldh,
                                 const void* prepared, const int32_t* token_index, const float* weight, int32_t n,
                                 int32_t d_begin, int32_t d_end, float* y, size_t ldy);
@@ -148,9 +156,10 @@ struct KernelTable {
   GateUpFn gate_up = nullptr;
   DownFn down = nullptr;
   ReserveFn reserve = nullptr;  // tables that use KernelScratch; nullptr: none needed
-  // All three or none (see PreparedBytesFn).
+  // All four or none (see PreparedBytesFn).
   PreparedBytesFn prepared_bytes = nullptr;
-  PrepareDownFn prepare_down = nullptr;
+  PrepareFn prepare = nullptr;
+  GateUpPreparedFn gate_up_prepared = nullptr;
   DownPreparedFn down_prepared = nullptr;
 };
 

@@ -193,56 +193,71 @@ void Engine::reserve_kernel_scratch(int32_t tokens) {
 
 size_t Engine::prepared_bound(size_t slots, int32_t tokens) const {
   // Each region is rounded up to a cache line (at most 64 bytes more per
-  // region); one region per active expert and one for the shared expert.
+  // region); one region per active expert and one for the shared expert;
+  // the larger of the two phases (the buffer is reused).
   const kernels::ExpertShape& shape = store_.shape();
   const kernels::ExpertShape& shared = store_.shared_shape();
   const size_t active = std::min(static_cast<size_t>(n_experts_), slots);
   const int32_t n = static_cast<int32_t>(std::min<size_t>(slots, INT32_MAX));
-  size_t routed = 0, shared_bytes = 0;
+  size_t bound = 0;
   for (int i = 0; i < prefill_.count; ++i) {
     const kernels::KernelTable& table = *prefill_.tier[i].table;
     if (table.prepared_bytes == nullptr || slots == 0) continue;
-    routed = std::max(routed, table.prepared_bytes(shape, n) + active * (table.prepared_bytes(shape, 1) + 64));
-    if (shared.d_ff > 0 && tokens > 0) shared_bytes = std::max(shared_bytes, table.prepared_bytes(shared, tokens) + 64);
+    for (const kernels::Phase phase : {kernels::Phase::kGateUp, kernels::Phase::kDown}) {
+      size_t bytes = table.prepared_bytes(shape, phase, n) + active * (table.prepared_bytes(shape, phase, 1) + 64);
+      if (shared.d_ff > 0 && tokens > 0) bytes += table.prepared_bytes(shared, phase, tokens) + 64;
+      bound = std::max(bound, bytes);
+    }
   }
-  return routed + shared_bytes;
+  return bound;
 }
 
-void Engine::prepare_down_inputs(const InferArgs& a, int threads) {
+void Engine::prepare_inputs(kernels::Phase phase, const InferArgs& a, int threads, bool routed, bool shared) {
   const kernels::ExpertShape& shape = store_.shape();
   const kernels::ExpertShape& shared_shape = store_.shared_shape();
   const bool has_shared = store_.shared_gate_up(a.layer) != nullptr;
+  const bool up = phase == kernels::Phase::kGateUp;
   const size_t ldh = static_cast<size_t>(round_up(shape.d_ff, 16));
   const size_t ldh_s = static_cast<size_t>(round_up(shared_shape.d_ff, 16));
   size_t total = 0;
   prepare_jobs_.clear();
   auto plan = [&](int32_t active, const kernels::KernelTable& table, const kernels::ExpertShape& s, int32_t n) {
-    const size_t bytes = table.prepared_bytes != nullptr ? table.prepared_bytes(s, n) : 0;
+    const size_t bytes = table.prepared_bytes != nullptr ? table.prepared_bytes(s, phase, n) : 0;
     if (bytes == 0) return kNotPrepared;
     const size_t offset = total;
     total += (bytes + 63) / 64 * 64;
     prepare_jobs_.push_back({active, offset});
     return offset;
   };
-  shared_prepared_offset_ = has_shared ? plan(-1, table_for(a.n_tokens), shared_shape, a.n_tokens) : kNotPrepared;
+  shared_prepared_offset_ =
+      has_shared && shared ? plan(-1, table_for(a.n_tokens), shared_shape, a.n_tokens) : kNotPrepared;
   for (size_t i = 0; i < active_experts_.size(); ++i) {
     const int32_t e = active_experts_[i];
     const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - expert_offsets_[static_cast<size_t>(e)];
-    prepared_offset_[i] = plan(static_cast<int32_t>(i), table_for(n), shape, n);
+    prepared_offset_[i] = routed ? plan(static_cast<int32_t>(i), table_for(n), shape, n) : kNotPrepared;
   }
   if (prepare_jobs_.empty()) return;
   if (prepared_.size() < total) prepared_.resize(total);
+  const size_t D = static_cast<size_t>(shape.d_model);
   pool_.parallel_for(static_cast<int64_t>(prepare_jobs_.size()), threads, [&](int64_t item, int /*thread*/) {
     const PrepareJob& job = prepare_jobs_[static_cast<size_t>(item)];
     uint8_t* out = prepared_.data() + job.offset;
     if (job.active < 0) {
-      table_for(a.n_tokens).prepare_down(shared_shape, shared_hidden_.data(), ldh_s, a.n_tokens, out);
+      if (up) {
+        table_for(a.n_tokens).prepare(shared_shape, phase, a.input, D, nullptr, a.n_tokens, out);
+      } else {
+        table_for(a.n_tokens).prepare(shared_shape, phase, shared_hidden_.data(), ldh_s, nullptr, a.n_tokens, out);
+      }
       return;
     }
     const int32_t e = active_experts_[static_cast<size_t>(job.active)];
     const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
     const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
-    table_for(n).prepare_down(shape, hidden_.data() + static_cast<size_t>(begin) * ldh, ldh, n, out);
+    if (up) {
+      table_for(n).prepare(shape, phase, a.input, D, slot_token_.data() + begin, n, out);
+    } else {
+      table_for(n).prepare(shape, phase, hidden_.data() + static_cast<size_t>(begin) * ldh, ldh, nullptr, n, out);
+    }
   });
 }
 
@@ -344,30 +359,49 @@ void Engine::run_locked(const InferArgs& a) {
   for (size_t i = 0; i < active_experts_.size(); ++i) {
     for (int32_t f = 0; f < F; f += f_rows) phase1_items_.push_back({static_cast<int32_t>(i), f});
   }
+  // The gathered inputs in each table's own layout, once per expert, where
+  // an expert spans more than one item (else its one item converts them).
+  prepare_inputs(kernels::Phase::kGateUp, a, threads, F > f_rows, Fs > f_rows);
   pool_.parallel_for(static_cast<int64_t>(phase1_items_.size()), threads, [&](int64_t item, int thread) {
     const kernels::ScratchScope scope(&kernel_scratch_[static_cast<size_t>(thread)]);
     const Phase1Item& it = phase1_items_[static_cast<size_t>(item)];
     if (it.active < 0) {
-      table_for(a.n_tokens).gate_up(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(),
-                                    a.n_tokens, it.f_begin, std::min(Fs, it.f_begin + f_rows),
-                                    shared_hidden_.data(), ldh_s);
+      const kernels::KernelTable& table = table_for(a.n_tokens);
+      const int32_t f_end = std::min(Fs, it.f_begin + f_rows);
+      if (shared_prepared_offset_ != kNotPrepared) {
+        table.gate_up_prepared(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(),
+                               prepared_.data() + shared_prepared_offset_, a.n_tokens, it.f_begin, f_end,
+                               shared_hidden_.data(), ldh_s);
+      } else {
+        table.gate_up(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(), a.n_tokens,
+                      it.f_begin, f_end, shared_hidden_.data(), ldh_s);
+      }
       return;
     }
     const int32_t e = active_experts_[static_cast<size_t>(it.active)];
     const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
     const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
-    table_for(n).gate_up(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
-              slot_token_.data() + begin, n, it.f_begin, std::min(F, it.f_begin + f_rows),
-              hidden_.data() + static_cast<size_t>(begin) * ldh, ldh);
+    const kernels::KernelTable& table = table_for(n);
+    const int32_t f_end = std::min(F, it.f_begin + f_rows);
+    float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
+    if (prepared_offset_[static_cast<size_t>(it.active)] != kNotPrepared) {
+      table.gate_up_prepared(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
+                             slot_token_.data() + begin, prepared_.data() + prepared_offset_[static_cast<size_t>(it.active)],
+                             n, it.f_begin, f_end, h, ldh);
+    } else {
+      table.gate_up(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D), slot_token_.data() + begin,
+                    n, it.f_begin, f_end, h, ldh);
+    }
   });
 
-  // Phase 2's inputs in each table's own layout, once per expert rather
-  // than once per row block.
-  prepare_down_inputs(a, threads);
+  // Phase 2's inputs likewise; phase 2 runs every expert in every row
+  // block, so whenever there is more than one block.
+  const int32_t d_rows = coarse ? std::min(D, round_up((D + 2 * threads - 1) / (2 * threads), 16))
+                                : rows_per_item(D, threads, D);
+  const bool several_blocks = d_rows < D;
+  prepare_inputs(kernels::Phase::kDown, a, threads, several_blocks, several_blocks);
 
   // Phase 2: blocks of d_model rows, every active expert in ascending order.
-  int32_t d_rows = rows_per_item(D, threads, D);
-  if (coarse) d_rows = std::min(D, round_up((D + 2 * threads - 1) / (2 * threads), 16));
   const int64_t d_items = (D + d_rows - 1) / d_rows;
   pool_.parallel_for(d_items, threads, [&](int64_t item, int thread) {
     const kernels::ScratchScope scope(&kernel_scratch_[static_cast<size_t>(thread)]);

@@ -92,11 +92,13 @@ class Engine {
   void check_layer(int32_t layer) const;
   void reserve_tokens_locked(int32_t tokens);
   void reserve_kernel_scratch(int32_t tokens);
-  // Bytes of phase 2's prepared inputs for `slots` routed slots over any
-  // number of active experts, plus the shared expert's for `tokens` tokens.
+  // Bytes of either phase's prepared inputs for `slots` routed slots over
+  // any number of active experts, plus the shared expert's for `tokens`.
   size_t prepared_bound(size_t slots, int32_t tokens) const;
-  // Plans and runs the preparation of phase 2's inputs (run_locked).
-  void prepare_down_inputs(const InferArgs& a, int threads);
+  // Plans and runs the preparation of a phase's inputs (kernels::PrepareFn)
+  // for the routed experts and/or the shared expert; sets prepared_offset_
+  // and shared_prepared_offset_ (kNotPrepared where not prepared).
+  void prepare_inputs(kernels::Phase phase, const InferArgs& a, int threads, bool routed, bool shared);
 
   const ExpertStore& store_;
   int32_t n_layers_;
@@ -117,9 +119,10 @@ class Engine {
   std::vector<float> slot_weight_;       // [slots]
   std::vector<int32_t> active_experts_;  // experts with at least one slot, ascending
   std::vector<Phase1Item> phase1_items_;
-  // Phase 2's inputs prepared by the experts' tables (kernels::PreparedBytesFn):
-  // one region per job, at prepared_offset_[active index] (kNotPrepared:
-  // the table's down converts h itself) or shared_prepared_offset_.
+  // A phase's inputs prepared by the experts' tables (kernels::PrepareFn),
+  // for the phase running: one region per job, at prepared_offset_[active
+  // index] (kNotPrepared: the kernel converts them itself) or
+  // shared_prepared_offset_.
   struct PrepareJob {
     int32_t active;  // index into active_experts_; -1 = the shared expert
     size_t offset;
