@@ -384,10 +384,11 @@ void Engine::run_locked(const InferArgs& a) {
     const kernels::KernelTable& table = table_for(n);
     const int32_t f_end = std::min(F, it.f_begin + f_rows);
     float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
-    if (prepared_offset_[static_cast<size_t>(it.active)] != kNotPrepared) {
+    const size_t prepared_at = prepared_offset_[static_cast<size_t>(it.active)];
+    if (prepared_at != kNotPrepared) {
       table.gate_up_prepared(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
-                             slot_token_.data() + begin, prepared_.data() + prepared_offset_[static_cast<size_t>(it.active)],
-                             n, it.f_begin, f_end, h, ldh);
+                             slot_token_.data() + begin, prepared_.data() + prepared_at, n, it.f_begin, f_end, h,
+                             ldh);
     } else {
       table.gate_up(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D), slot_token_.data() + begin,
                     n, it.f_begin, f_end, h, ldh);
