@@ -431,6 +431,8 @@ constexpr int32_t kMaxGroupUnits = 8;
 // at 32 steps (128 KiB of panels) they stay in L2 next to the activations,
 // where a whole Mixtral row (128-448 steps) would take 0.5-1.8 MiB.
 constexpr int32_t kSplitChunkSteps = 32;
+// Accumulators of one tile_gemm pass: four 16x16 fp32 tiles.
+constexpr size_t kPassAccBytes = 4 * 256 * sizeof(float);
 
 // Per-call geometry and the thread's buffers.
 struct Plan {
@@ -455,7 +457,6 @@ void plan_geometry(int32_t K, int32_t n, int32_t units, bool split, Plan* p) {
   p->nb = (n + kTile - 1) / kTile;
   p->passes = (p->nb + 1) / 2;
   const size_t step_bytes = static_cast<size_t>(p->nb) * p->pieces * kTileElems * 2;
-  const size_t pass_acc = 4 * 256 * sizeof(float);
   p->CS = p->S;
   p->RG = 1;
   const int32_t max_chunk = split ? kSplitChunkSteps : p->S;
@@ -463,7 +464,7 @@ void plan_geometry(int32_t K, int32_t n, int32_t units, bool split, Plan* p) {
     const size_t fit = kActChunkBytes / step_bytes;
     p->CS = min_i32(p->S, fit < static_cast<size_t>(kMinChunkSteps) ? kMinChunkSteps : static_cast<int32_t>(fit));
     p->CS = min_i32(p->CS, max_chunk);
-    const size_t rg = kAccBytes / (static_cast<size_t>(p->passes) * pass_acc);
+    const size_t rg = kAccBytes / (static_cast<size_t>(p->passes) * kPassAccBytes);
     p->RG = rg < 1 ? 1 : rg > static_cast<size_t>(kMaxGroupUnits) ? kMaxGroupUnits : static_cast<int32_t>(rg);
     p->RG = min_i32(p->RG, units);
   }
@@ -484,8 +485,7 @@ bool make_plan(int32_t K, int32_t n, int32_t units, bool split, bool own_activat
   }
   const size_t panels = split ? 4 : 2;
   p->panel = static_cast<uint16_t*>(scratch->get(kPanelSlot, panels * kTile * p->CS * kKStep * 2));
-  const size_t pass_acc = 4 * 256 * sizeof(float);
-  p->acc = static_cast<float*>(scratch->get(kAccSlot, static_cast<size_t>(p->RG) * p->passes * pass_acc));
+  p->acc = static_cast<float*>(scratch->get(kAccSlot, static_cast<size_t>(p->RG) * p->passes * kPassAccBytes));
   return p->panel != nullptr && p->acc != nullptr;
 }
 
