@@ -98,32 +98,44 @@ const ExpertWeights& expert_weights(const ExpertShape& s) {
   return it->second;
 }
 
-void run_expert(benchmark::State& state, const KernelTable* table, WeightType t, int32_t D, int32_t F) {
-  const int32_t n = static_cast<int32_t>(state.range(0));
-  const ExpertShape s = colibri::kernels::make_expert_shape(D, F, t);
-  const ExpertWeights& weights = expert_weights(s);
-  const uint8_t* gate_up = weights.gate_up.get();
-  const uint8_t* down = weights.down.get();
-  std::mt19937 rng(43);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  // Tokens gathered from a larger call, as the engine does.
-  const int32_t call_tokens = 4 * n;
-  std::vector<float> x(static_cast<size_t>(call_tokens) * D), y(static_cast<size_t>(call_tokens) * D, 0.0f);
-  for (float& v : x) v = dist(rng);
-  std::vector<int32_t> index(static_cast<size_t>(n));
-  for (int32_t i = 0; i < n; ++i) index[static_cast<size_t>(i)] = 4 * i + 1;
-  std::vector<float> weight(static_cast<size_t>(n), 0.5f);
-  const size_t ldh = (static_cast<size_t>(F) + 15) / 16 * 16;
-  std::vector<float> h(static_cast<size_t>(n) * ldh);
-  for (auto _ : state) {
-    table->gate_up(s, gate_up, x.data(), static_cast<size_t>(D), index.data(), n, 0, F, h.data(), ldh);
-    table->down(s, down, h.data(), ldh, index.data(), weight.data(), n, 0, D, y.data(),
-                static_cast<size_t>(D));
+// One iteration's work: phase 1 over all d_ff rows, then phase 2 over all
+// d_model rows, for n tokens gathered from a larger call (as the engine
+// does), on the shape's cached weights.
+struct ExpertCall {
+  ExpertCall(WeightType t, int32_t D, int32_t F, int32_t tokens)
+      : s(colibri::kernels::make_expert_shape(D, F, t)), weights(expert_weights(s)), n(tokens) {
+    std::mt19937 rng(43);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    const size_t call_tokens = 4 * static_cast<size_t>(n);
+    x.resize(call_tokens * static_cast<size_t>(D));
+    for (float& v : x) v = dist(rng);
+    y.assign(call_tokens * static_cast<size_t>(D), 0.0f);
+    index.resize(static_cast<size_t>(n));
+    for (int32_t i = 0; i < n; ++i) index[static_cast<size_t>(i)] = 4 * i + 1;
+    weight.assign(static_cast<size_t>(n), 0.5f);
+    h.resize(static_cast<size_t>(n) * ldh());
+  }
+  size_t ldh() const { return (static_cast<size_t>(s.d_ff) + 15) / 16 * 16; }
+  double flops() const { return 6.0 * s.d_model * s.d_ff * n; }
+  void run(const KernelTable& table) {
+    const size_t D = static_cast<size_t>(s.d_model);
+    table.gate_up(s, weights.gate_up.get(), x.data(), D, index.data(), n, 0, s.d_ff, h.data(), ldh());
+    table.down(s, weights.down.get(), h.data(), ldh(), index.data(), weight.data(), n, 0, s.d_model, y.data(), D);
     benchmark::ClobberMemory();
   }
-  const double flops = 6.0 * D * F * n;
+
+  ExpertShape s;
+  const ExpertWeights& weights;
+  int32_t n;
+  std::vector<float> x, y, weight, h;
+  std::vector<int32_t> index;
+};
+
+void run_expert(benchmark::State& state, const KernelTable* table, WeightType t, int32_t D, int32_t F) {
+  ExpertCall call(t, D, F, static_cast<int32_t>(state.range(0)));
+  for (auto _ : state) call.run(*table);
   state.counters["GFLOP/s"] =
-      benchmark::Counter(flops * 1e-9 * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+      benchmark::Counter(call.flops() * 1e-9 * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
 }
 
 #if defined(COLIBRI_PROBE_X86)
@@ -147,42 +159,27 @@ Ceiling ceiling_for(const KernelTable& table) {
 volatile float g_sink;
 
 void run_paired(benchmark::State& state, const KernelTable* table, WeightType t, int32_t D, int32_t F) {
-  const int32_t n = static_cast<int32_t>(state.range(0));
-  const ExpertShape s = colibri::kernels::make_expert_shape(D, F, t);
-  const ExpertWeights& weights = expert_weights(s);
-  std::mt19937 rng(43);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(n) * D), y(static_cast<size_t>(n) * D, 0.0f);
-  for (float& v : x) v = dist(rng);
-  std::vector<int32_t> index(static_cast<size_t>(n));
-  for (int32_t i = 0; i < n; ++i) index[static_cast<size_t>(i)] = i;
-  std::vector<float> weight(static_cast<size_t>(n), 0.5f);
-  const size_t ldh = (static_cast<size_t>(F) + 15) / 16 * 16;
-  std::vector<float> h(static_cast<size_t>(n) * ldh);
+  ExpertCall call(t, D, F, static_cast<int32_t>(state.range(0)));
   const Ceiling c = ceiling_for(*table);
   if (c.loop == colibri_probe::amx_bf16_dot && !colibri_probe::amx_enable()) {
     state.SkipWithError("no tile state");
     return;
   }
   using Clock = std::chrono::steady_clock;
-  const double flops = 6.0 * D * F * n;
   uint64_t loop_iters = 1 << 12;
   std::vector<double> ratios, kernel_rates, peak_rates;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    table->gate_up(s, weights.gate_up.get(), x.data(), static_cast<size_t>(D), index.data(), n, 0, F, h.data(), ldh);
-    table->down(s, weights.down.get(), h.data(), ldh, index.data(), weight.data(), n, 0, D, y.data(),
-                static_cast<size_t>(D));
-    benchmark::ClobberMemory();
+    call.run(*table);
     const auto t1 = Clock::now();
     g_sink = c.loop(loop_iters);
     const auto t2 = Clock::now();
     const double kernel_s = std::chrono::duration<double>(t1 - t0).count();
     const double loop_s = std::chrono::duration<double>(t2 - t1).count();
     const double peak = c.flop_per_iter * static_cast<double>(loop_iters) / loop_s / c.products;
-    kernel_rates.push_back(flops / kernel_s);
+    kernel_rates.push_back(call.flops() / kernel_s);
     peak_rates.push_back(peak);
-    ratios.push_back(flops / kernel_s / peak);
+    ratios.push_back(call.flops() / kernel_s / peak);
     // Next loop about as long as this kernel call.
     const double want = static_cast<double>(loop_iters) * kernel_s / loop_s;
     loop_iters = static_cast<uint64_t>(std::max(256.0, std::min(want, 1e9)));

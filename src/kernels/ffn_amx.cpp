@@ -592,6 +592,17 @@ void pack_all(const Plan& pl, const float* base, size_t ld, const int32_t* token
   }
 }
 
+// The call's activations: the prepared ones (KernelTable::prepare, the same
+// layout; only read by the tile loads), or packed here into the plan's own.
+void use_activations(Plan* pl, const void* prepared, const float* base, size_t ld, const int32_t* token_index,
+                     int32_t n, int32_t K) {
+  if (prepared != nullptr) {
+    pl->act = static_cast<uint16_t*>(const_cast<void*>(prepared));
+  } else {
+    pack_all(*pl, base, ld, token_index, n, K);
+  }
+}
+
 // Phase 1: unit u = f rows [f_begin + 16u, +16): the gate and up panels.
 // Row 2f is gate row f, row 2f+1 up row f, so gate rows are every other
 // row and a unit's gate and up rows are 2*valid consecutive rows.
@@ -684,11 +695,7 @@ void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const 
     return;
   }
   configure_tiles();
-  if (prepared != nullptr) {
-    pl.act = static_cast<uint16_t*>(const_cast<void*>(prepared));
-  } else {
-    pack_all(pl, x, ldx, token_index, n, s.d_model);
-  }
+  use_activations(&pl, prepared, x, ldx, token_index, n, s.d_model);
   const size_t elem = elem_size(s.weight_type);
   GateUpPhase ph{static_cast<const char*>(gate_up), s.gate_up_stride * elem, s.gate_up_stride, s.weight_type,
                  s.d_model, f_begin, f_end, n, h, ldh};
@@ -710,11 +717,7 @@ void down_tiles(bool split, const ExpertShape& s, const void* down, const float*
     return;
   }
   configure_tiles();
-  if (prepared != nullptr) {
-    pl.act = static_cast<uint16_t*>(const_cast<void*>(prepared));
-  } else {
-    pack_all(pl, h, ldh, nullptr, n, s.d_ff);
-  }
+  use_activations(&pl, prepared, h, ldh, nullptr, n, s.d_ff);
   const size_t elem = elem_size(s.weight_type);
   DownPhase ph{static_cast<const char*>(down), s.down_stride * elem, s.down_stride, s.weight_type, s.d_ff, d_begin,
                d_end, n, token_index, weight, y, ldy};
@@ -763,16 +766,6 @@ bool reserve_tiles(bool split, const ExpertShape& s, int32_t max_tokens, int32_t
   return true;
 }
 
-void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
-                 int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
-  gate_up_tiles(false, s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
-}
-
-void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-              const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
-  down_tiles(false, s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
-}
-
 size_t prepared_bytes_amx(const ExpertShape& s, Phase phase, int32_t n) {
   return prepared_bytes_tiles(false, s, phase, n);
 }
@@ -782,6 +775,7 @@ void prepare_amx(const ExpertShape& s, Phase phase, const float* act, size_t ld,
   prepare_tiles(false, s, phase, act, ld, token_index, n, out);
 }
 
+// `prepared` may be null (the plain entries below).
 void gate_up_prepared_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                           const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin, int32_t f_end,
                           float* h, size_t ldh) {
@@ -794,6 +788,16 @@ void down_prepared_amx(const ExpertShape& s, const void* down, const float* h, s
   down_tiles(false, s, down, h, ldh, prepared, token_index, weight, n, d_begin, d_end, y, ldy);
 }
 
+void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
+                 int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+  gate_up_prepared_amx(s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
+}
+
+void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
+              const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+  down_prepared_amx(s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
+}
+
 bool reserve_amx(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
   return reserve_tiles(false, s, max_tokens, max_rows, scratch);
 }
@@ -801,24 +805,6 @@ bool reserve_amx(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, Ker
 // The split table takes f16 weights only (its panels split f16); anything
 // else goes to the fp32 kernels, whose precision it matches, and which
 // prepare nothing.
-void gate_up_split(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
-                   int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
-  if (s.weight_type != WeightType::kF16) {
-    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
-    return;
-  }
-  gate_up_tiles(true, s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
-}
-
-void down_split(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-                const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
-  if (s.weight_type != WeightType::kF16) {
-    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
-    return;
-  }
-  down_tiles(true, s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
-}
-
 size_t prepared_bytes_split(const ExpertShape& s, Phase phase, int32_t n) {
   return s.weight_type == WeightType::kF16 ? prepared_bytes_tiles(true, s, phase, n) : 0;
 }
@@ -828,6 +814,7 @@ void prepare_split(const ExpertShape& s, Phase phase, const float* act, size_t l
   if (s.weight_type == WeightType::kF16) prepare_tiles(true, s, phase, act, ld, token_index, n, out);
 }
 
+// `prepared` may be null (the plain entries below).
 void gate_up_prepared_split(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                             const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin,
                             int32_t f_end, float* h, size_t ldh) {
@@ -846,6 +833,16 @@ void down_prepared_split(const ExpertShape& s, const void* down, const float* h,
     return;
   }
   down_tiles(true, s, down, h, ldh, prepared, token_index, weight, n, d_begin, d_end, y, ldy);
+}
+
+void gate_up_split(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
+                   int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+  gate_up_prepared_split(s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
+}
+
+void down_split(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
+                const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+  down_prepared_split(s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
 }
 
 bool reserve_split(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {

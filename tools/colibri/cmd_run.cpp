@@ -169,17 +169,13 @@ BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
       if (s.swapper != nullptr) s.swapper->request_done();
       return dt;
     };
-    double dt = 0, dt_compare = 0;
-    if (s.compare_threads > 0 && (it & 1) != 0) {
-      dt_compare = timed_call(s.compare_threads);
-      dt = timed_call(s.threads);
-    } else {
-      dt = timed_call(s.threads);
-      if (s.compare_threads > 0) dt_compare = timed_call(s.compare_threads);
-    }
+    const bool compare = s.compare_threads > 0, compare_first = compare && (it & 1) != 0;
+    double dt_compare = compare_first ? timed_call(s.compare_threads) : 0;
+    const double dt = timed_call(s.threads);
+    if (compare && !compare_first) dt_compare = timed_call(s.compare_threads);
     if (it >= 0) {
       seconds.push_back(dt);
-      if (s.compare_threads > 0) {
+      if (compare) {
         compare_seconds.push_back(dt_compare);
         ratios.push_back(dt_compare / dt);
       }
@@ -192,8 +188,7 @@ BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
   r.latency = summarize(seconds);
   if (s.compare_threads > 0) {
     r.compare_latency = summarize(compare_seconds);
-    std::sort(ratios.begin(), ratios.end());
-    r.pair_speedup = ratios[ratios.size() / 2];
+    r.pair_speedup = summarize(ratios).p50_ms / 1e3;  // the same median as the latencies' (ratios, not seconds)
   }
   r.bytes_per_call = bytes / s.iters;
   r.flop_per_call = flop / s.iters;
