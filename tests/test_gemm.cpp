@@ -186,28 +186,41 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
   // f16 weights: token lanes, then the fp32-grade AMX split table where
   // AMX is usable, else the panel GEMM; never the bf16-rounding AMX table
   // unless asked for.
-  const colibri::kernels::PrefillTiers f16 = colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kF16, false);
-  ASSERT_EQ(f16.count, 2);
-  EXPECT_EQ(&f16.pick(f16.tier[0].min_tokens, decode), &colibri::kernels::avx512_tokens_kernels());
-  const KernelTable& f16_large = colibri::kernels::amx_available() ? colibri::kernels::amx_f16_split_kernels()
-                                                                   : colibri::kernels::avx512_gemm_kernels();
-  EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens - 1, decode), &colibri::kernels::avx512_tokens_kernels());
-  EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens, decode), &f16_large);
-  EXPECT_EQ(&f16.pick(100000, decode), &f16_large);
-  const colibri::kernels::PrefillTiers f16_bf16 =
-      colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kF16, true);
-  if (colibri::kernels::amx_available()) {
-    ASSERT_EQ(f16_bf16.count, 1);
-    EXPECT_STREQ(f16_bf16.tier[0].table->name, "amx-bf16");
-  }
+  // The AMX level (only where the tiles may run) is the only one that
+  // hands experts to the AMX tables; asking for it elsewhere falls back.
+  const bool amx = colibri::kernels::isa_supported(Isa::kAmx);
+  EXPECT_EQ(amx, colibri::kernels::amx_available());
+  for (const Isa level : {Isa::kAvx512, Isa::kAmx}) {
+    SCOPED_TRACE(colibri::kernels::isa_name(level));
+    const bool tiles = level == Isa::kAmx && amx;
+    const colibri::kernels::PrefillTiers f16 = colibri::kernels::prefill_tiers_for(level, WeightType::kF16, false);
+    ASSERT_EQ(f16.count, 2);
+    EXPECT_EQ(&f16.pick(f16.tier[0].min_tokens, decode), &colibri::kernels::avx512_tokens_kernels());
+    const KernelTable& f16_large =
+        tiles ? colibri::kernels::amx_f16_split_kernels() : colibri::kernels::avx512_gemm_kernels();
+    EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens - 1, decode), &colibri::kernels::avx512_tokens_kernels());
+    EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens, decode), &f16_large);
+    EXPECT_EQ(&f16.pick(100000, decode), &f16_large);
 
-  const colibri::kernels::PrefillTiers bf16 =
-      colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kBF16, false);
-  if (colibri::kernels::amx_available()) {
-    ASSERT_EQ(bf16.count, 1);
-    EXPECT_STREQ(bf16.tier[0].table->name, "amx-bf16");
+    const colibri::kernels::PrefillTiers f16_bf16 = colibri::kernels::prefill_tiers_for(level, WeightType::kF16, true);
+    const colibri::kernels::PrefillTiers bf16 = colibri::kernels::prefill_tiers_for(level, WeightType::kBF16, false);
+    if (tiles) {
+      ASSERT_EQ(f16_bf16.count, 1);
+      EXPECT_STREQ(f16_bf16.tier[0].table->name, "amx-bf16");
+      ASSERT_EQ(bf16.count, 1);
+      EXPECT_STREQ(bf16.tier[0].table->name, "amx-bf16");
+    } else {
+      // bf16_compute without tiles keeps the fp32 prefill tables.
+      ASSERT_EQ(f16_bf16.count, 2);
+      EXPECT_EQ(f16_bf16.tier[1].table, &colibri::kernels::avx512_gemm_kernels());
+      // bf16 weights without tiles: the bf16 dot-product decode kernels only
+      // (where AVX512_BF16 exists).
+      if (colibri::kernels::cpu_has_avx512_bf16()) {
+        EXPECT_EQ(bf16.count, 0);
+      }
+    }
+    for (int i = 0; i < bf16.count; ++i) EXPECT_STRNE(bf16.tier[i].table->name, "avx512-tokens");
   }
-  for (int i = 0; i < bf16.count; ++i) EXPECT_STRNE(bf16.tier[i].table->name, "avx512-tokens");
 
   // Below AVX-512 there are no prefill tables at all.
   EXPECT_EQ(colibri::kernels::prefill_tiers_for(Isa::kAvx2, WeightType::kF16, false).count, 0);

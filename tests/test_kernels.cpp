@@ -21,13 +21,14 @@
 #include <string>
 #include <vector>
 
+#include "kernels/amx.h"
 #include "kernels/kernels.h"
 #include "util/half.h"
 
 namespace colibri::kernels {
 namespace {
 
-constexpr Isa kAllIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512};
+constexpr Isa kAllIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx};
 constexpr WeightType kAllTypes[] = {WeightType::kF32, WeightType::kF16, WeightType::kBF16};
 
 // A kernel table under test: each ISA level's fp32 table, and the
@@ -530,7 +531,12 @@ TEST(IsaTest, DetectionIsConsistent) {
   EXPECT_TRUE(isa_supported(detected));
   for (Isa isa : kAllIsas) EXPECT_EQ(isa_supported(isa), isa <= detected) << isa_name(isa);
   if (cpu_has_avx512_bf16()) {
-    EXPECT_EQ(detected, Isa::kAvx512);
+    EXPECT_GE(detected, Isa::kAvx512);
+  }
+  // The AMX level is exactly "AVX-512 and the tiles may run".
+  EXPECT_EQ(detected == Isa::kAmx, colibri::kernels::amx_available());
+  if (detected == Isa::kAmx) {
+    EXPECT_TRUE(cpu_has_avx512_bf16());
   }
 }
 
@@ -562,13 +568,24 @@ TEST(IsaTest, ParseAndName) {
   EXPECT_STREQ(isa_name(Isa::kScalar), "scalar");
   EXPECT_STREQ(isa_name(Isa::kAvx2), "avx2");
   EXPECT_STREQ(isa_name(Isa::kAvx512), "avx512");
+  EXPECT_STREQ(isa_name(Isa::kAmx), "amx");
+  EXPECT_TRUE(parse_isa("AMX", &out));
+  EXPECT_EQ(out, Isa::kAmx);
+}
+
+// The decode table a level gets: the highest vector level at or below it
+// (the AMX level decodes with the AVX-512 kernels; its tiles are prefill's).
+Isa expected_decode_isa(Isa isa) {
+  const Isa level = std::min(isa, detect_isa());
+  return std::min(level, Isa::kAvx512);
 }
 
 TEST(IsaTest, KernelTableFallsBack) {
   const Isa detected = detect_isa();
   for (Isa isa : kAllIsas) {
     const KernelTable& k = kernel_table(isa);
-    EXPECT_EQ(k.isa, std::min(isa, detected)) << isa_name(isa);
+    EXPECT_EQ(k.isa, expected_decode_isa(isa)) << isa_name(isa);
+    EXPECT_LE(k.isa, detected);
     EXPECT_STREQ(k.name, isa_name(k.isa));
     EXPECT_NE(k.gate_up, nullptr);
     EXPECT_NE(k.down, nullptr);
@@ -587,10 +604,11 @@ TEST(IsaTest, KernelTableForWeightType) {
   for (Isa isa : kAllIsas) {
     for (WeightType t : kAllTypes) {
       const KernelTable& k = kernel_table_for(isa, t);
-      EXPECT_EQ(k.isa, std::min(isa, detected)) << isa_name(isa) << " " << type_name(t);
+      EXPECT_EQ(k.isa, expected_decode_isa(isa)) << isa_name(isa) << " " << type_name(t);
+      EXPECT_LE(k.isa, detected);
       EXPECT_EQ(&kernel_table_for(isa, t, Precision::kFp32), &kernel_table(isa))
           << isa_name(isa) << " " << type_name(t);
-      const bool bf16_table = t == WeightType::kBF16 && isa == Isa::kAvx512 && cpu_has_avx512_bf16();
+      const bool bf16_table = t == WeightType::kBF16 && isa >= Isa::kAvx512 && cpu_has_avx512_bf16();
       if (bf16_table) {
         EXPECT_STREQ(k.name, "avx512-bf16");
         EXPECT_NE(&k, &kernel_table(isa));

@@ -25,14 +25,14 @@ namespace colibri::kernels {
 bool amx_available();
 
 #if defined(COLIBRI_HAVE_X86_KERNELS)
-// Table "amx-bf16" (isa kAvx512), for f32, f16 and bf16 weights. Its kernels
+// Table "amx-bf16" (isa kAmx), for f32, f16 and bf16 weights. Its kernels
 // may only run when amx_available() returned true. Each call loads its tile
 // configuration and releases the tiles before it returns, so other AMX code
 // on the same thread (oneDNN's, under PyTorch) neither disturbs it nor is
 // disturbed.
 const KernelTable& amx_bf16_kernels();
 
-// Table "amx-f16-split" (isa kAvx512): f16 weights at fp32-grade precision on
+// Table "amx-f16-split" (isa kAmx): f16 weights at fp32-grade precision on
 // the bf16 tiles. Each weight is split into two bf16 parts (hi = bf16(w), lo
 // = w - hi, both exact) and each activation into three (x1 = bf16(x), x2 =
 // bf16(x - x1), x3 = x - x1 - x2, exact), and five of the six products

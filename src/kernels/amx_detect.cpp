@@ -33,8 +33,10 @@ bool bit(uint32_t reg, int b) { return ((reg >> b) & 1u) != 0; }
 
 bool probe() {
   // The kernels also use AVX-512 (F/BW/VL/DQ) and AVX512_BF16 for packing
-  // and epilogues; cpu_features.cpp has already checked CPUID + XCR0 for those.
-  if (detect_isa() != Isa::kAvx512 || !cpu_has_avx512_bf16()) return false;
+  // and epilogues; cpu_features.cpp has already checked CPUID + XCR0 for
+  // those (cpu_has_avx512_bf16() implies the AVX-512 level). Not
+  // detect_isa(): that one asks this function whether to report kAmx.
+  if (!cpu_has_avx512_bf16()) return false;
   uint32_t eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !bit(ecx, 27)) return false;  // OSXSAVE
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;

@@ -5,6 +5,7 @@
 // matching register state on context switches (XCR0). A CPU with AVX-512 under
 // an OS or hypervisor that does not enable ZMM state would fault (#UD) on the
 // first AVX-512 instruction, so CPUID alone is not enough.
+#include "kernels/amx.h"
 #include "kernels/kernels.h"
 
 #if defined(COLIBRI_HAVE_X86_KERNELS) && (defined(__x86_64__) || defined(__i386__))
@@ -87,7 +88,12 @@ const CpuFeatures& features() {
 
 }  // namespace
 
-Isa detect_isa() { return features().level; }
+Isa detect_isa() {
+  // amx_available() checks only AMX itself on top of cpu_has_avx512_bf16(),
+  // never detect_isa(), so this initialisation does not recurse.
+  static const Isa isa = features().level == Isa::kAvx512 && amx_available() ? Isa::kAmx : features().level;
+  return isa;
+}
 
 bool cpu_has_avx512_bf16() { return features().avx512_bf16; }
 

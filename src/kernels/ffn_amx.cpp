@@ -852,13 +852,13 @@ bool reserve_split(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, K
 }  // namespace
 
 const KernelTable& amx_bf16_kernels() {
-  static const KernelTable table{Isa::kAvx512,      "amx-bf16",  gate_up_amx,          down_amx, reserve_amx,
+  static const KernelTable table{Isa::kAmx,         "amx-bf16",  gate_up_amx,          down_amx, reserve_amx,
                                  prepared_bytes_amx, prepare_amx, gate_up_prepared_amx, down_prepared_amx};
   return table;
 }
 
 const KernelTable& amx_f16_split_kernels() {
-  static const KernelTable table{Isa::kAvx512,        "amx-f16-split", gate_up_split,          down_split,
+  static const KernelTable table{Isa::kAmx,           "amx-f16-split", gate_up_split,          down_split,
                                  reserve_split,        prepared_bytes_split, prepare_split, gate_up_prepared_split,
                                  down_prepared_split};
   return table;

@@ -93,13 +93,15 @@ const char* isa_name(Isa isa) {
       return "avx2";
     case Isa::kAvx512:
       return "avx512";
+    case Isa::kAmx:
+      return "amx";
   }
   return "unknown";
 }
 
 bool parse_isa(const char* text, Isa* out) {
   if (text == nullptr || out == nullptr) return false;
-  static constexpr Isa kAll[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512};
+  static constexpr Isa kAll[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx};
   for (Isa isa : kAll) {
     if (equals_ignore_case(text, isa_name(isa))) {
       *out = isa;
@@ -116,6 +118,7 @@ const KernelTable& kernel_table(Isa isa) {
   const Isa level = isa < detected ? isa : detected;
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   switch (level) {
+    case Isa::kAmx:  // the tiles only serve prefill (prefill_tiers_for)
     case Isa::kAvx512:
       return avx512_kernels();
     case Isa::kAvx2:
@@ -131,7 +134,7 @@ const KernelTable& kernel_table(Isa isa) {
 
 bool bf16_compute_available(Isa isa) {
 #if defined(COLIBRI_HAVE_X86_KERNELS)
-  // cpu_has_avx512_bf16() implies detect_isa() == kAvx512, so the level
+  // cpu_has_avx512_bf16() implies detect_isa() >= kAvx512, so the level
   // check is what lets COLIBRI_ISA=avx2/scalar select the lower kernels.
   return isa >= Isa::kAvx512 && cpu_has_avx512_bf16();
 #else
@@ -156,7 +159,8 @@ PrefillTiers prefill_tiers_for(Isa isa, WeightType wt, bool bf16_compute) {
   PrefillTiers tiers;
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   if (isa < Isa::kAvx512 || !isa_supported(Isa::kAvx512)) return tiers;
-  if ((wt == WeightType::kBF16 || bf16_compute) && amx_available()) {
+  const bool amx = isa >= Isa::kAmx && isa_supported(Isa::kAmx);
+  if ((wt == WeightType::kBF16 || bf16_compute) && amx) {
     tiers.tier[tiers.count++] = {&amx_bf16_kernels(), kAmxMinTokens};
     return tiers;
   }
@@ -165,7 +169,7 @@ PrefillTiers prefill_tiers_for(Isa isa, WeightType wt, bool bf16_compute) {
   // without its accuracy being asked for.
   if (wt == WeightType::kBF16 && bf16_compute_available(isa)) return tiers;
   tiers.tier[tiers.count++] = {&avx512_tokens_kernels(), kTokensMinTokens};
-  if (wt == WeightType::kF16 && amx_available()) {
+  if (wt == WeightType::kF16 && amx) {
     tiers.tier[tiers.count++] = {&amx_f16_split_kernels(), kSplitMinTokens};
     return tiers;
   }

@@ -147,8 +147,11 @@ class ScratchScope {
 using ReserveFn = bool (*)(const ExpertShape& shape, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch);
 
 // Instruction-set levels, lowest first. A level is usable when the CPU and
-// the OS (XCR0) support it.
-enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// the OS (XCR0) support it. kAmx is kAvx512 plus the AMX tiles for prefill
+// (amx_available(): CPUID, XCR0 and Linux's permission); its decode kernels
+// are kAvx512's. Being a level of its own, COLIBRI_ISA=avx512 runs an AMX
+// machine without the tiles (benchmarks, tests of the FMA prefill tiers).
+enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
 struct KernelTable {
   Isa isa = Isa::kScalar;
@@ -166,14 +169,14 @@ struct KernelTable {
 // Highest level this CPU and OS support (CPUID + XCR0), computed once.
 Isa detect_isa();
 // AVX512_BF16 (CPUID.(7,1):EAX[5]) usable: only ever true when detect_isa()
-// is kAvx512, since the OS must also save the AVX-512 state.
+// is at least kAvx512, since the OS must also save the AVX-512 state.
 bool cpu_has_avx512_bf16();
 // detect_isa(), lowered by the COLIBRI_ISA environment variable
-// ("scalar", "avx2", "avx512") when set. Never raised above detect_isa().
+// ("scalar", "avx2", "avx512", "amx") when set. Never raised above detect_isa().
 Isa default_isa();
 bool isa_supported(Isa isa);
 const char* isa_name(Isa isa);
-// Parses "scalar" / "avx2" / "avx512"; false if unknown.
+// Parses "scalar" / "avx2" / "avx512" / "amx"; false if unknown.
 bool parse_isa(const char* text, Isa* out);
 // Kernels for `isa`; falls back to the highest supported level not above it.
 // These always compute in fp32 (weights widened exactly to f32).

@@ -445,8 +445,8 @@ void add_run_commands(CLI::App& app) {
   b->add_option("--warmup", ba->warmup, "Untimed iterations first")->check(CLI::Range(0, 1000000));
   b->add_option("--threads", ba->threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
   b->add_option("--layer", ba->layer, "Layer index")->check(CLI::NonNegativeNumber);
-  b->add_option("--isa", ba->isa, "Force a lower kernel level: scalar, avx2, avx512")
-      ->check(CLI::IsMember({"scalar", "avx2", "avx512"}));
+  b->add_option("--isa", ba->isa, "Force a lower kernel level: scalar, avx2, avx512, amx (avx512 with AMX tiles for prefill)")
+      ->check(CLI::IsMember({"scalar", "avx2", "avx512", "amx"}));
   b->add_flag("--no-verify", ba->no_verify, "Skip checksum verification at open");
   b->add_flag("--json", ba->json, "JSON output");
   b->add_option("--swap-every", ba->swap_every,
