@@ -131,11 +131,13 @@ def git_revision(root):
 # ------------------------------------------------------------ subprocesses
 
 
-def run_cmd(cmd, timeout, what):
-    """Runs cmd; returns stdout. Raises RuntimeError with stderr on failure."""
-    log("$ " + " ".join(shlex.quote(c) for c in cmd))
+def run_cmd(cmd, timeout, what, env=None):
+    """Runs cmd; returns stdout. Raises RuntimeError with stderr on failure.
+    env: variables added to this process's environment."""
+    log("$ " + " ".join(["%s=%s" % kv for kv in (env or {}).items()] + [shlex.quote(c) for c in cmd]))
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env=dict(os.environ, **env) if env else None)
     except subprocess.TimeoutExpired:
         raise RuntimeError("%s: timed out after %d s" % (what, timeout))
     if p.returncode != 0:
@@ -586,6 +588,34 @@ class Job:
         return False
 
 
+def layer_bench(exe, model, routing, isa, against, threads, iters, warmup):
+    """colibri_layer_bench: every call next to the probe loop `against`
+    (read, fma or tiles) of the same moment. routing as for colibri_bench."""
+    cmd = [exe, "--model", model, "--against", against, "--threads", str(threads),
+           "--iters", str(iters), "--warmup", str(warmup)]
+    if routing[0] == "fixed":
+        cmd += ["--routing", routing[1]]
+    else:
+        cmd += ["--tokens", "1", "--top-k", str(routing[1])]
+    return json.loads(run_cmd(cmd, 1800, "colibri_layer_bench", env={"COLIBRI_ISA": isa}))
+
+
+def same_moment_plan(isas, T, dt):
+    """(isa, against) pairs measured against the same moment's limit: decode
+    against the read loop; prefill against the peak of what it computes in
+    (f16 weights: fp32, so the FMA loop, also for the fp32-grade AMX split
+    table; bf16 weights: the tile loop where AMX runs them). The loops are
+    AVX-512 code, so nothing below that level."""
+    if "avx512" not in isas:
+        return []
+    levels = [i for i in ("avx512", "amx") if i in isas]
+    if T == 1:
+        return [(levels[-1], "read")]
+    if dt == "bf16":
+        return [("amx", "tiles")] if "amx" in levels else []
+    return [(i, "fma") for i in levels]
+
+
 def colibri_bench(colibri, model, routing, isa, threads, iters, warmup, compare_threads=0):
     """routing: ("fixed", routing.bin) or ("cycled", (k, seed)) for colibri
     bench's own random routings, a new one each call. compare_threads: also
@@ -621,10 +651,27 @@ def kernel_for_call(kernels, T, k, E):
     return chosen.lower()
 
 
+def same_moment_text(entries):
+    if not entries:
+        return []
+    out = ["Against the limit of the same moment (colibri_layer_bench: each call, then the probe's loop on as many "
+           "threads for about as long, order alternating; median of the per-call fractions, p25-p75 in brackets): "
+           "decode (T=1) as bytes of the active experts' weights per second / the read loop's rate, prefill as "
+           "FLOP per second / the FMA loop's (fma) or tile loop's (tiles) rate.", "",
+           "| shape | T | routing | weights | isa | kernel | against | p50 ms | fraction of the same moment | "
+           "limit (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        out.append("| %s | %d | %s | %s | %s | %s | %s | %.3g | %.2f (%.2f-%.2f) | %.0f %s |" % (
+            e["shape"], e["T"], e["routing"], e["weights"], e["isa"], e["kernel"], e["against"], e["p50_ms"],
+            e["fraction_median"], e["fraction_p25"], e["fraction_p75"], e["limit_median"], e["limit_unit"]))
+    return out + [""]
+
+
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     colibri = os.path.join(a.build_dir, "tools", "colibri")
     probe = os.path.join(a.build_dir, "bench", "colibri_probe")
+    layer_exe = os.path.join(a.build_dir, "bench", "colibri_layer_bench")
     for exe in (colibri, probe):
         if not os.access(exe, os.X_OK):
             sys.exit("run_suite: %s not found; build with\n  cmake -S . -B %s -DCOLIBRI_BUILD_BENCHMARKS=ON && "
@@ -665,6 +712,7 @@ def main(argv=None):
         "shapes": {},
         "rows": [],
         "scaling": [],
+        "same_moment": [],
         "errors": [],
     }
     meter = LoadMeter()
@@ -768,6 +816,38 @@ def main(argv=None):
                           colibri_bench(colibri, m, ("fixed", b), i, a.threads, a.prefill_iters, a.warmup, 1),
                           apply_one)
                 run_job(job, shape=name, T=T, dtype=dt, isa=isa, routing="fixed, threads compared")
+
+        # Each call against the limit of the same moment (colibri_layer_bench):
+        # this host's bandwidth and FMA/tile rates swing by 2-5x within
+        # seconds, so the fractions above, against probes taken minutes
+        # apart, mix two states of the machine.
+        if os.access(layer_exe, os.X_OK):
+            for kind, T in cycles:
+                for dt in a.dtype_list:
+                    for isa, against in same_moment_plan(isas, T, dt):
+                        n = a.iters if T == 1 else a.prefill_iters
+
+                        def apply_pair(j, load, kind=kind, T=T, dt=dt, isa=isa, against=against):
+                            unit = "gbytes" if against == "read" else "gflop"
+                            entry = {"shape": name, "T": T, "routing": kind, "weights": dt, "isa": isa,
+                                     "against": against, "p50_ms": j["p50_ms"], "kernels": j["kernels"],
+                                     "kernel": kernel_for_call(j["kernels"], T, k, E),
+                                     "fraction_median": j["fraction_median"], "fraction_p25": j["fraction_p25"],
+                                     "fraction_p75": j["fraction_p75"],
+                                     "limit_median": j["limit_%s_per_s_median" % unit], "limit_unit": unit + "/s",
+                                     "other_load": load}
+                            key = (name, T, kind, dt, isa, against)
+                            doc["same_moment"][:] = [e for e in doc["same_moment"] if (
+                                e["shape"], e["T"], e["routing"], e["weights"], e["isa"], e["against"]) != key] + [entry]
+                            log("  colibri %s %s %s T=%d against %s of the same moment: %.2f (%.2f-%.2f)"
+                                % (dt, isa, kind, T, against, entry["fraction_median"], entry["fraction_p25"],
+                                   entry["fraction_p75"]))
+
+                        spec = ("fixed", routes[T]["bin"]) if kind == "fixed" else ("cycled", k)
+                        job = Job("colibri %s %s %s T=%d against %s" % (dt, isa, kind, T, against),
+                                  lambda m=models[dt], s=spec, i=isa, ag=against, n=n:
+                                  layer_bench(layer_exe, m, s, i, ag, a.threads, n, a.warmup), apply_pair)
+                        run_job(job, shape=name, T=T, dtype=dt, isa=isa, routing=kind + ", same moment")
 
         # Output check: colibri infer (default ISA) on an input PyTorch also gets.
         colibri_out = {}
@@ -929,7 +1009,7 @@ def main(argv=None):
     ] + ["Thread scaling (calls at both counts back to back, median per-iteration ratio): %s %s weights, %s, T=%d: "
          "1 thread p50 %.1f ms, %d threads %.1f ms: %.2fx"
          % (e["shape"], e["weights"], e["isa"], e["T"], e["p50_ms_1_thread"], e["threads"], e["p50_ms_n_threads"],
-            e["speedup"]) for e in doc["scaling"]] + [""] + (["Errors:", ""] + ["- " + json.dumps(e) for e in doc["errors"]] + [""] if doc["errors"] else []))
+            e["speedup"]) for e in doc["scaling"]] + [""] + same_moment_text(doc["same_moment"]) + (["Errors:", ""] + ["- " + json.dumps(e) for e in doc["errors"]] + [""] if doc["errors"] else []))
     with open(os.path.join(a.out_dir, "results.md"), "w") as f:
         f.write(md)
     try:
