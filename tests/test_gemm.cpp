@@ -239,7 +239,7 @@ TEST_F(GemmKernels, PanelGemmMatchesFloat64Reference) {
 }
 
 // Token counts cover each lane layout (4 and 8 tokens per vector with pairs
-// and quads of k, 1-4 vectors; 3 vectors of 16) and groups split at 48; D and F cross
+// and quads of k, 1-5 vectors; 3 vectors of 16) and groups split at 48; D and F cross
 // the 128-k weight chunk and the row blocks' tails (rows moved back to end
 // at the range end).
 TEST_F(GemmKernels, TokenLanesMatchFloat64Reference) {
@@ -247,7 +247,7 @@ TEST_F(GemmKernels, TokenLanesMatchFloat64Reference) {
   for (WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
     for (int D : {1, 7, 33, 129, 300}) {
       for (int F : {1, 5, 17, 48, 140}) {
-        for (int n : {1, 2, 4, 5, 8, 9, 13, 16, 21, 30, 33, 40, 50, 64, 70}) {
+        for (int n : {1, 2, 4, 5, 8, 9, 13, 16, 21, 30, 33, 37, 40, 41, 50, 64, 70, 88}) {
           check_table(colibri::kernels::avx512_tokens_kernels(), wt, D, F, n, rng);
         }
       }
@@ -277,6 +277,9 @@ TEST_F(GemmKernels, TokenLanesLongKMatchesFloat64Reference) {
   check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kF16, 5, 8200, 70, rng);
   check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kBF16, 3, 11000, 40, rng);
   check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kF32, 9000, 3, 40, rng);
+  // Phase 2 in several K spans over many row blocks of the 40-token layout
+  // (5 accumulator vectors per row kept across spans).
+  check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kF16, 300, 11000, 40, rng);
 }
 #endif
 

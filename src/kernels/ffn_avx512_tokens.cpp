@@ -57,12 +57,15 @@ constexpr int kWfSlot = 1;    // widened weight chunk
 constexpr int kOutSlot = 2;   // phase 2 lane sums of one row block
 constexpr int kPartSlot = 3;  // phase 2 accumulators across K spans
 
-// Rows per register block for NV token vectors: R*NV = 24 accumulators,
-// leaving registers for NV activation vectors and the broadcast weight.
+// Rows per register block for NV token vectors: R*NV = 24 accumulators
+// (20 for NV = 5), leaving registers for NV activation vectors and the
+// broadcast weight. R is even: phase 1 pairs gate and up rows.
 template <int NV>
 constexpr int block_rows() {
-  return NV == 1 ? 24 : NV == 2 ? 12 : NV == 3 ? 8 : 6;
+  return NV == 1 ? 24 : NV == 2 ? 12 : NV == 3 ? 8 : NV == 4 ? 6 : 4;
 }
+// Most accumulator vectors per row of a block (NV = 5: 4 rows x 5).
+constexpr int kMaxVectorsPerRow = 5;
 
 
 // Token groups are laid out for P k-steps per lane group: in vector v of a
@@ -358,7 +361,8 @@ struct Int {
 
 // Calls fn(Int<NV>, Int<P>) with the layout that wastes fewest lanes for a
 // group of `count` (<= kMaxGroup) tokens: 4 tokens per vector up to 16 tokens, 8 up
-// to 32, then 16.
+// to 40, then 16. (33-40 tokens in three vectors of 16 left up to 15 of 48
+// lanes idle; Mixtral's T=128 experts get 32 on average.)
 template <typename Fn>
 void with_layout(int32_t count, Fn&& fn) {
   if (count <= 16) {
@@ -369,10 +373,11 @@ void with_layout(int32_t count, Fn&& fn) {
       default: fn(Int<4>{}, Int<4>{}); return;
     }
   }
-  if (count <= 32) {
+  if (count <= 40) {
     switch ((count + 7) / 8) {
       case 3: fn(Int<3>{}, Int<2>{}); return;
-      default: fn(Int<4>{}, Int<2>{}); return;
+      case 4: fn(Int<4>{}, Int<2>{}); return;
+      default: fn(Int<5>{}, Int<2>{}); return;
     }
   }
   fn(Int<3>{}, Int<1>{});
@@ -397,9 +402,11 @@ size_t down_xt_bytes(int32_t K16) {
 }
 
 // Accumulators of every row block of a phase 2 range: at least
-// blocks * R * NV vectors (R * NV = 24 per block of R >= 6 rows, NV per
-// single row).
-size_t part_bytes(int32_t rows) { return (static_cast<size_t>(rows) + 24) * 4 * sizeof(__m512); }
+// blocks * R * NV vectors (R * NV <= kMaxVectorsPerRow per row of a block,
+// rounded up to whole blocks of at most 24 rows; NV per single row).
+size_t part_bytes(int32_t rows) {
+  return (static_cast<size_t>(rows) + 24) * kMaxVectorsPerRow * sizeof(__m512);
+}
 
 bool reserve_tokens_kernels(const ExpertShape& s, int32_t /*max_tokens*/, int32_t max_rows, KernelScratch* scratch) {
   const int32_t Kg = (s.d_model + 15) / 16 * 16;
