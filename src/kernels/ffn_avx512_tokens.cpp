@@ -401,9 +401,9 @@ size_t down_xt_bytes(int32_t K16) {
   return static_cast<size_t>(down_k_span(K16)) * kMaxGroup * sizeof(float);
 }
 
-// Accumulators of every row block of a phase 2 range: at least
-// blocks * R * NV vectors (R * NV <= kMaxVectorsPerRow per row of a block,
-// rounded up to whole blocks of at most 24 rows; NV per single row).
+// Accumulators of every row block of a phase 2 range: blocks * R * NV
+// vectors, i.e. NV <= kMaxVectorsPerRow per row, for the rows rounded up to
+// whole blocks (of at most 24 rows); NV per row when rows are single.
 size_t part_bytes(int32_t rows) {
   return (static_cast<size_t>(rows) + 24) * kMaxVectorsPerRow * sizeof(__m512);
 }

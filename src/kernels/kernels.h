@@ -178,7 +178,8 @@ bool isa_supported(Isa isa);
 const char* isa_name(Isa isa);
 // Parses "scalar" / "avx2" / "avx512" / "amx"; false if unknown.
 bool parse_isa(const char* text, Isa* out);
-// Kernels for `isa`; falls back to the highest supported level not above it.
+// Kernels for `isa`; falls back to the highest supported level not above it
+// (kAmx decodes with the kAvx512 table).
 // These always compute in fp32 (weights widened exactly to f32).
 const KernelTable& kernel_table(Isa isa);
 
