@@ -35,9 +35,10 @@
 // several token-block passes reuse them, and interleaving the two token
 // blocks' activation tiles; K chunks of 8 or 16 steps for bf16 weights, so
 // a unit's weight tiles stay in L1 across its token-block passes (seed shape,
-// two threads, alternated call by call: 0.89x and 0.97x: the accumulator
-// tiles then go to memory and back every chunk). For the split table (no gain measured, in
-// cache or with the weights streamed from memory, 16-256 tokens): prefetching
+// two threads, alternated call by call: 0.89x and 0.97x; the accumulator
+// tiles are then stored and reloaded every chunk). For the split table (no
+// gain measured, in cache or with the weights streamed from memory, 16-256
+// tokens): prefetching
 // the next unit's f16 rows into L2 during this unit's tiles, converting the
 // next unit's panels a slice per K step between this unit's tile products
 // (double-buffered panels), and K sub-chunks sized for L1.
