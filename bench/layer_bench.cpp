@@ -159,6 +159,9 @@ Routing random_routing(int32_t tokens, int32_t k, int32_t n_experts, std::mt1993
 class Limit {
  public:
   Limit(const Options& o, Team& team) : team_(team), kind_(o.against), streams_(o.streams) {
+    // The loops are the probe's AVX-512 ones (what the kernels it is
+    // compared with run on); the OS must also save the ZMM state.
+    if (!__builtin_cpu_supports("avx512f")) throw std::runtime_error("needs AVX-512");
     const colibri_probe::Kernels k = colibri_probe::avx512_kernels();
     read_ = k.read;
     fma_ = k.fma;
@@ -179,7 +182,9 @@ class Limit {
   // Runs about `seconds` of the loop (calibrated on the previous run) and
   // returns its rate.
   double run_for(double seconds) {
-    const double amount = std::max(1.0, std::min(rate_per_amount_ * seconds, 1e12));
+    // At least 2 ms: waking the team costs tens of microseconds, which in a
+    // shorter run would show as a lower rate.
+    const double amount = std::max(1.0, std::min(rate_per_amount_ * std::max(seconds, 2e-3), 1e12));
     double rate = 0;
     if (kind_ == "read") {
       // Windows of 64 KiB per lane, walked from where the last run stopped,
