@@ -26,10 +26,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -38,6 +36,7 @@
 #include <CLI/CLI.hpp>
 
 #include "colibri.h"
+#include "common.h"
 #include "probe_kernels.h"
 #include "probe_runtime.h"
 
@@ -81,77 +80,27 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-void check(colibri_status_t s, const char* what) {
-  if (s != COLIBRI_OK) throw std::runtime_error(std::string(what) + ": " + colibri_last_error());
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-// Nearest rank, as colibri bench reports its percentiles.
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  if (v.empty()) return 0.0;
-  const size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
-  return v[std::min(v.size() - 1, rank == 0 ? 0 : rank - 1)];
-}
-
 volatile float g_sink;
 
-struct Routing {
-  int32_t tokens = 0, top_k = 0;
-  std::vector<int32_t> ids;
-  std::vector<float> weights;
-  size_t active = 0, slots = 0;  // distinct experts; (token, expert) pairs
-
-  void count() {
-    std::set<int32_t> distinct;
-    for (int32_t e : ids) {
-      if (e < 0) continue;
-      distinct.insert(e);
-      ++slots;
-    }
-    active = distinct.size();
-  }
+// A routing with the work it asks of the machine.
+struct Call {
+  colibri_cli::Routing routing;
+  colibri_cli::RoutingWork work;
 };
 
-Routing load_routing(const std::string& path, int32_t n_experts) {
-  colibri_routing_t* decoded = nullptr;
-  check(colibri_routing_load(path.c_str(), n_experts, 0, &decoded), "routing");
-  Routing r;
-  r.tokens = colibri_routing_n_tokens(decoded);
-  r.top_k = colibri_routing_top_k(decoded);
-  const size_t n = static_cast<size_t>(r.tokens) * static_cast<size_t>(r.top_k);
-  r.ids.assign(colibri_routing_expert_ids(decoded), colibri_routing_expert_ids(decoded) + n);
-  r.weights.assign(colibri_routing_expert_weights(decoded), colibri_routing_expert_weights(decoded) + n);
-  colibri_routing_free(decoded);
-  r.count();
-  return r;
-}
-
-// k distinct experts per token, weights positive and summing to 1.
-Routing random_routing(int32_t tokens, int32_t k, int32_t n_experts, std::mt19937_64& rng) {
-  Routing r;
-  r.tokens = tokens;
-  r.top_k = k;
-  std::vector<int32_t> order(static_cast<size_t>(n_experts));
-  std::uniform_real_distribution<float> u(0.1f, 1.0f);
-  for (int32_t t = 0; t < tokens; ++t) {
-    for (int32_t e = 0; e < n_experts; ++e) order[static_cast<size_t>(e)] = e;
-    float sum = 0;
-    for (int32_t j = 0; j < k; ++j) {
-      std::uniform_int_distribution<int32_t> pick(j, n_experts - 1);
-      std::swap(order[static_cast<size_t>(j)], order[static_cast<size_t>(pick(rng))]);
-      r.ids.push_back(order[static_cast<size_t>(j)]);
-      r.weights.push_back(u(rng));
-      sum += r.weights.back();
-    }
-    for (int32_t j = 0; j < k; ++j) r.weights[r.weights.size() - 1 - static_cast<size_t>(j)] /= sum;
-  }
-  r.count();
-  return r;
+Call load_call(const std::string& path, const colibri_model_info_t& info) {
+  colibri_cli::RoutingHandle decoded;
+  colibri_cli::check(colibri_routing_load(path.c_str(), info.n_experts, 0, &decoded.routing), "routing");
+  Call c;
+  const int32_t T = colibri_routing_n_tokens(decoded.routing);
+  c.routing.k = colibri_routing_top_k(decoded.routing);
+  const size_t n = static_cast<size_t>(T) * static_cast<size_t>(c.routing.k);
+  const int32_t* ids = colibri_routing_expert_ids(decoded.routing);
+  const float* weights = colibri_routing_expert_weights(decoded.routing);
+  c.routing.ids.assign(ids, ids + n);
+  c.routing.weights.assign(weights, weights + n);
+  c.work = colibri_cli::routing_work(info, T, c.routing.k, ids);
+  return c;
 }
 
 // One of the probe's loops on every member of the team, for a chosen amount
@@ -235,36 +184,34 @@ class Limit {
 };
 
 int run(const Options& o) {
-  colibri_open_options_t open;
-  colibri_open_options_default(&open);
-  open.n_threads = o.threads;
-  open.verify_checksums = 0;
-  colibri_model_t* model = nullptr;
-  check(colibri_open(o.model.c_str(), &open, &model), "open");
-  std::unique_ptr<colibri_model_t, void (*)(colibri_model_t*)> owner(model, colibri_free);
-  colibri_model_info_t info;
-  check(colibri_model_info(model, &info), "model info");
+  using colibri_cli::percentile;
+  colibri_cli::ModelHandle h;
+  colibri_cli::open_model(o.model, o.threads, false, &h);
+  const colibri_model_info_t info = colibri_cli::model_info(h);
   const int threads = info.n_threads;
 
-  std::vector<Routing> routings;
+  std::vector<Call> calls;
+  const int32_t T = o.routing.empty() ? o.tokens : 0;
   if (!o.routing.empty()) {
-    routings.push_back(load_routing(o.routing, info.n_experts));
+    calls.push_back(load_call(o.routing, info));
   } else {
     if (o.top_k > info.n_experts) throw std::runtime_error("--top-k is larger than the number of experts");
     std::mt19937_64 rng(4242);
-    for (int i = 0; i < 8; ++i) routings.push_back(random_routing(o.tokens, o.top_k, info.n_experts, rng));
+    for (int i = 0; i < 8; ++i) {
+      Call c;
+      c.routing = colibri_cli::random_routing(T, o.top_k, info.n_experts, rng);
+      c.work = colibri_cli::routing_work(info, T, o.top_k, c.routing.ids.data());
+      calls.push_back(std::move(c));
+    }
   }
-  const int32_t T = routings[0].tokens;
-  const double weight_bytes = info.dtype == COLIBRI_DTYPE_F32 ? 4 : 2;
-  const double expert_bytes = 3.0 * info.d_model * info.d_ff * weight_bytes;
-  const double slot_flop = 2.0 * 3.0 * info.d_model * info.d_ff;
+  const int32_t tokens = static_cast<int32_t>(calls[0].routing.ids.size() / static_cast<size_t>(calls[0].routing.k));
   const bool by_bytes = o.against == "read";
 
-  std::vector<float> in(static_cast<size_t>(T) * info.d_model), out(in.size());
+  std::vector<float> in(static_cast<size_t>(tokens) * info.d_model), out(in.size());
   for (size_t i = 0; i < in.size(); ++i) in[i] = std::sin(0.001f * static_cast<float>(i));
   colibri_infer_t req;
   colibri_infer_default(&req);
-  req.n_tokens = T;
+  req.n_tokens = tokens;
   req.input = in.data();
   req.output = out.data();
 
@@ -273,13 +220,13 @@ int run(const Options& o) {
   std::vector<double> call_s, rates, fractions;
   double last_call = 0.01;
   for (int it = -o.warmup; it < o.iters; ++it) {
-    const Routing& r = routings[static_cast<size_t>(it + o.warmup) % routings.size()];
-    req.top_k = r.top_k;
-    req.expert_ids = r.ids.data();
-    req.expert_weights = r.weights.data();
+    const Call& c = calls[static_cast<size_t>(it + o.warmup) % calls.size()];
+    req.top_k = c.routing.k;
+    req.expert_ids = c.routing.ids.data();
+    req.expert_weights = c.routing.weights.data();
     auto call = [&] {
       const auto t0 = Clock::now();
-      check(colibri_infer(model, &req), "infer");
+      colibri_cli::check(colibri_infer(h.model, &req), "infer");
       return std::chrono::duration<double>(Clock::now() - t0).count();
     };
     // The engine's workers spin for a moment after a call before they sleep;
@@ -299,29 +246,28 @@ int run(const Options& o) {
     if (it < 0) continue;
     call_s.push_back(dt);
     rates.push_back(rate);
-    const double work = by_bytes ? static_cast<double>(r.active) * expert_bytes : static_cast<double>(r.slots) * slot_flop;
-    fractions.push_back(work / dt / rate);
+    fractions.push_back((by_bytes ? c.work.bytes : c.work.flop) / dt / rate);
   }
 
   json doc;
   doc["model"] = o.model;
-  doc["routing"] = o.routing.empty() ? json("random, " + std::to_string(routings.size()) + " in turn") : json(o.routing);
+  doc["routing"] = o.routing.empty() ? json("random, " + std::to_string(calls.size()) + " in turn") : json(o.routing);
   doc["against"] = o.against;
   doc["threads"] = threads;
   doc["iters"] = o.iters;
-  doc["kernels"] = colibri_model_kernels(model);
-  doc["tokens"] = T;
-  doc["top_k"] = routings[0].top_k;
-  doc["bytes_per_call"] = static_cast<double>(routings[0].active) * expert_bytes;
-  doc["flop_per_call"] = static_cast<double>(routings[0].slots) * slot_flop;
-  doc["p50_ms"] = percentile(call_s, 50) * 1e3;
-  doc["p99_ms"] = percentile(call_s, 99) * 1e3;
-  doc[by_bytes ? "limit_gbytes_per_s_median" : "limit_gflop_per_s_median"] = median(rates) * 1e-9;
-  doc[by_bytes ? "limit_gbytes_per_s_max" : "limit_gflop_per_s_max"] =
-      *std::max_element(rates.begin(), rates.end()) * 1e-9;
-  doc["fraction_median"] = median(fractions);
-  doc["fraction_p25"] = percentile(fractions, 25);
-  doc["fraction_p75"] = percentile(fractions, 75);
+  doc["kernels"] = colibri_model_kernels(h.model);
+  doc["tokens"] = tokens;
+  doc["top_k"] = calls[0].routing.k;
+  doc["bytes_per_call"] = calls[0].work.bytes;
+  doc["flop_per_call"] = calls[0].work.flop;
+  doc["p50_ms"] = percentile(call_s, 0.50) * 1e3;
+  doc["p99_ms"] = percentile(call_s, 0.99) * 1e3;
+  const char* unit = by_bytes ? "gbytes" : "gflop";
+  doc[std::string("limit_") + unit + "_per_s_median"] = percentile(rates, 0.50) * 1e-9;
+  doc[std::string("limit_") + unit + "_per_s_max"] = percentile(rates, 1.0) * 1e-9;
+  doc["fraction_median"] = percentile(fractions, 0.50);
+  doc["fraction_p25"] = percentile(fractions, 0.25);
+  doc["fraction_p75"] = percentile(fractions, 0.75);
   doc["sink"] = std::isfinite(g_sink) ? 0 : 1;
   std::printf("%s\n", doc.dump(2).c_str());
   return 0;

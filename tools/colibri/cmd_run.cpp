@@ -10,7 +10,6 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -27,12 +26,6 @@ namespace colibri_cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-colibri_model_info_t model_info(const ModelHandle& h) {
-  colibri_model_info_t info;
-  check(colibri_model_info(h.model, &info), "model info");
-  return info;
-}
 
 // ------------------------------------------------------------------ infer
 
@@ -121,19 +114,11 @@ BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (float& v : in) v = u(rng);
 
-  const double expert_bytes = 3.0 * info.d_model * info.d_ff * (info.dtype == COLIBRI_DTYPE_F32 ? 4 : 2);
-  const double flop_per_slot = 2.0 * 3.0 * info.d_model * info.d_ff;
   std::vector<double> bytes_per_routing, flop_per_routing;
   auto account = [&](int32_t k, const int32_t* ids) {
-    std::set<int32_t> active;
-    size_t slots = 0;
-    for (size_t i = 0; i < static_cast<size_t>(s.T) * k; ++i) {
-      if (ids[i] < 0) continue;
-      active.insert(ids[i]);
-      ++slots;
-    }
-    bytes_per_routing.push_back(static_cast<double>(active.size()) * expert_bytes);
-    flop_per_routing.push_back(static_cast<double>(slots) * flop_per_slot);
+    const RoutingWork w = routing_work(info, s.T, k, ids);
+    bytes_per_routing.push_back(w.bytes);
+    flop_per_routing.push_back(w.flop);
   };
   RoutingHandle decoded;
   if (s.blob != nullptr) {
@@ -188,7 +173,7 @@ BenchResult bench(const ModelHandle& h, const BenchSetup& s) {
   r.latency = summarize(seconds);
   if (s.compare_threads > 0) {
     r.compare_latency = summarize(compare_seconds);
-    r.pair_speedup = summarize(ratios).p50_ms / 1e3;  // the same median as the latencies' (ratios, not seconds)
+    r.pair_speedup = percentile(ratios, 0.50);  // the same median as the latencies'
   }
   r.bytes_per_call = bytes / s.iters;
   r.flop_per_call = flop / s.iters;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <set>
 
 #include "io/mapped_file.h"
 #include "util/error.h"
@@ -33,24 +34,25 @@ void write_file(const std::string& path, const void* data, size_t size) {
   }
 }
 
+double percentile(std::vector<double> s, double p) {
+  if (s.empty()) return 0;
+  std::sort(s.begin(), s.end());
+  size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(s.size())));
+  rank = std::clamp<size_t>(rank, 1, s.size());
+  return s[rank - 1];
+}
+
 LatencySummary summarize(std::vector<double> s) {
   LatencySummary r;
   if (s.empty()) return r;
-  std::sort(s.begin(), s.end());
-  // Nearest-rank percentiles: p-th percentile is the ceil(p*n)-th sample.
-  auto pct = [&](double p) {
-    size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(s.size())));
-    rank = std::clamp<size_t>(rank, 1, s.size());
-    return s[rank - 1] * 1e3;
-  };
   double sum = 0;
   for (double v : s) sum += v;
-  r.min_ms = s.front() * 1e3;
-  r.max_ms = s.back() * 1e3;
+  r.min_ms = *std::min_element(s.begin(), s.end()) * 1e3;
+  r.max_ms = *std::max_element(s.begin(), s.end()) * 1e3;
   r.mean_ms = sum / static_cast<double>(s.size()) * 1e3;
-  r.p50_ms = pct(0.50);
-  r.p90_ms = pct(0.90);
-  r.p99_ms = pct(0.99);
+  r.p50_ms = percentile(s, 0.50) * 1e3;
+  r.p90_ms = percentile(s, 0.90) * 1e3;
+  r.p99_ms = percentile(std::move(s), 0.99) * 1e3;
   return r;
 }
 
@@ -107,6 +109,27 @@ Routing random_routing(int32_t T, int32_t k, int32_t E, std::mt19937_64& rng) {
   return r;
 }
 
+
+colibri_model_info_t model_info(const ModelHandle& h) {
+  colibri_model_info_t info;
+  check(colibri_model_info(h.model, &info), "model info");
+  return info;
+}
+
+RoutingWork routing_work(const colibri_model_info_t& info, int32_t T, int32_t k, const int32_t* ids) {
+  std::set<int32_t> active;
+  size_t slots = 0;
+  for (size_t i = 0; i < static_cast<size_t>(T) * static_cast<size_t>(k); ++i) {
+    if (ids[i] < 0) continue;
+    active.insert(ids[i]);
+    ++slots;
+  }
+  const double weight_bytes = info.dtype == COLIBRI_DTYPE_F32 ? 4 : 2;
+  RoutingWork w;
+  w.bytes = static_cast<double>(active.size()) * 3.0 * info.d_model * info.d_ff * weight_bytes;
+  w.flop = static_cast<double>(slots) * 2.0 * 3.0 * info.d_model * info.d_ff;
+  return w;
+}
 
 SwapStress::SwapStress(colibri_model_t* model, int32_t layer, int32_t expert, std::vector<uint8_t> bytes,
                        colibri_dtype_t dtype, long every)

@@ -1,5 +1,5 @@
-// Shared helpers for the colibri CLI: error reporting, file I/O, latency
-// statistics. The CLI talks to the engine through the C ABI; it reaches
+// Shared helpers for the colibri CLI (and bench/layer_bench.cpp): error
+// reporting, file I/O, latency statistics, routings and the work they ask. The CLI talks to the engine through the C ABI; it reaches
 // below it only for tooling the ABI does not need to carry (writing models).
 #pragma once
 
@@ -29,6 +29,10 @@ void check(colibri_status_t status, const std::string& what);
 std::vector<uint8_t> read_file(const std::string& path);
 void write_file(const std::string& path, const void* data, size_t size);
 
+// Nearest-rank percentile (p in [0, 1]): the ceil(p*n)-th smallest sample; 0
+// for none.
+double percentile(std::vector<double> samples, double p);
+
 struct LatencySummary {
   double min_ms = 0, mean_ms = 0, p50_ms = 0, p90_ms = 0, p99_ms = 0, max_ms = 0;
 };
@@ -52,6 +56,7 @@ struct RoutingHandle {
 
 // Opens a model; prints the loader's warning (if any) to stderr.
 void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out);
+colibri_model_info_t model_info(const ModelHandle& h);
 
 // Explicit routing for benchmarks and load tests.
 struct Routing {
@@ -63,6 +68,14 @@ struct Routing {
 // Uniformly random distinct experts per token, softmax-like weights summing
 // to 1, as a trained router's top-k would give.
 Routing random_routing(int32_t T, int32_t k, int32_t E, std::mt19937_64& rng);
+
+// What one call with this routing ([T][k] ids, -1 = empty slot) asks of the
+// machine: bytes of the distinct experts' weights (each read once) and the
+// FLOP of its (token, expert) pairs.
+struct RoutingWork {
+  double bytes = 0, flop = 0;
+};
+RoutingWork routing_work(const colibri_model_info_t& info, int32_t T, int32_t k, const int32_t* ids);
 
 // Hot-swap stress (bench and loadtest --swap-every N): a thread that swaps
 // one expert with `bytes` (normally its own file, so results stay valid)
