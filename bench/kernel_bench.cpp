@@ -222,7 +222,7 @@ int main(int argc, char** argv) {
                                  "x" + std::to_string(shape[1]);
         benchmark::RegisterBenchmark(name.c_str(), run_expert, table, t, shape[0], shape[1])
             ->ArgName("n")
-            ->Arg(1)->Arg(2)->Arg(4)->Arg(8)->Arg(12)->Arg(16)->Arg(24)->Arg(32)->Arg(48)->Arg(64)->Arg(96)->Arg(128)->Arg(192)->Arg(256)
+            ->Arg(1)->Arg(2)->Arg(4)->Arg(5)->Arg(6)->Arg(7)->Arg(8)->Arg(12)->Arg(16)->Arg(24)->Arg(32)->Arg(48)->Arg(64)->Arg(96)->Arg(128)->Arg(192)->Arg(256)
             ->Unit(benchmark::kMicrosecond)
             ->MeasureProcessCPUTime()
             ->UseRealTime();

@@ -315,7 +315,7 @@ COLIBRI_API colibri_status_t colibri_model_info(const colibri_model_t* model,
 COLIBRI_API colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* out_stats);
 
 /* Which kernels the model runs, by tokens per expert, e.g. "decode avx512,
- * prefill avx512-tokens from 8 tokens/expert, amx-f16-split from 64
+ * prefill avx512-tokens from 5 tokens/expert, amx-f16-split from 64
  * tokens/expert". Owned by the model; valid until colibri_free. NULL model
  * gives "". Thread-safe. */
 COLIBRI_API const char* colibri_model_kernels(const colibri_model_t* model);

@@ -17,7 +17,7 @@
 // fp32 chunk in L1 first (a load, a convert and a store per 16 weights, no
 // shuffles), because there is no broadcast-and-widen instruction. The
 // register block is R rows x NV token vectors (24 accumulators), so each k
-// step issues NV vector loads, R broadcasts and R*NV FMAs. Below 8 tokens
+// step issues NV vector loads, R broadcasts and R*NV FMAs. Up to 4 tokens
 // per expert the lanes and the widening are not paid back and the engine
 // uses the decode kernels (docs/KERNELS.md).
 //

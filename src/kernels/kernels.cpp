@@ -12,13 +12,16 @@ namespace colibri::kernels {
 namespace {
 
 // Tokens per expert from which each prefill table beats the ones below it,
-// measured on the development machine with bench/kernel_bench.cpp
-// (docs/KERNELS.md). Below kTokensMinTokens the per-call widening of the
-// weights costs more than the FMA-bound inner loop saves; from
+// measured on the development machine with bench/kernel_bench.cpp and, for
+// kTokensMinTokens, in whole layers (docs/KERNELS.md). Up to 4 tokens the
+// decode kernels read each weight once, with no per-call preparation; from 5
+// they need a second block of 4 tokens, and in a layer whose weights come
+// from DRAM the token-lane kernel, which reads and widens each weight once,
+// is ahead even though it loses at 5-7 tokens with the expert in cache. From
 // kGemmMinTokens the panel GEMM, which packs each weight panel once for all
 // of an expert's tokens, overtakes the token-lane kernel, which widens them
 // once per group of 48 tokens.
-constexpr int32_t kTokensMinTokens = 8;
+constexpr int32_t kTokensMinTokens = 5;
 constexpr int32_t kGemmMinTokens = 128;
 constexpr int32_t kAmxMinTokens = 4;
 // f16 weights on AMX at fp32-grade precision: the split table converts each
