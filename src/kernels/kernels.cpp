@@ -14,10 +14,11 @@ namespace {
 // Tokens per expert from which each prefill table beats the ones below it,
 // measured on the development machine with bench/kernel_bench.cpp and, for
 // kTokensMinTokens, in whole layers (docs/KERNELS.md). Up to 4 tokens the
-// decode kernels read each weight once, with no per-call preparation; from 5
-// they need a second block of 4 tokens, and in a layer whose weights come
-// from DRAM the token-lane kernel, which reads and widens each weight once,
-// is ahead even though it loses at 5-7 tokens with the expert in cache. From
+// decode kernels read and widen each weight once, with no per-call
+// preparation; from 5 they run a second block of tokens over each chunk of
+// rows (from L2, widened again). In whole layers (weights from DRAM, two
+// threads) the token-lane kernel, which widens each weight once, is ahead
+// from 5, though with one expert in the LLC it draws level only at 7. From
 // kGemmMinTokens the panel GEMM, which packs each weight panel once for all
 // of an expert's tokens, overtakes the token-lane kernel, which widens them
 // once per group of 48 tokens.
