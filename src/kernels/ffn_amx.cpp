@@ -36,7 +36,12 @@
 // blocks' activation tiles; K chunks of 8 or 16 steps for bf16 weights, so
 // a unit's weight tiles stay in L1 across its token-block passes (seed shape,
 // two threads, alternated call by call: 0.89x and 0.97x; the accumulator
-// tiles are then stored and reloaded every chunk). For the split table (no
+// tiles are then stored and reloaded every chunk); the first token-block
+// pass storing each in-place weight tile it loads into a contiguous panel
+// (tilestored) for the later passes to read, with or without a software
+// prefetch of the next step's tiles: layer (seed, two threads, weights from
+// DRAM) 1.03-1.07x, kernel (one thread, expert in the LLC, 64-160 tokens)
+// 0.88-1.00x, not kept. For the split table (no
 // gain measured, in cache or with the weights streamed from memory, 16-256
 // tokens): prefetching
 // the next unit's f16 rows into L2 during this unit's tiles, converting the
