@@ -34,25 +34,35 @@ void write_file(const std::string& path, const void* data, size_t size) {
   }
 }
 
+namespace {
+
+// The ceil(p*n)-th smallest of `sorted` (non-empty, ascending).
+double nearest_rank(const std::vector<double>& sorted, double p) {
+  size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(sorted.size())));
+  rank = std::clamp<size_t>(rank, 1, sorted.size());
+  return sorted[rank - 1];
+}
+
+}  // namespace
+
 double percentile(std::vector<double> s, double p) {
   if (s.empty()) return 0;
   std::sort(s.begin(), s.end());
-  size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(s.size())));
-  rank = std::clamp<size_t>(rank, 1, s.size());
-  return s[rank - 1];
+  return nearest_rank(s, p);
 }
 
 LatencySummary summarize(std::vector<double> s) {
   LatencySummary r;
   if (s.empty()) return r;
+  std::sort(s.begin(), s.end());
   double sum = 0;
   for (double v : s) sum += v;
-  r.min_ms = *std::min_element(s.begin(), s.end()) * 1e3;
-  r.max_ms = *std::max_element(s.begin(), s.end()) * 1e3;
+  r.min_ms = s.front() * 1e3;
+  r.max_ms = s.back() * 1e3;
   r.mean_ms = sum / static_cast<double>(s.size()) * 1e3;
-  r.p50_ms = percentile(s, 0.50) * 1e3;
-  r.p90_ms = percentile(s, 0.90) * 1e3;
-  r.p99_ms = percentile(std::move(s), 0.99) * 1e3;
+  r.p50_ms = nearest_rank(s, 0.50) * 1e3;
+  r.p90_ms = nearest_rank(s, 0.90) * 1e3;
+  r.p99_ms = nearest_rank(s, 0.99) * 1e3;
   return r;
 }
 

@@ -1,6 +1,7 @@
 // Shared helpers for the colibri CLI (and bench/layer_bench.cpp): error
-// reporting, file I/O, latency statistics, routings and the work they ask. The CLI talks to the engine through the C ABI; it reaches
-// below it only for tooling the ABI does not need to carry (writing models).
+// reporting, file I/O, latency statistics, routings and the work they ask
+// for. The CLI talks to the engine through the C ABI; it reaches below it
+// only for tooling the ABI does not need to carry (writing models).
 #pragma once
 
 #include <atomic>
