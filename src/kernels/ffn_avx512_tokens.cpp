@@ -187,13 +187,17 @@ inline void micro_kernel(const float* wf, const float* xt, int32_t kn, __m512* a
   __m512 c[R * NV];
   COLIBRI_UNROLL
   for (int i = 0; i < R * NV; ++i) c[i] = acc[i];
-  for (int32_t k = 0; k < kn; k += P) {
+  // Pointers stepped rather than indexed by k: the signed k / P index cost
+  // about ten scalar uops a step, some on the FMA ports (8-12% of the loop's
+  // time at P = 2 and 4 in a throwaway A/B; none at P = 1).
+  const float* const xt_end = xt + static_cast<size_t>(kn / P) * (16 * NV);
+  for (; xt < xt_end; xt += 16 * NV, wf += P) {
     __m512 x[NV];
     COLIBRI_UNROLL
-    for (int v = 0; v < NV; ++v) x[v] = _mm512_load_ps(xt + static_cast<size_t>(k / P) * (16 * NV) + 16 * v);
+    for (int v = 0; v < NV; ++v) x[v] = _mm512_load_ps(xt + 16 * v);
     COLIBRI_UNROLL
     for (int r = 0; r < R; ++r) {
-      const __m512 b = broadcast_weights<P>(wf + r * kKc + k);
+      const __m512 b = broadcast_weights<P>(wf + r * kKc);
       COLIBRI_UNROLL
       for (int v = 0; v < NV; ++v) c[r * NV + v] = _mm512_fmadd_ps(b, x[v], c[r * NV + v]);
     }
