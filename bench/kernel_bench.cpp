@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
           "paired/" + name + "/" + dtype_name(t) + "/" + std::to_string(shape[0]) + "x" + std::to_string(shape[1]);
       benchmark::RegisterBenchmark(bench_name.c_str(), run_paired, table, t, shape[0], shape[1])
           ->ArgName("n")
-          ->Arg(16)->Arg(32)->Arg(40)->Arg(64)->Arg(128)->Arg(256)
+          ->Arg(8)->Arg(16)->Arg(32)->Arg(40)->Arg(64)->Arg(128)->Arg(256)
           ->Unit(benchmark::kMicrosecond);
     }
   }
