@@ -159,26 +159,26 @@ void transpose_tokens(const float* base, size_t ld, const int32_t* token_index, 
 // are unrolled: a switch per row and a compare per 16 weights cost 1-4% of
 // the layer at 8-16 tokens per expert (qwen3-moe and olmoe T=128 f16,
 // in-process A/B).
+template <WeightType T>
+inline void widen_row(const char* row, ptrdiff_t next, int32_t kn, float* out) {
+  constexpr size_t elem = T == WeightType::kF32 ? 4 : 2;
+  COLIBRI_UNROLL
+  for (size_t b = 0; b < static_cast<size_t>(kn) * elem; b += 64) _mm_prefetch(row + next + b, _MM_HINT_T0);
+  COLIBRI_UNROLL
+  for (int32_t kk = 0; kk < kn; kk += 16) _mm512_store_ps(out + kk, load16(row, static_cast<size_t>(kk), T));
+}
+
 template <int R, WeightType T>
 inline void widen_rows(const char* w, size_t row_bytes, int32_t row0, int32_t kc, int32_t kn, ptrdiff_t next,
                        float* wf) {
   constexpr size_t elem = T == WeightType::kF32 ? 4 : 2;
   const char* row = w + static_cast<size_t>(row0) * row_bytes + static_cast<size_t>(kc) * elem;
-  if (kn == kKc) {
-    for (int r = 0; r < R; ++r, row += row_bytes) {
-      COLIBRI_UNROLL
-      for (size_t b = 0; b < kKc * elem; b += 64) _mm_prefetch(row + next + b, _MM_HINT_T0);
-      COLIBRI_UNROLL
-      for (int32_t kk = 0; kk < kKc; kk += 16) {
-        _mm512_store_ps(wf + r * kKc + kk, load16(row, static_cast<size_t>(kk), T));
-      }
-    }
-    return;
-  }
   for (int r = 0; r < R; ++r, row += row_bytes) {
-    for (size_t b = 0; b < static_cast<size_t>(kn) * elem; b += 64) _mm_prefetch(row + next + b, _MM_HINT_T0);
-    for (int32_t kk = 0; kk < kn; kk += 16) {
-      _mm512_store_ps(wf + r * kKc + kk, load16(row, static_cast<size_t>(kk), T));
+    // A constant count for full chunks, so both loops unroll completely.
+    if (kn == kKc) {
+      widen_row<T>(row, next, kKc, wf + r * kKc);
+    } else {
+      widen_row<T>(row, next, kn, wf + r * kKc);
     }
   }
 }
