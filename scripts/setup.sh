@@ -16,11 +16,13 @@
 #   python3-pip, python3-setuptools  offline install of the Python package (docs/PYTORCH.md)
 #   clang, libclang-rt-14-dev  libFuzzer targets of the parsers (scripts/fuzz.sh)
 #   clang-tidy            static checks over src/ (.clang-tidy)
+#   qemu-user             runs the binaries on emulated CPUs without AVX-512 or AVX
+#                         (tests/emulated_cpus.sh)
 set -euo pipefail
 
 packages=(cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev libbenchmark-dev valgrind
   python3-torch python3-numpy python3-matplotlib libopenblas0-pthread python3-pytest python3-pip
-  python3-setuptools clang libclang-rt-14-dev clang-tidy)
+  python3-setuptools clang libclang-rt-14-dev clang-tidy qemu-user)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
