@@ -22,8 +22,9 @@ on_cpu() {
 }
 
 # A small f16 model whose sizes are not multiples of any vector width, and
-# 24 tokens routed so that experts 0 and 1 get 16 tokens each (one prefill
-# sized group), the rest a few or none.
+# 24 tokens routed so that experts 0 and 1 get 16 tokens each (a count that
+# runs the prefill tables on an AVX-512 machine; avx2 and scalar have one
+# table for every count), the rest a few or none.
 "$cli" gen --out "$work/model" --experts 8 --d-model 80 --d-ff 72 --dtype f16 --seed 11 >/dev/null
 /usr/bin/python3 - "$work" <<'EOF'
 import sys
