@@ -207,7 +207,10 @@ int main(int argc, char** argv) {
   if (isa_supported(Isa::kAvx512)) {
     tables.push_back(&avx512_gemm_kernels());
     tables.push_back(&avx512_tokens_kernels());
-    if (bf16_compute_available(default_isa())) tables.push_back(&avx512_bf16_kernels());
+    if (bf16_compute_available(default_isa())) {
+      tables.push_back(&avx512_bf16_kernels());
+      tables.push_back(&avx512_bf16_split_kernels());
+    }
     if (amx_available()) {
       tables.push_back(&amx_bf16_kernels());
       tables.push_back(&amx_f16_split_kernels());

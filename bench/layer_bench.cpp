@@ -48,7 +48,7 @@ using colibri_probe::Buffer;
 using colibri_probe::Team;
 
 struct Options {
-  std::string model, routing, against;
+  std::string model, routing, against, precision = "default";
   int threads = 0, iters = 50, warmup = 3, streams = 4, tokens = 0, top_k = 0;
   size_t read_mib = 1024;
 };
@@ -70,6 +70,8 @@ Options parse(int argc, char** argv) {
   app.add_option("--threads", o.threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
   app.add_option("--iters", o.iters, "Timed iterations")->check(CLI::Range(1, 1000000));
   app.add_option("--warmup", o.warmup, "Untimed iterations first")->check(CLI::Range(0, 1000000));
+  app.add_option("--precision", o.precision, colibri_cli::kPrecisionHelp)
+      ->check(CLI::IsMember(colibri_cli::precision_names()));
   app.add_option("--read-mib", o.read_mib, "Size of the read loop's arrays")->check(CLI::Range(64, 1 << 20));
   try {
     app.parse(argc, argv);
@@ -186,7 +188,7 @@ class Limit {
 int run(const Options& o) {
   using colibri_cli::percentile;
   colibri_cli::ModelHandle h;
-  colibri_cli::open_model(o.model, o.threads, false, &h);
+  colibri_cli::open_model(o.model, o.threads, false, &h, o.precision);
   const colibri_model_info_t info = colibri_cli::model_info(h);
   const int threads = info.n_threads;
 

@@ -100,12 +100,20 @@ typedef struct colibri_open_options_s {
                                AMX tiles where present) for many-token calls;
                                0 = accurate fp32 (default; f16 weights may run
                                on AMX tiles through an exact split into bf16
-                               parts, fp32-grade). bf16 weights always use
-                               bf16 dot products. See docs/PRECISION.md. */
+                               parts, fp32-grade). With bf16 weights, 1 also
+                               lets CPUs without AMX use bf16 dot products
+                               for many-token calls. See docs/PRECISION.md. */
+  int32_t exact_prefill;    /* 1 = every call at fp32-grade precision, also
+                               many-token calls of bf16 models (by default
+                               those run on AMX bf16 tiles with activations
+                               rounded to bf16, within the error of PyTorch's
+                               bf16 arithmetic). Decode (few tokens per
+                               expert) is always fp32-grade. Not together
+                               with bf16_compute. */
 } colibri_open_options_t;
 
 /* Defaults: n_threads 0, lock_memory 1, huge_pages 1, verify_checksums 1,
- * pin_threads 0, reserve_tokens 64, bf16_compute 0. */
+ * pin_threads 0, reserve_tokens 64, bf16_compute 0, exact_prefill 0. */
 COLIBRI_API void colibri_open_options_default(colibri_open_options_t* options);
 
 /* Opens the model directory `path` (holding colibri.json). On success

@@ -171,9 +171,15 @@ void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::
 // then the highest tier reached; bf16 weights only ever go to AMX.
 TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
   using colibri::kernels::Isa;
+  constexpr auto kDefault = colibri::kernels::PrefillPrecision::kDefault;
+  constexpr auto kExact = colibri::kernels::PrefillPrecision::kExact;
+  constexpr auto kBf16 = colibri::kernels::PrefillPrecision::kBf16;
+  // Experts big enough for every table (the rounding tables need both
+  // dimensions >= kBf16RoundingMinDim).
+  const auto big = [](WeightType wt) { return colibri::kernels::make_expert_shape(4096, 1024, wt); };
   const KernelTable& decode = colibri::kernels::kernel_table(Isa::kAvx512);
   // f32 weights: token lanes, then the panel GEMM.
-  const colibri::kernels::PrefillTiers f32 = colibri::kernels::prefill_tiers_for(Isa::kAvx512, WeightType::kF32, false);
+  const colibri::kernels::PrefillTiers f32 = colibri::kernels::prefill_tiers_for(Isa::kAvx512, big(WeightType::kF32), kDefault);
   ASSERT_EQ(f32.count, 2);
   EXPECT_EQ(&f32.pick(1, decode), &decode);
   EXPECT_EQ(&f32.pick(f32.tier[0].min_tokens - 1, decode), &decode);
@@ -193,7 +199,7 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
   for (const Isa level : {Isa::kAvx512, Isa::kAmx}) {
     SCOPED_TRACE(colibri::kernels::isa_name(level));
     const bool tiles = level == Isa::kAmx && amx;
-    const colibri::kernels::PrefillTiers f16 = colibri::kernels::prefill_tiers_for(level, WeightType::kF16, false);
+    const colibri::kernels::PrefillTiers f16 = colibri::kernels::prefill_tiers_for(level, big(WeightType::kF16), kDefault);
     ASSERT_EQ(f16.count, 2);
     EXPECT_EQ(&f16.pick(f16.tier[0].min_tokens, decode), &colibri::kernels::avx512_tokens_kernels());
     const KernelTable& f16_large =
@@ -202,29 +208,62 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
     EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens, decode), &f16_large);
     EXPECT_EQ(&f16.pick(100000, decode), &f16_large);
 
-    const colibri::kernels::PrefillTiers f16_bf16 = colibri::kernels::prefill_tiers_for(level, WeightType::kF16, true);
-    const colibri::kernels::PrefillTiers bf16 = colibri::kernels::prefill_tiers_for(level, WeightType::kBF16, false);
+    const colibri::kernels::PrefillTiers f16_bf16 = colibri::kernels::prefill_tiers_for(level, big(WeightType::kF16), kBf16);
+    const colibri::kernels::PrefillTiers bf16 = colibri::kernels::prefill_tiers_for(level, big(WeightType::kBF16), kDefault);
     if (tiles) {
       ASSERT_EQ(f16_bf16.count, 1);
       EXPECT_STREQ(f16_bf16.tier[0].table->name, "amx-bf16");
       ASSERT_EQ(bf16.count, 1);
       EXPECT_STREQ(bf16.tier[0].table->name, "amx-bf16");
     } else {
-      // bf16_compute without tiles keeps the fp32 prefill tables.
+      // bf16_compute without tiles keeps the fp32 prefill tables for f16.
       ASSERT_EQ(f16_bf16.count, 2);
       EXPECT_EQ(f16_bf16.tier[1].table, &colibri::kernels::avx512_gemm_kernels());
-      // bf16 weights without tiles: the bf16 dot-product decode kernels only
-      // (where AVX512_BF16 exists).
+      // bf16 weights without tiles: the fp32 tables by default, the bf16
+      // dot-product table only when asked for (and AVX512_BF16 exists).
+      ASSERT_EQ(bf16.count, 2);
+      EXPECT_EQ(bf16.tier[0].table, &colibri::kernels::avx512_tokens_kernels());
+      EXPECT_EQ(bf16.tier[1].table, &colibri::kernels::avx512_gemm_kernels());
+      const colibri::kernels::PrefillTiers bf16_asked =
+          colibri::kernels::prefill_tiers_for(level, big(WeightType::kBF16), kBf16);
       if (colibri::kernels::cpu_has_avx512_bf16()) {
-        EXPECT_EQ(bf16.count, 0);
+        ASSERT_EQ(bf16_asked.count, 1);
+        EXPECT_STREQ(bf16_asked.tier[0].table->name, "avx512-bf16");
+      } else {
+        EXPECT_EQ(bf16_asked.count, 2);
       }
     }
-    for (int i = 0; i < bf16.count; ++i) EXPECT_STRNE(bf16.tier[i].table->name, "avx512-tokens");
+    // exact_prefill: never a table that rounds activations.
+    for (const WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
+      const colibri::kernels::PrefillTiers exact = colibri::kernels::prefill_tiers_for(level, big(wt), kExact);
+      ASSERT_EQ(exact.count, 2);
+      for (int i = 0; i < exact.count; ++i) {
+        EXPECT_STRNE(exact.tier[i].table->name, "amx-bf16");
+        EXPECT_STRNE(exact.tier[i].table->name, "avx512-bf16");
+      }
+    }
+  }
+
+  // Small experts never round activations, whatever the option.
+  for (const Isa level : {Isa::kAvx512, Isa::kAmx}) {
+    for (const auto precision : {kDefault, kBf16}) {
+      for (const WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
+        const int32_t small = colibri::kernels::kBf16RoundingMinDim - 1;
+        for (const auto& shape : {colibri::kernels::make_expert_shape(small, 4096, wt),
+                                  colibri::kernels::make_expert_shape(4096, small, wt)}) {
+          const colibri::kernels::PrefillTiers t = colibri::kernels::prefill_tiers_for(level, shape, precision);
+          for (int i = 0; i < t.count; ++i) {
+            EXPECT_STRNE(t.tier[i].table->name, "amx-bf16");
+            EXPECT_STRNE(t.tier[i].table->name, "avx512-bf16");
+          }
+        }
+      }
+    }
   }
 
   // Below AVX-512 there are no prefill tables at all.
-  EXPECT_EQ(colibri::kernels::prefill_tiers_for(Isa::kAvx2, WeightType::kF16, false).count, 0);
-  EXPECT_EQ(colibri::kernels::prefill_tiers_for(Isa::kScalar, WeightType::kBF16, true).count, 0);
+  EXPECT_EQ(colibri::kernels::prefill_tiers_for(Isa::kAvx2, big(WeightType::kF16), kDefault).count, 0);
+  EXPECT_EQ(colibri::kernels::prefill_tiers_for(Isa::kScalar, big(WeightType::kBF16), kBf16).count, 0);
 }
 
 TEST_F(GemmKernels, PanelGemmMatchesFloat64Reference) {

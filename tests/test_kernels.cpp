@@ -31,11 +31,11 @@ namespace {
 constexpr Isa kAllIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx};
 constexpr WeightType kAllTypes[] = {WeightType::kF32, WeightType::kF16, WeightType::kBF16};
 
-// A kernel table under test: each ISA level's fp32 table, and the
-// bf16-compute table (ISA level avx512, needs AVX512_BF16).
-enum class Variant : uint8_t { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
-constexpr Variant kAllVariants[] = {Variant::kScalar, Variant::kAvx2, Variant::kAvx512,
-                                    Variant::kAvx512Bf16};
+// A kernel table under test: each ISA level's fp32 table, the bf16-compute
+// table and its split (fp32-grade) form (ISA level avx512, need AVX512_BF16).
+enum class Variant : uint8_t { kScalar, kAvx2, kAvx512, kAvx512Bf16, kAvx512Bf16Split };
+constexpr Variant kAllVariants[] = {Variant::kScalar, Variant::kAvx2, Variant::kAvx512, Variant::kAvx512Bf16,
+                                    Variant::kAvx512Bf16Split};
 
 Isa variant_isa(Variant v) {
   switch (v) {
@@ -45,13 +45,16 @@ Isa variant_isa(Variant v) {
       return Isa::kAvx2;
     case Variant::kAvx512:
     case Variant::kAvx512Bf16:
+    case Variant::kAvx512Bf16Split:
       return Isa::kAvx512;
   }
   return Isa::kScalar;
 }
 
 const char* variant_name(Variant v) {
-  return v == Variant::kAvx512Bf16 ? "avx512bf16" : isa_name(variant_isa(v));
+  if (v == Variant::kAvx512Bf16) return "avx512bf16";
+  if (v == Variant::kAvx512Bf16Split) return "avx512bf16split";
+  return isa_name(variant_isa(v));
 }
 void PrintTo(Variant v, std::ostream* os) { *os << variant_name(v); }
 
@@ -414,12 +417,15 @@ class KernelTest : public ::testing::TestWithParam<std::tuple<Variant, WeightTyp
     isa_ = variant_isa(variant_);
     type_ = std::get<1>(GetParam());
     if (!isa_supported(isa_)) GTEST_SKIP() << isa_name(isa_) << " not supported on this CPU";
-    if (variant_ == Variant::kAvx512Bf16) {
+    if (variant_ == Variant::kAvx512Bf16 || variant_ == Variant::kAvx512Bf16Split) {
       if (!bf16_compute_available(isa_)) GTEST_SKIP() << "AVX512_BF16 not supported on this CPU";
-      // The table the engine picks for bf16 weights; f32/f16 weights given
-      // to it must take the fp32 path.
-      table_ = &kernel_table_for(isa_, WeightType::kBF16);
-      ASSERT_STREQ(table_->name, "avx512-bf16");
+      // The bf16_compute prefill table for bf16 weights without AMX, and the
+      // bf16 decode table (held to the fp32 tolerance); f32/f16 weights
+      // given to them must take the fp32 path.
+      table_ = variant_ == Variant::kAvx512Bf16 ? &avx512_bf16_kernels() : &avx512_bf16_split_kernels();
+      if (variant_ == Variant::kAvx512Bf16Split) {
+        ASSERT_EQ(table_, &decode_table_for(isa_, WeightType::kBF16));
+      }
     } else {
       table_ = &kernel_table(isa_);
     }
@@ -593,29 +599,20 @@ TEST(IsaTest, KernelTableFallsBack) {
   EXPECT_EQ(&kernel_table(Isa::kScalar), &scalar_kernels());
 }
 
-// bf16 weights get the bf16-compute table exactly when the level is avx512
-// and the CPU has AVX512_BF16; everything else keeps the fp32 tables, and
-// COLIBRI_ISA=avx2/scalar (a lower level) selects the lower kernels.
-TEST(IsaTest, KernelTableForWeightType) {
+// Every weight type decodes with the fp32 table of the level (decode is
+// bound by reading the weights, so it keeps fp32 grade); the bf16
+// dot-product table is usable exactly at avx512 and above on AVX512_BF16
+// CPUs, and COLIBRI_ISA=avx2/scalar (a lower level) selects the lower kernels.
+TEST(IsaTest, DecodeTableIsFp32ForEveryWeightType) {
   const Isa detected = detect_isa();
   EXPECT_EQ(bf16_compute_available(Isa::kAvx512), cpu_has_avx512_bf16());
   EXPECT_FALSE(bf16_compute_available(Isa::kAvx2));
   EXPECT_FALSE(bf16_compute_available(Isa::kScalar));
   for (Isa isa : kAllIsas) {
-    for (WeightType t : kAllTypes) {
-      const KernelTable& k = kernel_table_for(isa, t);
-      EXPECT_EQ(k.isa, expected_decode_isa(isa)) << isa_name(isa) << " " << type_name(t);
-      EXPECT_LE(k.isa, detected);
-      EXPECT_EQ(&kernel_table_for(isa, t, Precision::kFp32), &kernel_table(isa))
-          << isa_name(isa) << " " << type_name(t);
-      const bool bf16_table = t == WeightType::kBF16 && isa >= Isa::kAvx512 && cpu_has_avx512_bf16();
-      if (bf16_table) {
-        EXPECT_STREQ(k.name, "avx512-bf16");
-        EXPECT_NE(&k, &kernel_table(isa));
-      } else {
-        EXPECT_EQ(&k, &kernel_table(isa)) << isa_name(isa) << " " << type_name(t) << ": " << k.name;
-      }
-    }
+    const KernelTable& k = kernel_table(isa);
+    EXPECT_EQ(k.isa, expected_decode_isa(isa)) << isa_name(isa);
+    EXPECT_LE(k.isa, detected);
+    EXPECT_STRNE(k.name, "avx512-bf16");
   }
 }
 

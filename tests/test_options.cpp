@@ -57,26 +57,53 @@ TEST(OpenOptions, Bf16ComputeOnF16ModelIsOptInAndWithinTolerance) {
   TempDir dir;
   colibri::ModelWriteSpec spec;
   spec.n_experts = 4;
-  spec.d_model = 96;
-  spec.d_ff = 80;
+  spec.d_model = 160;  // both >= kBf16RoundingMinDim, so rounding may run
+  spec.d_ff = 144;
   spec.dtype = COLIBRI_DTYPE_F16;
   colibri::write_random_model(dir.path, spec, 3);
   colibri_open_options_t o;
   colibri_open_options_default(&o);
   EXPECT_EQ(o.bf16_compute, 0);
+  EXPECT_EQ(o.exact_prefill, 0);
   EXPECT_EQ(o.reserve_tokens, 64);
   std::string kernels;
-  const double accurate = run_relative_error(dir.path, o, 256, 2, 4, 96, &kernels);
+  const double accurate = run_relative_error(dir.path, o, 256, 2, 4, 160, &kernels);
   EXPECT_LE(accurate, 1e-5) << kernels;  // fp32 paths only: f16 weights used exactly
   EXPECT_EQ(kernels.find("bf16"), std::string::npos) << kernels;
   o.bf16_compute = 1;
-  const double rounded = run_relative_error(dir.path, o, 256, 2, 4, 96, &kernels);
+  const double rounded = run_relative_error(dir.path, o, 256, 2, 4, 160, &kernels);
   EXPECT_LE(rounded, 5e-3) << kernels;
   // AMX runs only at level amx (COLIBRI_ISA=avx512/avx2/scalar turn it off).
   if (colibri::kernels::default_isa() == colibri::kernels::Isa::kAmx) {
     EXPECT_NE(kernels.find("amx-bf16"), std::string::npos) << kernels;
     EXPECT_GT(rounded, accurate);  // the option did change the arithmetic
   }
+}
+
+// bf16 weights: many-token calls round activations on AMX tiles by
+// default; exact_prefill keeps every call at fp32 grade (the stored bf16
+// weights used exactly), so the error drops to fp32 summation error.
+TEST(OpenOptions, ExactPrefillOnBf16ModelIsFp32Grade) {
+  TempDir dir;
+  colibri::ModelWriteSpec spec;
+  spec.n_experts = 4;
+  spec.d_model = 160;
+  spec.d_ff = 144;
+  spec.dtype = COLIBRI_DTYPE_BF16;
+  colibri::write_random_model(dir.path, spec, 8);
+  colibri_open_options_t o;
+  colibri_open_options_default(&o);
+  std::string kernels;
+  const double by_default = run_relative_error(dir.path, o, 256, 2, 4, 160, &kernels);
+  EXPECT_LE(by_default, 5e-3) << kernels;
+  EXPECT_EQ(kernels.find("avx512-bf16"), std::string::npos) << kernels;  // never without asking
+  if (colibri::kernels::default_isa() == colibri::kernels::Isa::kAmx) {
+    EXPECT_NE(kernels.find("amx-bf16"), std::string::npos) << kernels;
+  }
+  o.exact_prefill = 1;
+  const double exact = run_relative_error(dir.path, o, 256, 2, 4, 160, &kernels);
+  EXPECT_LE(exact, 1e-5) << kernels;
+  EXPECT_EQ(kernels.find("bf16"), std::string::npos) << kernels;
 }
 
 TEST(OpenOptions, ReserveTokensZeroAndLargeCallsStillCorrect) {

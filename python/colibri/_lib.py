@@ -83,6 +83,7 @@ class OpenOptions(ctypes.Structure):
         ("pin_threads", c_int32),
         ("reserve_tokens", c_int32),
         ("bf16_compute", c_int32),
+        ("exact_prefill", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 

@@ -84,7 +84,7 @@ class RouterConfig:
         return r
 
 
-def _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, reserve_tokens):
+def _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, reserve_tokens, exact_prefill=False):
     o = L.OpenOptions()
     L.lib().colibri_open_options_default(ctypes.byref(o))
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
@@ -94,6 +94,7 @@ def _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, 
     o.huge_pages = 1 if huge_pages else 0
     o.verify_checksums = 1 if verify else 0
     o.bf16_compute = 1 if bf16_compute else 0
+    o.exact_prefill = 1 if exact_prefill else 0
     if pin_threads is not None:
         o.pin_threads = 1 if pin_threads else 0
     if reserve_tokens is not None:
@@ -116,7 +117,7 @@ class Model:
     """A Colibri model.
 
     ``Model(path, threads=0, lock=True, huge_pages=True, verify=True,
-    bf16_compute=False)`` opens a model directory (colibri.json + expert
+    bf16_compute=False, *, exact_prefill=False)`` opens a model directory (colibri.json + expert
     files, docs/FORMAT.md); ``Model.from_arrays(...)`` builds one from
     in-memory weights (colibri_open_memory). ``close()`` (or ``with``)
     releases it; methods of a closed model raise ValueError.
@@ -126,13 +127,14 @@ class Model:
     """
 
     def __init__(self, path, threads=0, lock=True, huge_pages=True, verify=True, bf16_compute=False,
-                 *, pin_threads=None, reserve_tokens=None):
+                 *, pin_threads=None, reserve_tokens=None, exact_prefill=False):
         self._handle = None
         self._cond = threading.Condition()
         self._in_flight = 0
         if path is None:  # from_arrays fills the handle in
             return
-        opts = _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, reserve_tokens)
+        opts = _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, reserve_tokens,
+                             exact_prefill)
         p = os.fsencode(os.fspath(path))
         h = ctypes.c_void_p()
         L.check(L.lib().colibri_open(p, ctypes.byref(opts), ctypes.byref(h)), "colibri_open")
@@ -161,7 +163,7 @@ class Model:
 
     @classmethod
     def from_arrays(cls, layers, dtype="f32", router=None, threads=0, lock=True, huge_pages=True,
-                    bf16_compute=False, *, pin_threads=None, reserve_tokens=None):
+                    bf16_compute=False, *, pin_threads=None, reserve_tokens=None, exact_prefill=False):
         """Builds a model from weights in memory (colibri_open_memory).
 
         layers: a list, one dict per layer, with
@@ -270,7 +272,8 @@ class Model:
         if router is not None:
             desc.router = router.to_c()
         desc.layers = ctypes.cast(c_layers, ctypes.POINTER(L.LayerWeights))
-        opts = _open_options(threads, lock, huge_pages, True, bf16_compute, pin_threads, reserve_tokens)
+        opts = _open_options(threads, lock, huge_pages, True, bf16_compute, pin_threads, reserve_tokens,
+                             exact_prefill)
         h = ctypes.c_void_p()
         L.check(open_memory(ctypes.byref(desc), ctypes.byref(opts), ctypes.byref(h)), "colibri_open_memory")
         del keep, expert_arrays  # the library copied the weights

@@ -100,8 +100,8 @@ class ColibriExperts(nn.Module):
     shared_expert_gate.weight) scaling it by sigmoid(shared_gate . x);
     router [E, D] + router_config (RouterConfig or dict: family, top_k,
     norm_topk_prob, n_group, topk_group, routed_scaling_factor) + router_bias
-    [E] for a built-in router; threads, bf16_compute, lock, huge_pages as in
-    colibri.Model.
+    [E] for a built-in router; threads, bf16_compute, exact_prefill, lock,
+    huge_pages as in colibri.Model.
 
     forward(x [..., D], ids [..., k] = None, weights [..., k] = None) ->
     [..., D] in x's dtype. ids int64 (torch.topk's) or int32, -1 = no
@@ -112,7 +112,7 @@ class ColibriExperts(nn.Module):
 
     def __init__(self, gate=None, up=None, down=None, *, gate_up_proj=None, down_proj=None, dtype=None,
                  shared=None, shared_gate=None, router=None, router_config=None, router_bias=None,
-                 threads=0, bf16_compute=False, lock=True, huge_pages=True):
+                 threads=0, bf16_compute=False, lock=True, huge_pages=True, exact_prefill=False):
         super().__init__()
         if gate_up_proj is not None or (down_proj is not None and gate is None):
             if gate is not None or up is not None or down is not None:
@@ -143,7 +143,7 @@ class ColibriExperts(nn.Module):
         if router_bias is not None:
             layer["router_bias"] = _detached(router_bias)
         model = Model.from_arrays([layer], dtype=cdtype, router=rc, threads=threads, lock=lock,
-                                  huge_pages=huge_pages, bf16_compute=bf16_compute)
+                                  huge_pages=huge_pages, bf16_compute=bf16_compute, exact_prefill=exact_prefill)
         self._bind(model, 0)
 
     def _bind(self, model, layer):
@@ -696,7 +696,7 @@ def _route_deepseek(spec, gate, logits):
 
 
 def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
-               verbose=False):
+               verbose=False, exact_prefill=False):
     """Runs the experts of every recognised sparse-MoE block of `model` in
     Colibri; returns an AccelerateReport.
 
@@ -713,6 +713,7 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     None = each block's own). Same-shaped blocks share one Colibri model
     (one thread pool) with one layer per block. threads: Colibri threads (0 =
     one per core). shared=False keeps shared experts in PyTorch.
+    bf16_compute / exact_prefill: the precision options of colibri.Model.
     A patched block falls back to its PyTorch forward in training mode, when
     autograd needs a gradient through it, or for non-CPU inputs.
     """
@@ -744,7 +745,7 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
         cdtype = key[0]
         layers = [spec.layer_dict(shared_in_colibri=in_colibri) for _, _, spec, in_colibri in members]
         cmodel = Model.from_arrays(layers, dtype=cdtype, threads=threads, lock=lock, huge_pages=huge_pages,
-                                   bf16_compute=bf16_compute)
+                                   bf16_compute=bf16_compute, exact_prefill=exact_prefill)
         del layers
         report.models.append(cmodel)
         for i, (path, module, spec, in_colibri) in enumerate(members):

@@ -683,13 +683,9 @@ struct DownPhase {
 };
 
 // When the per-thread scratch cannot be allocated (out of memory on a
-// thread's first prefill call): the decode kernels for these weights, which
-// need none. bf16 weights keep the bf16 activation rounding (vdpbf16ps,
-// present on every CPU with AMX-BF16); others, and the split table, whose
-// results are fp32-grade, compute in fp32.
-const KernelTable& decode_fallback(WeightType t, bool split) {
-  return !split && t == WeightType::kBF16 && cpu_has_avx512_bf16() ? avx512_bf16_kernels() : avx512_kernels();
-}
+// thread's first prefill call): the fp32 decode kernels, which need none
+// and are at least as accurate as either table.
+const KernelTable& decode_fallback() { return avx512_kernels(); }
 
 // `prepared`: the activations as prepare_tiles packed them, or null to
 // pack them here.
@@ -700,7 +696,7 @@ void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const 
   const int32_t units = (f_end - f_begin + kTile - 1) / kTile;
   Plan pl;
   if (!make_plan(s.d_model, n, units, split, prepared == nullptr, &bound_scratch(), &pl)) {
-    decode_fallback(s.weight_type, split).gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    decode_fallback().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
     return;
   }
   configure_tiles();
@@ -722,7 +718,7 @@ void down_tiles(bool split, const ExpertShape& s, const void* down, const float*
   const int32_t units = (d_end - d_begin + 2 * kTile - 1) / (2 * kTile);
   Plan pl;
   if (!make_plan(s.d_ff, n, units, split, prepared == nullptr, &bound_scratch(), &pl)) {
-    decode_fallback(s.weight_type, split).down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    decode_fallback().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
   }
   configure_tiles();

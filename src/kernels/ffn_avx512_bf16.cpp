@@ -1,5 +1,10 @@
-// bf16-compute kernels for bf16 weights on CPUs with AVX512_BF16 (built
-// with -mavx512f/bw/vl/dq/bf16 -mavx2 -mfma). Table "avx512-bf16".
+// bf16 dot-product kernels for bf16 weights on CPUs with AVX512_BF16 (built
+// with -mavx512f/bw/vl/dq/bf16 -mavx2 -mfma). Tables "avx512-bf16" (the
+// activations rounded to bf16, described below; a bf16_compute prefill
+// table) and "avx512-bf16-split" (the bf16 decode table: each activation
+// split into hi = bf16(a) and lo = bf16(a - hi), both multiplied, so the
+// error per product is below 2^-17 instead of 2^-9; experts with more than
+// one token go to the fp32 "avx512" kernels, faster there).
 //
 // Same interface and semantics as kernels.h, except for one documented
 // rounding (docs/PRECISION.md): the activations (x in gate_up, h in down)
@@ -107,6 +112,25 @@ inline void to_bf16(const float* src, int32_t len, uint16_t* dst) {
   }
 }
 
+// The split form: hi = bf16(src), lo = bf16(src - hi), both zero padded as
+// to_bf16 pads. hi + lo holds 16 of the 24 significant bits and the rest is
+// below 2^-17 of |src|, so a product with a bf16 weight through both parts
+// is fp32-grade (docs/PRECISION.md). src - hi is exact in f32.
+inline void to_bf16_split(const float* src, int32_t len, uint16_t* hi, uint16_t* lo) {
+  for (int32_t k = 0; k < len; k += kPairLanes) {
+    const int32_t rem = len - k;
+    const __m512 a = _mm512_maskz_loadu_ps(lane_mask(rem), src + k);
+    const __m512 b = _mm512_maskz_loadu_ps(lane_mask(rem - kLanes), src + k + kLanes);
+    const __m512i h = as_si(_mm512_cvtne2ps_pbh(b, a));
+    // Back to f32: each bf16 is the top half of its f32.
+    const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    const __m512 hb =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    _mm512_store_si512(hi + k, h);
+    _mm512_store_si512(lo + k, as_si(_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha))));
+  }
+}
+
 // Sixteen horizontal sums at once: lane j of the result is the sum of the
 // lanes of acc[j]. A transpose-and-add tree (45 shuffles/adds for 16 sums
 // instead of ~5 per sum one at a time). Every accumulator goes through the
@@ -146,7 +170,11 @@ inline __m512 reduce16(const __m512* acc) {
 // Dot products of R consecutive weight rows with NT bf16 activation rows
 // over nvec vectors of 32 elements, stored to out[r*NT + t]. Weight rows and
 // activation copies are both zero padded to whole vectors, so no masks.
-template <int R, int NT>
+// kSplit: each activation row is a hi part at xb + t*kKChunk and a lo part
+// kLoOffset further, both multiplied into the same accumulator.
+constexpr size_t kLoOffset = static_cast<size_t>(kMaxTokens) * kKChunk;
+
+template <int R, int NT, bool kSplit>
 inline void dot_bf16(const uint16_t* row0, size_t stride, const uint16_t* xb, int32_t nvec,
                      float* out) {
   static_assert(R * NT <= 16, "one reduce16 per micro-kernel");
@@ -164,22 +192,38 @@ inline void dot_bf16(const uint16_t* row0, size_t stride, const uint16_t* xb, in
     for (int r = 0; r < R; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(rows[r] + k) + kPrefetchBytes, _MM_HINT_T0);
     }
-    __m512bh xv[NT];
+    __m512bh xv[NT], xlo[NT];
     COLIBRI_UNROLL
     for (int t = 0; t < NT; ++t) {
       xv[t] = as_bh(_mm512_load_si512(xb + static_cast<size_t>(t) * kKChunk + k));
+      if constexpr (kSplit) xlo[t] = as_bh(_mm512_load_si512(xb + kLoOffset + static_cast<size_t>(t) * kKChunk + k));
     }
     COLIBRI_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m512bh w = as_bh(_mm512_loadu_si512(rows[r] + k));
       COLIBRI_UNROLL
-      for (int t = 0; t < NT; ++t) acc[r * NT + t] = _mm512_dpbf16_ps(acc[r * NT + t], w, xv[t]);
+      for (int t = 0; t < NT; ++t) {
+        acc[r * NT + t] = _mm512_dpbf16_ps(acc[r * NT + t], w, xv[t]);
+        if constexpr (kSplit) acc[r * NT + t] = _mm512_dpbf16_ps(acc[r * NT + t], w, xlo[t]);
+      }
     }
   }
   alignas(64) float sums[16];
   _mm512_store_ps(sums, reduce16(acc));
   COLIBRI_UNROLL
   for (int j = 0; j < R * NT; ++j) out[j] = sums[j];
+}
+
+// Token t's activations of one K chunk into the block buffer: rounded, or
+// (kSplit) as hi and lo parts.
+template <bool kSplit>
+inline void convert(const float* src, int32_t len, uint16_t* xb, int32_t t) {
+  uint16_t* row = xb + static_cast<size_t>(t) * kKChunk;
+  if constexpr (kSplit) {
+    to_bf16_split(src, len, row, row + kLoOffset);
+  } else {
+    to_bf16(src, len, row);
+  }
 }
 
 // ---------------------------------------------------------------- gate_up
@@ -191,11 +235,11 @@ struct GateUpPartials {
 };
 
 // F rows f..f+F-1 (2F weight rows: gate f, up f, gate f+1, ...), one K chunk.
-template <int F, int NT>
+template <int F, int NT, bool kSplit>
 inline void gate_up_step(const uint16_t* base, size_t stride, const uint16_t* xb, int32_t nvec,
                          int32_t f, int32_t f0, GateUpPartials& p) {
   float out[2 * F * NT];
-  dot_bf16<2 * F, NT>(base + static_cast<size_t>(2 * f) * stride, stride, xb, nvec, out);
+  dot_bf16<2 * F, NT, kSplit>(base + static_cast<size_t>(2 * f) * stride, stride, xb, nvec, out);
   COLIBRI_UNROLL
   for (int r = 0; r < F; ++r) {
     COLIBRI_UNROLL
@@ -211,19 +255,19 @@ inline void gate_up_step(const uint16_t* base, size_t stride, const uint16_t* xb
 // f rows per micro-kernel: 2F weight rows x NT tokens <= 16 accumulators.
 constexpr int gate_up_f(int nt) { return nt <= 2 ? 4 : 2; }
 
-template <int NT>
+template <int NT, bool kSplit>
 void gate_up_rows(const uint16_t* base, size_t stride, const uint16_t* xb, int32_t nvec,
                   int32_t f0, int32_t f1, GateUpPartials& p) {
   constexpr int kF = gate_up_f(NT);
   int32_t f = f0;
-  for (; f1 - f >= kF; f += kF) gate_up_step<kF, NT>(base, stride, xb, nvec, f, f0, p);
+  for (; f1 - f >= kF; f += kF) gate_up_step<kF, NT, kSplit>(base, stride, xb, nvec, f, f0, p);
   if constexpr (kF > 2) {
     if (f1 - f >= 2) {
-      gate_up_step<2, NT>(base, stride, xb, nvec, f, f0, p);
+      gate_up_step<2, NT, kSplit>(base, stride, xb, nvec, f, f0, p);
       f += 2;
     }
   }
-  for (; f < f1; ++f) gate_up_step<1, NT>(base, stride, xb, nvec, f, f0, p);
+  for (; f < f1; ++f) gate_up_step<1, NT, kSplit>(base, stride, xb, nvec, f, f0, p);
 }
 
 // exp for 16 lanes: n = round(x log2 e), r = x - n ln 2 (two-part ln 2),
@@ -260,11 +304,19 @@ inline void silu_mul_store(const float* g, const float* u, int32_t nf, float* h)
   }
 }
 
+template <bool kSplit>
 void gate_up_bf16(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                   const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h,
                   size_t ldh) {
   if (s.weight_type != WeightType::kBF16) {
     // Only bf16 weights have a bf16 product; the others keep fp32.
+    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    return;
+  }
+  if (kSplit && n > 1) {
+    // Two products per weight per token outrun widening the weights only
+    // for one token (kernel bench, one thread: 1.0x at 1 token, 0.79x at 2,
+    // 0.53x at 4 against "avx512"; docs/KERNELS.md).
     avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
     return;
   }
@@ -274,7 +326,7 @@ void gate_up_bf16(const ExpertShape& s, const void* gate_up, const float* x, siz
   const int32_t D = s.d_model;
   const int32_t chunk = chunk_rows(2 * stride * sizeof(uint16_t));
 
-  alignas(64) uint16_t xb[kMaxTokens * kKChunk];
+  alignas(64) uint16_t xb[(kSplit ? 2 : 1) * kLoOffset];
   GateUpPartials p;
 
   for (int32_t f0 = f_begin; f0 < f_end; f0 += chunk) {
@@ -290,20 +342,20 @@ void gate_up_bf16(const ExpertShape& s, const void* gate_up, const float* x, siz
       for (int32_t k0 = 0; k0 < D; k0 += kKChunk) {
         const int32_t kc = min_i32(kKChunk, D - k0);
         const int32_t nvec = (kc + kPairLanes - 1) / kPairLanes;
-        for (int32_t t = 0; t < nt; ++t) to_bf16(xs[t] + k0, kc, xb + static_cast<size_t>(t) * kKChunk);
+        for (int32_t t = 0; t < nt; ++t) convert<kSplit>(xs[t] + k0, kc, xb, t);
         const uint16_t* wk = base + k0;
         switch (nt) {
           case 1:
-            gate_up_rows<1>(wk, stride, xb, nvec, f0, f1, p);
+            gate_up_rows<1, kSplit>(wk, stride, xb, nvec, f0, f1, p);
             break;
           case 2:
-            gate_up_rows<2>(wk, stride, xb, nvec, f0, f1, p);
+            gate_up_rows<2, kSplit>(wk, stride, xb, nvec, f0, f1, p);
             break;
           case 3:
-            gate_up_rows<3>(wk, stride, xb, nvec, f0, f1, p);
+            gate_up_rows<3, kSplit>(wk, stride, xb, nvec, f0, f1, p);
             break;
           default:
-            gate_up_rows<4>(wk, stride, xb, nvec, f0, f1, p);
+            gate_up_rows<4, kSplit>(wk, stride, xb, nvec, f0, f1, p);
             break;
         }
       }
@@ -316,11 +368,11 @@ void gate_up_bf16(const ExpertShape& s, const void* gate_up, const float* x, siz
 
 // ------------------------------------------------------------------- down
 
-template <int R, int NT>
+template <int R, int NT, bool kSplit>
 inline void down_step(const uint16_t* base, size_t stride, const uint16_t* xb, int32_t nvec,
                       int32_t d, int32_t d0, float (*pd)[kMaxChunkRows]) {
   float out[R * NT];
-  dot_bf16<R, NT>(base + static_cast<size_t>(d) * stride, stride, xb, nvec, out);
+  dot_bf16<R, NT, kSplit>(base + static_cast<size_t>(d) * stride, stride, xb, nvec, out);
   COLIBRI_UNROLL
   for (int r = 0; r < R; ++r) {
     COLIBRI_UNROLL
@@ -331,29 +383,34 @@ inline void down_step(const uint16_t* base, size_t stride, const uint16_t* xb, i
 
 constexpr int down_r(int nt) { return nt <= 2 ? 8 : 4; }
 
-template <int NT>
+template <int NT, bool kSplit>
 void down_rows(const uint16_t* base, size_t stride, const uint16_t* xb, int32_t nvec, int32_t d0,
                int32_t d1, float (*pd)[kMaxChunkRows]) {
   constexpr int kR = down_r(NT);
   int32_t d = d0;
-  for (; d1 - d >= kR; d += kR) down_step<kR, NT>(base, stride, xb, nvec, d, d0, pd);
+  for (; d1 - d >= kR; d += kR) down_step<kR, NT, kSplit>(base, stride, xb, nvec, d, d0, pd);
   if constexpr (kR > 4) {
     if (d1 - d >= 4) {
-      down_step<4, NT>(base, stride, xb, nvec, d, d0, pd);
+      down_step<4, NT, kSplit>(base, stride, xb, nvec, d, d0, pd);
       d += 4;
     }
   }
   if (d1 - d >= 2) {
-    down_step<2, NT>(base, stride, xb, nvec, d, d0, pd);
+    down_step<2, NT, kSplit>(base, stride, xb, nvec, d, d0, pd);
     d += 2;
   }
-  for (; d < d1; ++d) down_step<1, NT>(base, stride, xb, nvec, d, d0, pd);
+  for (; d < d1; ++d) down_step<1, NT, kSplit>(base, stride, xb, nvec, d, d0, pd);
 }
 
+template <bool kSplit>
 void down_bf16(const ExpertShape& s, const void* down, const float* h, size_t ldh,
                const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin,
                int32_t d_end, float* y, size_t ldy) {
   if (s.weight_type != WeightType::kBF16) {
+    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    return;
+  }
+  if (kSplit && n > 1) {  // as in gate_up_bf16
     avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
   }
@@ -363,7 +420,7 @@ void down_bf16(const ExpertShape& s, const void* down, const float* h, size_t ld
   const int32_t F = s.d_ff;
   const int32_t chunk = chunk_rows(stride * sizeof(uint16_t));
 
-  alignas(64) uint16_t xb[kMaxTokens * kKChunk];
+  alignas(64) uint16_t xb[(kSplit ? 2 : 1) * kLoOffset];
   alignas(64) float pd[kMaxTokens][kMaxChunkRows];
 
   for (int32_t d0 = d_begin; d0 < d_end; d0 += chunk) {
@@ -380,22 +437,21 @@ void down_bf16(const ExpertShape& s, const void* down, const float* h, size_t ld
         const int32_t kc = min_i32(kKChunk, F - k0);
         const int32_t nvec = (kc + kPairLanes - 1) / kPairLanes;
         for (int32_t t = 0; t < nt; ++t) {
-          to_bf16(h + static_cast<size_t>(i0 + t) * ldh + static_cast<size_t>(k0), kc,
-                  xb + static_cast<size_t>(t) * kKChunk);
+          convert<kSplit>(h + static_cast<size_t>(i0 + t) * ldh + static_cast<size_t>(k0), kc, xb, t);
         }
         const uint16_t* wk = base + k0;
         switch (nt) {
           case 1:
-            down_rows<1>(wk, stride, xb, nvec, d0, d1, pd);
+            down_rows<1, kSplit>(wk, stride, xb, nvec, d0, d1, pd);
             break;
           case 2:
-            down_rows<2>(wk, stride, xb, nvec, d0, d1, pd);
+            down_rows<2, kSplit>(wk, stride, xb, nvec, d0, d1, pd);
             break;
           case 3:
-            down_rows<3>(wk, stride, xb, nvec, d0, d1, pd);
+            down_rows<3, kSplit>(wk, stride, xb, nvec, d0, d1, pd);
             break;
           default:
-            down_rows<4>(wk, stride, xb, nvec, d0, d1, pd);
+            down_rows<4, kSplit>(wk, stride, xb, nvec, d0, d1, pd);
             break;
         }
       }
@@ -417,7 +473,12 @@ void down_bf16(const ExpertShape& s, const void* down, const float* h, size_t ld
 }  // namespace
 
 const KernelTable& avx512_bf16_kernels() {
-  static const KernelTable table{Isa::kAvx512, "avx512-bf16", gate_up_bf16, down_bf16};
+  static const KernelTable table{Isa::kAvx512, "avx512-bf16", gate_up_bf16<false>, down_bf16<false>};
+  return table;
+}
+
+const KernelTable& avx512_bf16_split_kernels() {
+  static const KernelTable table{Isa::kAvx512, "avx512-bf16-split", gate_up_bf16<true>, down_bf16<true>};
   return table;
 }
 

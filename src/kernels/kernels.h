@@ -15,8 +15,9 @@
 //   down:    D rows of F elements, padded with zeros to `down_stride`.
 // Both blocks start 64-byte aligned. Element type: f32, f16 or bf16, as in
 // the model files. Activations are f32 and products are summed in f32,
-// except in the "avx512-bf16" table, where bf16 weights meet activations
-// rounded to bf16 (see kernel_table_for and docs/PRECISION.md).
+// except in the bf16 prefill tables ("amx-bf16", "avx512-bf16"), where
+// activations are rounded to bf16 (see prefill_tiers_for and
+// docs/PRECISION.md).
 #pragma once
 
 #include <cstddef>
@@ -179,26 +180,35 @@ const char* isa_name(Isa isa);
 // Parses "scalar" / "avx2" / "avx512" / "amx"; false if unknown.
 bool parse_isa(const char* text, Isa* out);
 // Kernels for `isa`; falls back to the highest supported level not above it
-// (kAmx decodes with the kAvx512 table).
-// These always compute in fp32 (weights widened exactly to f32).
+// (kAmx decodes with the kAvx512 table). These always compute in fp32
+// (weights widened exactly to f32, activations f32): they are the decode
+// tables for every weight type, since decode is bound by reading the
+// weights and exactness costs it nothing (docs/PRECISION.md).
 const KernelTable& kernel_table(Isa isa);
 
-// How the activations meet the weights.
-enum class Precision : uint8_t {
-  // The fastest path whose error docs/PRECISION.md documents for the weight
-  // type: bf16 weights on an AVX512_BF16 CPU at ISA level avx512 use the
-  // "avx512-bf16" table (activations rounded to bf16, vdpbf16ps, fp32 sums;
-  // relative error <= 2^-8 per product); everything else computes in fp32.
-  kDefault = 0,
-  // Always fp32 activations (kernel_table(isa)), for any weight type.
-  kFp32 = 1,
-};
+// The decode table for weights of type `wt` at `isa`: kernel_table(isa),
+// except bf16 weights on AVX512_BF16 CPUs, which take "avx512-bf16-split"
+// (vdpbf16ps on the activations split into two bf16 parts: fp32-grade, and
+// it streams faster than widening the weights; docs/KERNELS.md).
+const KernelTable& decode_table_for(Isa isa, WeightType wt);
 
-// The table the engine uses for weights of type `wt` at ISA level `isa`
-// (lowered to what the CPU supports, as kernel_table does).
-const KernelTable& kernel_table_for(Isa isa, WeightType wt, Precision p = Precision::kDefault);
-// True when kernel_table_for(isa, kBF16, kDefault) is the bf16-compute table.
+// True when the bf16 dot-product tables ("avx512-bf16", "avx512-bf16-split") may run at `isa`:
+// the level is at least avx512 and the CPU has AVX512_BF16.
 bool bf16_compute_available(Isa isa);
+
+// How many-token (prefill) calls may trade precision for speed.
+enum class PrefillPrecision : uint8_t {
+  // bf16 weights on AMX tiles with activations rounded to bf16 (measured
+  // 5-8x the fp32 kernels, held to PyTorch bf16's error or 5e-3,
+  // docs/PRECISION.md); everything else at fp32 grade.
+  kDefault = 0,
+  // fp32-grade for every weight type (the open option exact_prefill).
+  kExact = 1,
+  // Any weights through bf16 products (the open option bf16_compute):
+  // AMX bf16 tiles where usable; bf16 weights without AMX on the
+  // "avx512-bf16" dot-product table.
+  kBf16 = 2,
+};
 
 // A prefill (many tokens per expert) table and the tokens per expert from
 // which it beats the tables below it (measured; docs/KERNELS.md).
@@ -219,13 +229,21 @@ struct PrefillTiers {
   }
 };
 
-// The prefill tiers for weights of type `wt` at level `isa`. bf16 weights,
-// or any weights when `bf16_compute`, use the "amx-bf16" tiles where
-// amx_available(); otherwise f32/f16 weights use the fp32 AVX-512 kernels
-// with tokens in the lanes for mid counts, and for large counts the
-// weight-panel GEMM, or for f16 weights on AMX the fp32-grade split table
-// ("amx-f16-split").
-PrefillTiers prefill_tiers_for(Isa isa, WeightType wt, bool bf16_compute);
+// Experts smaller than this in d_model or d_ff never take a table that
+// rounds activations to bf16: their few products do not average the
+// roundings out (one rounded h scales a whole output row), so the error
+// could pass the contract, and such experts are too small for the speed to
+// matter. From here on the measured worst error over random layers is
+// 3.4e-3 for bf16 weights (tests/test_precision.cpp, docs/PRECISION.md).
+inline constexpr int32_t kBf16RoundingMinDim = 128;
+
+// The prefill tiers for experts of `shape` at level `isa`: the fp32
+// AVX-512 kernels with tokens in the lanes for mid counts, and for large
+// counts the weight-panel GEMM, or for f16 weights on AMX the fp32-grade
+// split table ("amx-f16-split"); bf16 weights by default, or any weights
+// with kBf16, the "amx-bf16" tiles where amx_available() and the expert is
+// at least kBf16RoundingMinDim in both dimensions; see PrefillPrecision.
+PrefillTiers prefill_tiers_for(Isa isa, const ExpertShape& shape, PrefillPrecision precision);
 
 // Per-ISA tables (defined in ffn_<isa>.cpp).
 const KernelTable& scalar_kernels();
@@ -234,8 +252,11 @@ const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
 // bf16 weights with bf16-rounded activations via vdpbf16ps (ffn_avx512_bf16.cpp);
 // f32/f16 weights passed to it go to avx512_kernels(). Its kernels may only
-// run when cpu_has_avx512_bf16(); kernel_table_for() checks that.
+// run when cpu_has_avx512_bf16(); prefill_tiers_for() checks that.
 const KernelTable& avx512_bf16_kernels();
+// The same with the activations split into hi + lo bf16 parts, two
+// products each: fp32-grade (docs/PRECISION.md); the bf16 decode table.
+const KernelTable& avx512_bf16_split_kernels();
 #endif
 
 }  // namespace colibri::kernels

@@ -41,8 +41,8 @@ void Engine::set_router(const colibri_router_desc_t& desc) {
   router_ = RouterRule(desc, n_experts_);
   // Router weights are f32 and computed in fp32 whatever the experts' type:
   // the choice of experts should not depend on the weight format.
-  router_decode_ = &kernels::kernel_table_for(kernels_->isa, kernels::WeightType::kF32, kernels::Precision::kFp32);
-  router_prefill_ = kernels::prefill_tiers_for(kernels_->isa, kernels::WeightType::kF32, false);
+  router_decode_ = &kernels::kernel_table(kernels_->isa);
+  router_prefill_ = kernels::prefill_tiers_for(kernels_->isa, store_.router_shape(), kernels::PrefillPrecision::kExact);
 }
 
 // Grows the per-token scratch (router logits, shared expert) to `tokens`.

@@ -155,13 +155,19 @@ void Model::start(const colibri_open_options_t& o) {
   int threads = o.n_threads == 0 ? cores : o.n_threads;
   if (threads > cores) threads = cores;
   pool_ = std::make_unique<ThreadPool>(threads, o.pin_threads != 0);
-  // bf16 weights get the bf16-compute kernels where the CPU has them
-  // (docs/PRECISION.md); Engine::kernels().name says which table runs.
+  if (o.bf16_compute != 0 && o.exact_prefill != 0) {
+    fail(COLIBRI_ERR_INVALID_ARGUMENT,
+         "options.bf16_compute and options.exact_prefill are both set; they ask for opposite precisions");
+  }
+  // Decode is fp32-grade for every weight type; prefill precision follows the
+  // options (docs/PRECISION.md). model_kernels() says which tables run.
   const kernels::Isa isa = kernels::default_isa();
-  const kernels::WeightType wt = store_->shape().weight_type;
   engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_,
-                                     kernels::kernel_table_for(isa, wt));
-  const kernels::PrefillTiers prefill = kernels::prefill_tiers_for(isa, wt, o.bf16_compute != 0);
+                                     kernels::decode_table_for(isa, store_->shape().weight_type));
+  const kernels::PrefillPrecision precision = o.exact_prefill != 0  ? kernels::PrefillPrecision::kExact
+                                              : o.bf16_compute != 0 ? kernels::PrefillPrecision::kBf16
+                                                                    : kernels::PrefillPrecision::kDefault;
+  const kernels::PrefillTiers prefill = kernels::prefill_tiers_for(isa, store_->shape(), precision);
   engine_->set_prefill_kernels(prefill);
   if (manifest_.has_router()) engine_->set_router(manifest_.router);
   kernels_description_ = std::string("decode ") + engine_->kernels().name;

@@ -30,14 +30,14 @@ using Clock = std::chrono::steady_clock;
 // ------------------------------------------------------------------ infer
 
 struct InferArgs {
-  std::string model, routing, input, output;
+  std::string model, routing, input, output, precision = "default";
   int layer = 0, threads = 0;
   bool q4 = false;
 };
 
 void run_infer(const InferArgs& a) {
   ModelHandle h;
-  open_model(a.model, a.threads, true, &h);
+  open_model(a.model, a.threads, true, &h, a.precision);
   const colibri_model_info_t info = model_info(h);
   RoutingHandle r;
   const std::vector<uint8_t> x = read_file(a.input);
@@ -206,7 +206,7 @@ nlohmann::json bench_json(const BenchResult& r) {
 }
 
 struct BenchArgs {
-  std::string model, routing, isa;
+  std::string model, routing, isa, precision = "default";
   int tokens = 0, top_k = 0, iters = 100, warmup = 5, threads = 0, layer = 0, swap_every = 0, compare_threads = 0;
   uint64_t seed = 1;
   bool json = false, no_verify = false;
@@ -221,7 +221,7 @@ void set_isa(const std::string& isa) {
 void run_bench(const BenchArgs& a) {
   set_isa(a.isa);
   ModelHandle h;
-  open_model(a.model, a.threads, !a.no_verify, &h);
+  open_model(a.model, a.threads, !a.no_verify, &h, a.precision);
   const colibri_model_info_t info = model_info(h);
   BenchSetup s;
   s.layer = a.layer;
@@ -416,6 +416,7 @@ void add_run_commands(CLI::App& app) {
   infer->add_option("--layer", ia->layer, "Layer index")->check(CLI::NonNegativeNumber);
   infer->add_option("--threads", ia->threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
   infer->add_flag("--q4-weights", ia->q4, "For .route text: weights are 4-bit codes");
+  infer->add_option("--precision", ia->precision, kPrecisionHelp)->check(CLI::IsMember(precision_names()));
   infer->callback([ia] { run_infer(*ia); });
 
   auto ba = std::make_shared<BenchArgs>();
@@ -432,6 +433,7 @@ void add_run_commands(CLI::App& app) {
   b->add_option("--layer", ba->layer, "Layer index")->check(CLI::NonNegativeNumber);
   b->add_option("--isa", ba->isa, "Force a lower kernel level: scalar, avx2, avx512, amx (avx512 with AMX tiles for prefill)")
       ->check(CLI::IsMember({"scalar", "avx2", "avx512", "amx"}));
+  b->add_option("--precision", ba->precision, kPrecisionHelp)->check(CLI::IsMember(precision_names()));
   b->add_flag("--no-verify", ba->no_verify, "Skip checksum verification at open");
   b->add_flag("--json", ba->json, "JSON output");
   b->add_option("--swap-every", ba->swap_every,

@@ -66,11 +66,13 @@ LatencySummary summarize(std::vector<double> s) {
   return r;
 }
 
-void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out) {
+void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out, const std::string& precision) {
   colibri_open_options_t options;
   colibri_open_options_default(&options);
   options.n_threads = threads;
   options.verify_checksums = verify ? 1 : 0;
+  options.exact_prefill = precision == "exact" ? 1 : 0;
+  options.bf16_compute = precision == "bf16" ? 1 : 0;
   check(colibri_open(dir.c_str(), &options, &out->model), "open " + dir);
   const std::string warning = colibri_last_warning();
   if (!warning.empty()) std::fprintf(stderr, "colibri: warning: %s\n", warning.c_str());

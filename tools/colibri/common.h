@@ -55,8 +55,19 @@ struct RoutingHandle {
   ~RoutingHandle() { colibri_routing_free(routing); }
 };
 
+// The open options' precision choice, as the --precision flag names it:
+// "default", "exact" (exact_prefill) or "bf16" (bf16_compute).
+inline constexpr const char* kPrecisionHelp =
+    "Prefill precision: default (bf16 models round activations on AMX tiles), exact (fp32-grade "
+    "everywhere), bf16 (any weights through bf16 products); docs/PRECISION.md";
+inline const std::vector<std::string>& precision_names() {
+  static const std::vector<std::string> names{"default", "exact", "bf16"};
+  return names;
+}
+
 // Opens a model; prints the loader's warning (if any) to stderr.
-void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out);
+void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out,
+                const std::string& precision = "default");
 colibri_model_info_t model_info(const ModelHandle& h);
 
 // Explicit routing for benchmarks and load tests.
