@@ -722,8 +722,8 @@ TEST_F(EngineTest, ConcurrentCallsFromFourThreads) {
   colibri_free(m);
 }
 
-// The engine reports its decode table: the fp32 table of the level for every
-// weight type (bf16 weights too: decode is memory bound, exactness is free).
+// The engine reports its decode table: the fp32 table of the level, except
+// bf16 weights on AVX512_BF16 CPUs, which get the fp32-grade split table.
 TEST_F(EngineTest, KernelTableFollowsWeightType) {
   namespace k = colibri::kernels;
   for (const colibri_dtype_t dtype : {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16}) {
@@ -743,7 +743,8 @@ TEST_F(EngineTest, KernelTableFollowsWeightType) {
     const k::KernelTable& table = model.engine().kernels();
     // The AMX level decodes with the AVX-512 kernels.
     const k::Isa decode_isa = std::min(k::default_isa(), k::Isa::kAvx512);
-    EXPECT_STREQ(table.name, k::isa_name(decode_isa));
+    const bool split = dtype == COLIBRI_DTYPE_BF16 && k::bf16_compute_available(k::default_isa());
+    EXPECT_STREQ(table.name, split ? "avx512-bf16-split" : k::isa_name(decode_isa));
     EXPECT_EQ(table.isa, decode_isa);
     std::printf("%s weights: %s kernels\n", dtype_str(dtype), table.name);
   }

@@ -1,5 +1,6 @@
 // colibri infer | bench | demo
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -387,9 +388,17 @@ void run_demo(const DemoArgs& a) {
   s.warmup = 2;
   s.blob = blob.data();
   s.blob_size = blob.size();
-  s.progress = [&](int done, double dt) {
-    std::fprintf(stderr, "\r  inference %3d/%d  %8.2f ms", done, a.iters, dt * 1e3);
-    if (done == a.iters) std::fprintf(stderr, "\n");
+  // On a terminal one line updated in place; otherwise (a log, a pipe) a
+  // plain line at every quarter, so the log does not get a hundred
+  // carriage-return updates on one line.
+  const bool terminal = ::isatty(STDERR_FILENO) != 0;
+  s.progress = [&, terminal](int done, double dt) {
+    if (terminal) {
+      std::fprintf(stderr, "\r  inference %3d/%d  %8.2f ms", done, a.iters, dt * 1e3);
+      if (done == a.iters) std::fprintf(stderr, "\n");
+    } else if (done == a.iters || done % std::max(1, a.iters / 4) == 0) {
+      std::fprintf(stderr, "  inference %3d/%d  %8.2f ms\n", done, a.iters, dt * 1e3);
+    }
   };
   const BenchResult b = bench(h, s);
   std::printf("\n| metric | value |\n|---|---|\n");
