@@ -53,14 +53,20 @@ double run_relative_error(const std::string& dir, const colibri_open_options_t& 
   return colibri_test::relative_l2(y.data(), ref);
 }
 
-TEST(OpenOptions, Bf16ComputeOnF16ModelIsOptInAndWithinTolerance) {
-  TempDir dir;
+// A 4-expert model with d_model 160 and d_ff 144: both at least
+// kBf16RoundingMinDim, so the rounding prefill tables may run on it.
+void write_precision_model(const std::string& dir, colibri_dtype_t dtype, uint64_t seed) {
   colibri::ModelWriteSpec spec;
   spec.n_experts = 4;
-  spec.d_model = 160;  // both >= kBf16RoundingMinDim, so rounding may run
+  spec.d_model = 160;
   spec.d_ff = 144;
-  spec.dtype = COLIBRI_DTYPE_F16;
-  colibri::write_random_model(dir.path, spec, 3);
+  spec.dtype = dtype;
+  colibri::write_random_model(dir, spec, seed);
+}
+
+TEST(OpenOptions, Bf16ComputeOnF16ModelIsOptInAndWithinTolerance) {
+  TempDir dir;
+  write_precision_model(dir.path, COLIBRI_DTYPE_F16, 3);
   colibri_open_options_t o;
   colibri_open_options_default(&o);
   EXPECT_EQ(o.bf16_compute, 0);
@@ -85,12 +91,7 @@ TEST(OpenOptions, Bf16ComputeOnF16ModelIsOptInAndWithinTolerance) {
 // weights used exactly), so the error drops to fp32 summation error.
 TEST(OpenOptions, ExactPrefillOnBf16ModelIsFp32Grade) {
   TempDir dir;
-  colibri::ModelWriteSpec spec;
-  spec.n_experts = 4;
-  spec.d_model = 160;
-  spec.d_ff = 144;
-  spec.dtype = COLIBRI_DTYPE_BF16;
-  colibri::write_random_model(dir.path, spec, 8);
+  write_precision_model(dir.path, COLIBRI_DTYPE_BF16, 8);
   colibri_open_options_t o;
   colibri_open_options_default(&o);
   std::string kernels;

@@ -29,6 +29,7 @@
 
 #include "colibri.h"
 #include "kernels/kernels.h"
+#include "moe/reference.h"
 #include "util/half.h"
 
 namespace {
@@ -82,7 +83,9 @@ Layer random_layer(std::mt19937& rng, int32_t E, int32_t D, int32_t F, colibri_d
   return L;
 }
 
-colibri_model_t* open_layer(const Layer& L, const colibri_open_options_t& o) {
+// colibri_open_memory on the layer's stored weights; *out is the model or
+// null, the status is returned.
+colibri_status_t open_layer(const Layer& L, const colibri_open_options_t& o, colibri_model_t** out) {
   const size_t DF = static_cast<size_t>(L.D) * static_cast<size_t>(L.F);
   const size_t elem = L.dtype == COLIBRI_DTYPE_F32 ? 4 : 2;
   std::vector<colibri_expert_weights_t> ew(static_cast<size_t>(L.E));
@@ -102,9 +105,7 @@ colibri_model_t* open_layer(const Layer& L, const colibri_open_options_t& o) {
   desc.d_ff = L.F;
   desc.dtype = L.dtype;
   desc.layers = &lw;
-  colibri_model_t* m = nullptr;
-  EXPECT_EQ(colibri_open_memory(&desc, &o, &m), COLIBRI_OK) << colibri_last_error();
-  return m;
+  return colibri_open_memory(&desc, &o, out);
 }
 
 double silu(double g) { return g / (1.0 + std::exp(-g)); }
@@ -145,7 +146,7 @@ std::vector<double> exact_layer(const Layer& L, int32_t T, int32_t kk, const std
 // rounded to bf16 and added into the bf16 result expert by expert (index_add_
 // in ascending expert order). Weights not stored in bf16 are rounded to it
 // (model.to(torch.bfloat16)).
-std::vector<double> pytorch_bf16_layer(const Layer& L, int32_t T, int32_t kk, const std::vector<float>& x,
+std::vector<float> pytorch_bf16_layer(const Layer& L, int32_t T, int32_t kk, const std::vector<float>& x,
                                        const std::vector<int32_t>& ids, const std::vector<float>& w) {
   const size_t D = static_cast<size_t>(L.D), F = static_cast<size_t>(L.F);
   std::vector<float> y(static_cast<size_t>(T) * D, 0.0f), xb(D), h(F);
@@ -175,29 +176,12 @@ std::vector<double> pytorch_bf16_layer(const Layer& L, int32_t T, int32_t kk, co
       }
     }
   }
-  return std::vector<double>(y.begin(), y.end());
-}
-
-// ||got - ref|| / ||ref||; non-finite output gives +inf, an all-zero
-// reference gives 0 only for an all-zero output.
-template <typename V>
-double relative_l2(const V& got, const std::vector<double>& ref) {
-  double e2 = 0.0, r2 = 0.0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double g = static_cast<double>(got[i]);
-    if (!std::isfinite(g)) return std::numeric_limits<double>::infinity();
-    e2 += (g - ref[i]) * (g - ref[i]);
-    r2 += ref[i] * ref[i];
-  }
-  if (r2 == 0.0) return e2 == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
-  return std::sqrt(e2 / r2);
+  return y;
 }
 
 bool rounds_activations(const k::KernelTable& t) {
   return std::strcmp(t.name, "amx-bf16") == 0 || std::strcmp(t.name, "avx512-bf16") == 0;
 }
-
-const char* dtype_name(colibri_dtype_t d) { return colibri_dtype_name(d); }
 
 struct Worst {
   double error = 0.0;       // worst relative L2 error seen
@@ -260,8 +244,8 @@ TEST(PrecisionContract, EveryTableOnTinyRandomLayers) {
       o.huge_pages = 0;
       o.exact_prefill = option == Option::kExactPrefill ? 1 : 0;
       o.bf16_compute = option == Option::kBf16Compute ? 1 : 0;
-      colibri_model_t* m = open_layer(L, o);
-      ASSERT_NE(m, nullptr);
+      colibri_model_t* m = nullptr;
+      ASSERT_EQ(open_layer(L, o, &m), COLIBRI_OK) << colibri_last_error();
       const k::KernelTable& decode = k::decode_table_for(isa, weight_type(dtype));
       const k::PrefillTiers tiers = k::prefill_tiers_for(isa, k::make_expert_shape(D, F, weight_type(dtype)), option_precision(option));
       for (const int32_t T : kTokenCounts) {
@@ -301,14 +285,14 @@ TEST(PrecisionContract, EveryTableOnTinyRandomLayers) {
         r.expert_weights = w.data();
         ASSERT_EQ(colibri_infer(m, &r), COLIBRI_OK) << colibri_last_error();
         const std::vector<double> exact = exact_layer(L, T, kk, x, ids, w);
-        const double err = relative_l2(y, exact);
+        const double err = colibri::relative_l2(y.data(), exact);
         double allowed = dtype == COLIBRI_DTYPE_F32 ? 1e-5 : 5e-3;
         double pytorch = 0.0;
         if (rounded) {
-          pytorch = relative_l2(pytorch_bf16_layer(L, T, kk, x, ids, w), exact);
+          pytorch = colibri::relative_l2(pytorch_bf16_layer(L, T, kk, x, ids, w).data(), exact);
           allowed = std::max(5e-3, pytorch);
         }
-        const std::string key = std::string(dtype_name(dtype)) + " " + option_name(option) + " " + tables;
+        const std::string key = std::string(colibri_dtype_name(dtype)) + " " + option_name(option) + " " + tables;
         Worst& wst = by_table[key];
         ++wst.cases;
         const double ratio = err / allowed;
@@ -341,21 +325,8 @@ TEST(PrecisionContract, ExactPrefillWithBf16ComputeIsRefused) {
   o.exact_prefill = 1;
   o.bf16_compute = 1;
   o.lock_memory = 0;
-  const size_t DF = 64;
-  std::vector<colibri_expert_weights_t> ew;
-  for (const auto& s : L.stored16) ew.push_back({s.data(), s.data() + DF, s.data() + 2 * DF});
-  colibri_layer_weights_t lw{};
-  lw.experts = ew.data();
-  colibri_model_desc_t desc;
-  colibri_model_desc_default(&desc);
-  desc.n_layers = 1;
-  desc.n_experts = 2;
-  desc.d_model = 8;
-  desc.d_ff = 8;
-  desc.dtype = COLIBRI_DTYPE_BF16;
-  desc.layers = &lw;
   colibri_model_t* m = nullptr;
-  EXPECT_EQ(colibri_open_memory(&desc, &o, &m), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(open_layer(L, o, &m), COLIBRI_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(m, nullptr);
   const std::string error = colibri_last_error();
   EXPECT_NE(error.find("bf16_compute"), std::string::npos) << error;

@@ -314,9 +314,11 @@ void gate_up_bf16(const ExpertShape& s, const void* gate_up, const float* x, siz
     return;
   }
   if (kSplit && n > 1) {
-    // Two products per weight per token outrun widening the weights only
-    // for one token (kernel bench, one thread: 1.0x at 1 token, 0.79x at 2,
-    // 0.53x at 4 against "avx512"; docs/KERNELS.md).
+    // Two products per weight per token keep up with widening the weights
+    // only for one token (kernel bench, one thread: 1.0x at 1 token, 0.79x
+    // at 2, 0.53x at 4 against "avx512"; docs/KERNELS.md). Chosen here, not
+    // as an engine tier: the engine's first tier is also where it switches
+    // to coarse prefill work items, which 2-4 token experts should not get.
     avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
     return;
   }

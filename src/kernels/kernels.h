@@ -181,15 +181,14 @@ const char* isa_name(Isa isa);
 bool parse_isa(const char* text, Isa* out);
 // Kernels for `isa`; falls back to the highest supported level not above it
 // (kAmx decodes with the kAvx512 table). These always compute in fp32
-// (weights widened exactly to f32, activations f32): they are the decode
-// tables for every weight type, since decode is bound by reading the
-// weights and exactness costs it nothing (docs/PRECISION.md).
+// (weights widened exactly to f32, activations f32).
 const KernelTable& kernel_table(Isa isa);
 
-// The decode table for weights of type `wt` at `isa`: kernel_table(isa),
-// except bf16 weights on AVX512_BF16 CPUs, which take "avx512-bf16-split"
-// (vdpbf16ps on the activations split into two bf16 parts: fp32-grade, and
-// it streams faster than widening the weights; docs/KERNELS.md).
+// The decode table for weights of type `wt` at `isa`, fp32-grade for every
+// type: kernel_table(isa), except bf16 weights on AVX512_BF16 CPUs, which
+// take "avx512-bf16-split" (vdpbf16ps on the activations split into two
+// bf16 parts; for one token it reads as fast as widening the weights or
+// faster, docs/PRECISION.md).
 const KernelTable& decode_table_for(Isa isa, WeightType wt);
 
 // True when the bf16 dot-product tables ("avx512-bf16", "avx512-bf16-split") may run at `isa`:
@@ -198,9 +197,10 @@ bool bf16_compute_available(Isa isa);
 
 // How many-token (prefill) calls may trade precision for speed.
 enum class PrefillPrecision : uint8_t {
-  // bf16 weights on AMX tiles with activations rounded to bf16 (measured
-  // 5-8x the fp32 kernels, held to PyTorch bf16's error or 5e-3,
-  // docs/PRECISION.md); everything else at fp32 grade.
+  // Large bf16 experts on AMX tiles with activations rounded to bf16 (whole
+  // layers at 128 tokens in 0.37-0.55 of the fp32 kernels' time; held to
+  // 5e-3 or PyTorch bf16's error, docs/PRECISION.md); everything else at
+  // fp32 grade.
   kDefault = 0,
   // fp32-grade for every weight type (the open option exact_prefill).
   kExact = 1,
@@ -234,7 +234,7 @@ struct PrefillTiers {
 // roundings out (one rounded h scales a whole output row), so the error
 // could pass the contract, and such experts are too small for the speed to
 // matter. From here on the measured worst error over random layers is
-// 3.4e-3 for bf16 weights (tests/test_precision.cpp, docs/PRECISION.md).
+// 3.9e-3 for bf16 weights (tests/test_precision.cpp, docs/PRECISION.md).
 inline constexpr int32_t kBf16RoundingMinDim = 128;
 
 // The prefill tiers for experts of `shape` at level `isa`: the fp32
