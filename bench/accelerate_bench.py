@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """colibri.torch.accelerate on a Mixtral-shaped MoE block: plain PyTorch fp32
 forward against the same model with its experts run by Colibri.
 
@@ -11,7 +11,7 @@ PyTorch in both), and prints p50/p90 in ms, the speed-up and the relative L2
 difference of the outputs. A measurement, not a test: nothing here fails on
 timing.
 
-  /usr/bin/python3 bench/accelerate_bench.py --threads 2 --tokens 1 128 --dtypes f32 f16
+  .venv/bin/python bench/accelerate_bench.py --threads 2 --tokens 1 128 --dtypes f32 f16
   (PYTHONPATH=python and COLIBRI_LIBRARY=build/libcolibri.so if not installed)
 """
 

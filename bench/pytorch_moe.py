@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch baseline for Colibri: a Hugging Face-style sparse MoE block.
 
 The block is the one transformers ships (MixtralSparseMoeBlock; Qwen3-MoE and

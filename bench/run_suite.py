@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Colibri's benchmark suite: Colibri against a PyTorch MoE block and against
 this machine's own limits, measured in one invocation.
 
@@ -34,8 +34,8 @@ speedup.png (speed-up over PyTorch per shape).
   bench/run_suite.py --build-dir build --out-dir bench/results
   bench/run_suite.py --smoke --build-dir build --out-dir /tmp/x   # < 1 minute check
 
-The interpreter is Debian's /usr/bin/python3 on purpose: that is the one with
-python3-torch, python3-numpy and python3-matplotlib (scripts/setup.sh).
+Run it with the project's Python environment, .venv/bin/python (torch 2.13.0
+CPU, numpy, matplotlib; scripts/setup.sh makes it).
 """
 
 import argparse

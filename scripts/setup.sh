@@ -1,36 +1,86 @@
 #!/usr/bin/env bash
-# Installs the Debian packages Colibri needs to build and test, if missing.
-# Each is chosen on purpose:
-#   cmake, g++            build
+# Installs what Colibri needs to build and test, if missing: Debian packages
+# for the C++ side, and the project's Python environment (.venv, ignored by
+# git) for the Python side, the benchmark suite's PyTorch baseline and the
+# test helpers. Works on Debian 12 and 13. Prints the interpreter's path on
+# its last line (scripts use .venv/bin/python).
+#
+# Debian packages, each chosen on purpose:
+#   cmake, g++, make, pkg-config   build
 #   nlohmann-json3-dev    manifest parsing (JSON)
 #   libxxhash-dev         checksums of weight and routing files (XXH64)
 #   libcli11-dev          command-line parsing for the colibri tool
 #   libgtest-dev          unit tests
 #   libbenchmark-dev      per-kernel throughput benchmark (bench/kernel_bench.cpp)
 #   valgrind              leak check in the test suite
-#   python3-torch         PyTorch MoE baseline of the benchmark suite (bench/pytorch_moe.py)
-#   python3-numpy         reads model files and writes routings in bench/run_suite.py
-#   python3-matplotlib    the suite's speed-up chart (bench/run_suite.py)
-#   libopenblas0-pthread  multi-threaded BLAS for PyTorch's float32 matmuls in the baseline
-#   python3-pytest        runs the Python package's tests (python/tests, ctest's `python`)
-#   python3-pip, python3-setuptools  offline install of the Python package (docs/PYTORCH.md)
-#   clang, libclang-rt-14-dev  libFuzzer targets of the parsers (scripts/fuzz.sh)
+#   clang, libclang-rt-N-dev  libFuzzer targets of the parsers (scripts/fuzz.sh);
+#                         N is the installed clang's major version (14 on
+#                         Debian 12, 19 on Debian 13)
 #   clang-tidy            static checks over src/ (.clang-tidy)
 #   qemu-user             runs the binaries on emulated CPUs without AVX-512 or AVX
 #                         (tests/emulated_cpus.sh)
+# Python packages (pip, into .venv), each chosen on purpose:
+#   torch==2.13.0         the PyTorch integration (python/colibri/torch.py) and the
+#                         benchmark suite's baseline; the CPU build on this disk,
+#                         installed first and pinned so nothing pulls a CUDA build
+#   numpy                 the Python package's arrays; model files in the suite
+#   pytest                runs python/tests (ctest's `python`)
+#   matplotlib            the suite's speed-up chart (bench/run_suite.py)
+#   safetensors, gguf     reading and writing checkpoints in tests and tools
+#   scikit-build-core     the PEP 517 backend that builds the package with CMake
+#   transformers          the real Hugging Face MoE classes (5.x)
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
-packages=(cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev libbenchmark-dev valgrind
-  python3-torch python3-numpy python3-matplotlib libopenblas0-pthread python3-pytest python3-pip
-  python3-setuptools clang libclang-rt-14-dev clang-tidy qemu-user)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+SUDO=""
+[[ $(id -u) -ne 0 ]] && SUDO="sudo"
+updated=0
+apt_install() {
+  local missing=()
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  ((${#missing[@]})) || return 0
+  echo "setup: installing ${missing[*]}" >&2
+  if ((updated == 0)); then
+    $SUDO apt-get update -qq
+    updated=1
+  fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >&2
+}
+
+apt_install cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev \
+  libbenchmark-dev valgrind clang clang-tidy qemu-user python3-venv
+# libFuzzer's runtime is versioned with clang: no fixed package name.
+clang_major="$(clang -dumpversion | cut -d. -f1)"
+apt_install "libclang-rt-${clang_major}-dev"
+
+# The Python environment. The interpreter it is made from must be 3.11:
+# the CPU build of torch on this disk is for CPython 3.11.
+base_python=""
+for candidate in "${COLIBRI_BASE_PYTHON:-}" python3.11 python3; do
+  [[ -n "$candidate" ]] || continue
+  if command -v "$candidate" >/dev/null &&
+    [[ "$("$candidate" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" == "3.11" ]]; then
+    base_python="$(command -v "$candidate")"
+    break
+  fi
 done
-if ((${#missing[@]})); then
-  echo "setup: installing ${missing[*]}"
-  SUDO=""
-  [[ $(id -u) -ne 0 ]] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+if [[ -z "$base_python" ]]; then
+  echo "setup: no Python 3.11 found (set COLIBRI_BASE_PYTHON); torch 2.13.0's CPU wheel needs it" >&2
+  exit 1
 fi
+
+venv=.venv
+packages=(numpy pytest matplotlib safetensors gguf scikit-build-core "transformers>=5,<6")
+stamp="torch==2.13.0 ${packages[*]}"
+if [[ ! -x "$venv/bin/python" || "$(cat "$venv/.colibri-setup" 2>/dev/null)" != "$stamp" ]]; then
+  echo "setup: creating $venv from $base_python" >&2
+  rm -rf "$venv"
+  "$base_python" -m venv "$venv"
+  # torch first and pinned: a package that asks for torch must find this one.
+  "$venv/bin/python" -m pip install -q torch==2.13.0 >&2
+  "$venv/bin/python" -m pip install -q "${packages[@]}" torch==2.13.0 >&2
+  echo "$stamp" >"$venv/.colibri-setup"
+fi
+echo "$PWD/$venv/bin/python"

@@ -10,6 +10,8 @@
 # Usage: emulated_cpus.sh QEMU COLIBRI_CLI TEST_KERNELS TEST_API
 set -euo pipefail
 qemu=$1 cli=$2 test_kernels=$3 test_api=$4
+# NumPy writes the inputs and compares the outputs: the project's Python (ctest sets it).
+python=${COLIBRI_PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -26,7 +28,7 @@ on_cpu() {
 # runs the prefill tables on an AVX-512 machine; avx2 and scalar have one
 # table for every count), the rest a few or none.
 "$cli" gen --out "$work/model" --experts 8 --d-model 80 --d-ff 72 --dtype f16 --seed 11 >/dev/null
-/usr/bin/python3 - "$work" <<'EOF'
+"$python" - "$work" <<'EOF'
 import sys
 import numpy as np
 work = sys.argv[1]
@@ -54,7 +56,7 @@ check_cpu() {
     --output "$work/$level.bin" --threads 2
   # f16 weights are computed in fp32 at every level: the layer agrees with
   # the native scalar run to fp32 rounding (docs/PRECISION.md: 1e-5).
-  /usr/bin/python3 - "$work/native.bin" "$work/$level.bin" <<'EOF'
+  "$python" - "$work/native.bin" "$work/$level.bin" <<'EOF'
 import sys
 import numpy as np
 a, b = (np.fromfile(p, dtype="<f4").astype(np.float64) for p in sys.argv[1:3])

@@ -21,7 +21,7 @@ except ImportError as e:  # pragma: no cover
 
 def pytest_configure(config):
     if MISSING:  # before collection: the test modules import both
-        pytest.exit("skipping the colibri Python tests: %s (install python3-numpy and python3-torch)" % MISSING,
+        pytest.exit("skipping the colibri Python tests: %s (run scripts/setup.sh and use .venv/bin/python)" % MISSING,
                     returncode=77)
 
 
