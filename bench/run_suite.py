@@ -241,10 +241,13 @@ def onednn_bf16_kernel(threads):
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     except (OSError, subprocess.SubprocessError):
         return ""
+    # oneDNN 2 writes "onednn_verbose,exec,cpu,matmul,IMPL,...", oneDNN 3
+    # (torch 2.x) "onednn_verbose,v1,primitive,exec,cpu,matmul,IMPL,...".
     for line in p.stdout.splitlines():
         f = line.split(",")
-        if len(f) > 5 and f[1] == "exec" and f[3] in ("matmul", "inner_product"):
-            return f[4]
+        for i in (1, 3):
+            if len(f) > i + 3 and f[i] == "exec" and f[i + 2] in ("matmul", "inner_product"):
+                return f[i + 3]
     return ""
 
 
