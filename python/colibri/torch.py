@@ -274,8 +274,10 @@ def _triples(gate, up, down):
 
 
 def _is_silu(act):
+    """Whether act is SiLU (None, a missing activation, is not: nothing says
+    what the module computes)."""
     if act is None:
-        return True
+        return False
     if act is F.silu or isinstance(act, nn.SiLU):
         return True
     return type(act).__name__.lower() in ("siluactivation", "silu", "swish")
@@ -342,6 +344,7 @@ class _Spec:
     routed_scaling_factor: float = 1.0
     e_score_correction_bias: torch.Tensor = None
     returns_logits: bool = True
+    router_problem: str = ""  # why the block's router cannot be Colibri's built-in one
 
     @property
     def weight_like(self):
@@ -373,15 +376,14 @@ class _Spec:
     def router_for_colibri(self):
         """(RouterConfig, router weight, router bias) for Colibri's built-in
         router, matching the family's rule."""
+        if self.router_problem:
+            raise ValueError("the block's router has no built-in equivalent: %s" % self.router_problem)
         if self.gate_weight is None or not self.gate_bias_ok:
             raise ValueError("the block's router is not a bias-free [E, D] linear map")
         if self.top_k is None:
             raise ValueError("the block has no top_k")
         fam = self.family if self.family in L.ROUTER_CODES else "mixtral"
-        norm = bool(self.norm_topk_prob)
-        if fam in ("deepseek_v2", "deepseek_v3"):
-            norm = norm and self.top_k > 1  # DeepSeek's code renormalises only for k > 1
-        rc = RouterConfig(family=fam, top_k=self.top_k, norm_topk_prob=norm, n_group=self.n_group,
+        rc = RouterConfig(family=fam, top_k=self.top_k, norm_topk_prob=bool(self.norm_topk_prob), n_group=self.n_group,
                           topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
         rb = self.e_score_correction_bias.detach() if self.e_score_correction_bias is not None else None
         return rc, self.gate_weight.detach(), rb
@@ -426,6 +428,178 @@ def _experts_list(experts):
     return None
 
 
+# What transformers' use_experts_implementation decorator records about a
+# fused experts module, and the values that mean "concatenated [gate; up]
+# rows, [E, out, in] weights, no bias, no norm after the expert": exactly the
+# engine's SwiGLU.
+_FUSED_FLAGS = (("has_gate", True), ("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
+                ("has_post_expert_norm", False))
+# Attributes of gating variants the engine does not compute (gpt-oss's
+# clamped SwiGLU keeps its clamp in .limit and its sigmoid scale in .alpha).
+_GATING_VARIANT_ATTRS = ("limit", "alpha", "swiglu_limit", "clamp_limit")
+_FUSED_BIASES = ("gate_up_proj_bias", "down_proj_bias", "up_proj_bias", "gate_up_proj_bias_", "bias")
+
+
+def _fused_experts_problem(experts):
+    """None if a fused experts module computes exactly
+    down . (silu(gate . x) * (up . x)) per expert, else why not."""
+    for name, want in _FUSED_FLAGS:
+        v = getattr(experts, name, want)
+        if bool(v) != want:
+            return "%s=%r: the engine computes concatenated [gate; up] rows in [E, out, in] layout, " \
+                   "without bias or a norm after the expert" % (name, v)
+    for name in _FUSED_BIASES:
+        if isinstance(getattr(experts, name, None), torch.Tensor):
+            return "biased experts (%s)" % name
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if apply_gate is not None and (getattr(apply_gate, "__module__", None), getattr(apply_gate, "__name__", None)) \
+            != ("transformers.integrations.moe", "_default_apply_gate"):
+        return "a custom _apply_gate (%s): not silu(gate) * up" % getattr(apply_gate, "__qualname__", apply_gate)
+    for name in _GATING_VARIANT_ATTRS:
+        if getattr(experts, name, None) is not None:
+            return "a gating variant (.%s = %r): not plain silu(gate) * up" % (name, getattr(experts, name))
+    act = _act_of(experts)
+    if not _is_silu(act):
+        return "activation %s is not SiLU" % ("None" if act is None else type(act).__name__)
+    return None
+
+
+@dataclasses.dataclass
+class _RouterRule:
+    family: str  # Colibri's router family
+    top_k: Optional[int]
+    norm_topk_prob: bool
+    weight: torch.Tensor
+    bias_free: bool
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    e_score_correction_bias: torch.Tensor = None
+
+
+def _deepseek_rule(gate, E):
+    """The _RouterRule of a DeepSeek-style gate (softmax or sigmoid scores,
+    groups, scaling, V3's correction bias), or why it is not known.
+
+    Two codes exist: the models' own remote code (its gate has
+    .scoring_func; renormalises only for k > 1) and transformers' classes
+    (no .scoring_func; V2 never renormalises, only scales; V3 renormalises
+    for any k; the group count is .num_group in both of V2's and in V3's 5.x
+    router, .n_group in V3's 4.57 one)."""
+    remote = hasattr(gate, "scoring_func")
+    scoring = getattr(gate, "scoring_func", None)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    method = getattr(gate, "topk_method", None)
+    top_k = _int_attr(gate, "top_k")
+    if top_k is None:
+        return "DeepSeek-style gate without top_k"
+    if scoring in (None, "sigmoid") and isinstance(bias, torch.Tensor) and method in (None, "noaux_tc"):
+        fam = "deepseek_v3"
+    elif scoring in (None, "softmax") and bias is None and method in ("greedy", "group_limited_greedy"):
+        fam = "deepseek_v2"
+    else:
+        return "DeepSeek-style gate with scoring_func=%r, topk_method=%r, e_score_correction_bias %s: not a " \
+               "known combination" % (scoring, method, "present" if bias is not None else "absent")
+    n_group = _int_attr(gate, "n_group") or _int_attr(gate, "num_group") or 1
+    topk_group = _int_attr(gate, "topk_group") or 1
+    if fam == "deepseek_v2" and method == "greedy":
+        n_group, topk_group = 1, 1
+    if n_group > 1 and E % n_group:
+        return "n_group %d does not divide %d experts" % (n_group, E)
+    if not 1 <= topk_group <= n_group:
+        return "topk_group %d is not in [1, n_group %d]" % (topk_group, n_group)
+    norm = bool(getattr(gate, "norm_topk_prob", False))
+    if remote:
+        norm = norm and top_k > 1
+    elif fam == "deepseek_v2":
+        norm = False
+    gw = getattr(gate, "weight", None)
+    return _RouterRule(family=fam, top_k=top_k, norm_topk_prob=norm, weight=gw,
+                       bias_free=getattr(gate, "bias", None) is None, n_group=n_group, topk_group=topk_group,
+                       routed_scaling_factor=float(getattr(gate, "routed_scaling_factor", 1.0) or 1.0),
+                       e_score_correction_bias=bias if fam == "deepseek_v3" else None)
+
+
+def _is_deepseek_gate(gate):
+    return any(hasattr(gate, a) for a in ("scoring_func", "topk_method", "n_group", "num_group",
+                                          "e_score_correction_bias"))
+
+
+def _softmax_family(block):
+    if hasattr(block, "shared_expert"):
+        return "qwen2_moe"
+    if "olmoe" in type(block).__name__.lower():
+        return "olmoe"
+    return "qwen3_moe"
+
+
+def _router_of(block, E, D):
+    """block.gate if it holds an [E, D] router weight, else why not."""
+    gate = getattr(block, "gate", None)
+    if gate is None:
+        return "no .gate router"
+    gw = getattr(gate, "weight", None)
+    if not isinstance(gw, torch.Tensor) or tuple(gw.shape) != (E, D):
+        return ".gate.weight is not [n_experts=%d, d_model=%d]" % (E, D)
+    return gate
+
+
+def _fused_router_rule(block, E, D):
+    """The routing rule of a block around fused experts (transformers 5's
+    router modules: softmax top-k, or DeepSeek's), or why it is not known."""
+    gate = _router_of(block, E, D)
+    if isinstance(gate, str):
+        return gate
+    gw = gate.weight
+    if _is_deepseek_gate(gate):
+        return _deepseek_rule(gate, E)
+    top_k = _int_attr(gate, "top_k") or _int_attr(block, "top_k") or _int_attr(block, "num_experts_per_tok")
+    if top_k is None or not 1 <= top_k <= E:
+        return "no usable top_k on the block or its gate"
+    norm = getattr(gate, "norm_topk_prob", getattr(block, "norm_topk_prob", None))
+    # Mixtral's router always renormalises and has no norm_topk_prob.
+    fam = "mixtral" if norm is None else _softmax_family(block)
+    return _RouterRule(family=fam, top_k=top_k, norm_topk_prob=True if norm is None else bool(norm), weight=gw,
+                       bias_free=getattr(gate, "bias", None) is None)
+
+
+def _spec_from_rule(rule, **fields):
+    return _Spec(family=rule.family, top_k=rule.top_k, norm_topk_prob=rule.norm_topk_prob, gate_weight=rule.weight,
+                 gate_bias_ok=rule.bias_free, n_group=rule.n_group, topk_group=rule.topk_group,
+                 routed_scaling_factor=rule.routed_scaling_factor,
+                 e_score_correction_bias=rule.e_score_correction_bias, **fields)
+
+
+def _recognise_fused(block, experts, gu, dp):
+    if gu.dim() != 3 or dp.dim() != 3 or gu.shape[1] % 2:
+        return "fused experts with gate_up_proj %s / down_proj %s, expected [E, 2F, D] / [E, D, F]" % (
+            list(gu.shape), list(dp.shape))
+    E, F2, D = gu.shape
+    F_ = F2 // 2
+    if tuple(dp.shape) != (E, D, F_):
+        return "fused experts: down_proj %s is not [E, D, F] = %s (gate_up_proj %s; a transposed layout?)" % (
+            list(dp.shape), [E, D, F_], list(gu.shape))
+    problem = _fused_experts_problem(experts)
+    if problem:
+        return "fused experts: " + problem
+    if not gu.is_floating_point() or gu.device.type != "cpu" or not dp.is_floating_point():
+        return "fused experts: weights are not floating point on the CPU"
+    rule = _fused_router_rule(block, E, D)
+    if isinstance(rule, str):
+        # The router stays in PyTorch under accelerate(), so the experts can
+        # still run here; only a built-in router is out of reach.
+        spec = _Spec(family="unknown", layout="fused", n_experts=E, d_model=D, d_ff=F_, top_k=None, experts=None,
+                     fused=(gu, dp), returns_logits=False, router_problem=rule)
+    else:
+        spec = _spec_from_rule(rule, layout="fused", n_experts=E, d_model=D, d_ff=F_, experts=None, fused=(gu, dp),
+                               returns_logits=False)
+    if hasattr(block, "shared_expert"):
+        _shared_spec(spec, block.shared_expert, getattr(block, "shared_expert_gate", None))
+    elif getattr(block, "shared_experts", None) is not None:
+        _shared_spec(spec, block.shared_experts, None)
+    return spec
+
+
 def recognise(block):
     """The _Spec of a recognised MoE block, or a string saying why not."""
     experts = getattr(block, "experts", None)
@@ -434,29 +608,10 @@ def recognise(block):
     # ---- the fused layout: experts.gate_up_proj [E, 2F, D], experts.down_proj [E, D, F]
     gu, dp = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if isinstance(gu, torch.Tensor) and isinstance(dp, torch.Tensor):
-        if gu.dim() != 3 or dp.dim() != 3 or gu.shape[1] % 2:
-            return "fused experts with gate_up_proj %s / down_proj %s, expected [E, 2F, D] / [E, D, F]" % (
-                list(gu.shape), list(dp.shape))
-        E, F2, D = gu.shape
-        F_ = F2 // 2
-        if tuple(dp.shape) != (E, D, F_):
-            return "fused experts: down_proj %s is not [E, D, F] = %s (gate_up_proj %s; a transposed layout?)" % (
-                list(dp.shape), [E, D, F_], list(gu.shape))
-        if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "down_proj_bias", None) is not None:
-            return "fused experts with biases"
-        if not _is_silu(_act_of(experts)):
-            return "fused experts: activation %s is not SiLU" % type(_act_of(experts)).__name__
-        if not gu.is_floating_point() or gu.device.type != "cpu":
-            return "fused experts: weights are not floating point on the CPU"
-        gate = getattr(block, "gate", None)
-        top_k = _int_attr(block, "top_k") or _int_attr(gate, "top_k") or _int_attr(block, "num_experts_per_tok")
-        norm = getattr(block, "norm_topk_prob", getattr(gate, "norm_topk_prob", None))
-        fam = "mixtral" if norm is None else "qwen3_moe"
-        spec = _Spec(family=fam, layout="fused", n_experts=E, d_model=D, d_ff=F_, top_k=top_k, experts=None,
-                     fused=(gu, dp), norm_topk_prob=True if norm is None else bool(norm),
-                     gate_weight=_plain_weight(gate) if gate is not None else None, returns_logits=False)
-        spec.gate_bias_ok = spec.gate_weight is not None
-        return spec
+        return _recognise_fused(block, experts, gu, dp)
+    if isinstance(getattr(experts, "down_proj", None), torch.Tensor) or isinstance(getattr(experts, "up_proj", None),
+                                                                                  torch.Tensor):
+        return "fused experts without a gate_up_proj [E, 2F, D] (ungated or split layout)"
     # ---- one module per expert
     lst = _experts_list(experts)
     if lst is None:
@@ -477,42 +632,20 @@ def recognise(block):
         triples.append((g, u, d))
     E = len(triples)
     F_, D = triples[0][0].shape
-    gate = getattr(block, "gate", None)
-    if gate is None:
-        return "no .gate router"
-    gw = getattr(gate, "weight", None)
-    if not isinstance(gw, torch.Tensor) or tuple(gw.shape) != (E, D):
-        return ".gate.weight is not [n_experts=%d, d_model=%d]" % (E, D)
+    gate = _router_of(block, E, D)
+    if isinstance(gate, str):
+        return gate
+    gw = gate.weight
 
     # DeepSeek: the routing rule lives on the gate module.
-    if any(hasattr(gate, a) for a in ("scoring_func", "topk_method", "n_group", "e_score_correction_bias")):
+    if _is_deepseek_gate(gate):
         if naming != "gate_proj":
             return "DeepSeek-style gate but experts named %s" % naming
-        scoring = getattr(gate, "scoring_func", None)
-        bias = getattr(gate, "e_score_correction_bias", None)
-        method = getattr(gate, "topk_method", None)
-        top_k = _int_attr(gate, "top_k")
-        if top_k is None:
-            return "DeepSeek-style gate without top_k"
-        if scoring in (None, "sigmoid") and isinstance(bias, torch.Tensor) and method in (None, "noaux_tc"):
-            fam = "deepseek_v3"
-        elif scoring in (None, "softmax") and bias is None and method in ("greedy", "group_limited_greedy"):
-            fam = "deepseek_v2"
-        else:
-            return "DeepSeek-style gate with scoring_func=%r, topk_method=%r, e_score_correction_bias %s: not a " \
-                   "known combination" % (scoring, method, "present" if bias is not None else "absent")
-        n_group = _int_attr(gate, "n_group") or 1
-        topk_group = _int_attr(gate, "topk_group") or 1
-        if fam == "deepseek_v2" and method == "greedy":
-            n_group, topk_group = 1, 1
-        if n_group > 1 and E % n_group:
-            return "n_group %d does not divide %d experts" % (n_group, E)
-        spec = _Spec(family=fam, layout="experts", n_experts=E, d_model=D, d_ff=F_, top_k=top_k,
-                     experts=triples, norm_topk_prob=bool(getattr(gate, "norm_topk_prob", False)),
-                     gate_weight=gw, gate_bias_ok=getattr(gate, "bias", None) is None,
-                     n_group=n_group, topk_group=topk_group,
-                     routed_scaling_factor=float(getattr(gate, "routed_scaling_factor", 1.0) or 1.0),
-                     e_score_correction_bias=bias if fam == "deepseek_v3" else None, returns_logits=False)
+        rule = _deepseek_rule(gate, E)
+        if isinstance(rule, str):
+            return rule
+        spec = _spec_from_rule(rule, layout="experts", n_experts=E, d_model=D, d_ff=F_, experts=triples,
+                               returns_logits=False)
         _shared_spec(spec, getattr(block, "shared_experts", None), None)
         return spec
 
@@ -521,27 +654,18 @@ def recognise(block):
     top_k = _int_attr(block, "top_k")
     if top_k is None or not 1 <= top_k <= E:
         return "no usable .top_k on the block"
+    bias_free = getattr(gate, "bias", None) is None
     if naming == "w1":
         if hasattr(block, "shared_expert"):
             return "w1/w2/w3 experts with a shared expert: not a known family"
-        spec = _Spec(family="mixtral", layout="experts", n_experts=E, d_model=D, d_ff=F_, top_k=top_k,
-                     experts=triples, norm_topk_prob=True, gate_weight=gw,
-                     gate_bias_ok=getattr(gate, "bias", None) is None)
-        return spec
+        return _spec_from_rule(_RouterRule("mixtral", top_k, True, gw, bias_free), layout="experts", n_experts=E,
+                               d_model=D, d_ff=F_, experts=triples)
     if not hasattr(block, "norm_topk_prob"):
         return "gate_proj/up_proj/down_proj experts but no .norm_topk_prob (unknown routing rule)"
-    shared = getattr(block, "shared_expert", None)
-    if shared is not None:
-        fam = "qwen2_moe"
-    elif "olmoe" in type(block).__name__.lower():
-        fam = "olmoe"
-    else:
-        fam = "qwen3_moe"
-    spec = _Spec(family=fam, layout="experts", n_experts=E, d_model=D, d_ff=F_, top_k=top_k, experts=triples,
-                 norm_topk_prob=bool(block.norm_topk_prob), gate_weight=gw,
-                 gate_bias_ok=getattr(gate, "bias", None) is None)
-    if shared is not None:
-        _shared_spec(spec, shared, getattr(block, "shared_expert_gate", None))
+    spec = _spec_from_rule(_RouterRule(_softmax_family(block), top_k, bool(block.norm_topk_prob), gw, bias_free),
+                           layout="experts", n_experts=E, d_model=D, d_ff=F_, experts=triples)
+    if hasattr(block, "shared_expert"):
+        _shared_spec(spec, block.shared_expert, getattr(block, "shared_expert_gate", None))
     return spec
 
 
@@ -572,10 +696,13 @@ class AccelerateReport:
     accelerated: List[AcceleratedBlock]
     skipped: List[Tuple[str, str]]
     models: list
+    released_bytes: int = 0  # PyTorch weight bytes released (keep_pytorch_weights=False)
 
     def __str__(self):
         lines = ["colibri.torch.accelerate: %d block(s) accelerated, %d left alone"
                  % (len(self.accelerated), len(self.skipped))]
+        if self.released_bytes:
+            lines[0] += ", %.1f MiB of PyTorch weights released" % (self.released_bytes / 2.0**20)
         for b in self.accelerated:
             lines.append("  %s: %s (%s), %d experts, top_k %s, d_model %d, d_ff %d, %s%s" % (
                 b.path or "<root>", b.family, b.layout, b.n_experts, b.top_k, b.d_model, b.d_ff, b.dtype,
@@ -601,9 +728,15 @@ class _State:
         self.shared_in_colibri = shared_in_colibri
         self.original_forward = original_forward  # an earlier instance-level forward, or None
         self.calls = 0
+        self.released = 0  # bytes of PyTorch weights accelerate() released (0 = kept)
 
 
 def _original(module, state):
+    if state.released:
+        raise RuntimeError(
+            "colibri.torch: this block needs its PyTorch forward (training mode, autograd through it, a non-CPU "
+            "input or unusual arguments), but accelerate() released its PyTorch expert weights to save memory; "
+            "use accelerate(model, keep_pytorch_weights=True) to keep that fallback")
     if state.original_forward is not None:
         return state.original_forward
     return type(module).forward.__get__(module)
@@ -695,8 +828,38 @@ def _route_deepseek(spec, gate, logits):
     return idx, w
 
 
+def _expert_weight_params(module, spec, shared_in_colibri):
+    """The parameters holding the weights Colibri took over from a block."""
+    if spec.layout == "fused":
+        ex = module.experts
+        params = [ex.gate_up_proj, ex.down_proj]
+    else:
+        params = []
+        for e in module.experts:
+            names = _NAMINGS[0] if hasattr(e, "w1") else _NAMINGS[1]
+            params += [getattr(e, n).weight for n in names]
+    if shared_in_colibri:
+        mlp = getattr(module, "shared_expert", None) or getattr(module, "shared_experts", None)
+        names = _NAMINGS[0] if hasattr(mlp, "w1") else _NAMINGS[1]
+        params += [getattr(mlp, n).weight for n in names]
+    return params
+
+
+def _release_weights(module, spec, shared_in_colibri, seen):
+    """Empties the PyTorch copies of the weights Colibri holds; returns the
+    bytes released. A tensor another module shares is emptied once."""
+    n = 0
+    for p in _expert_weight_params(module, spec, shared_in_colibri):
+        if id(p) in seen or p.numel() == 0:
+            continue
+        seen.add(id(p))
+        n += p.numel() * p.element_size()
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return n
+
+
 def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
-               verbose=False, exact_prefill=False):
+               verbose=False, exact_prefill=False, keep_pytorch_weights=False):
     """Runs the experts of every recognised sparse-MoE block of `model` in
     Colibri; returns an AccelerateReport.
 
@@ -714,8 +877,17 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     (one thread pool) with one layer per block. threads: Colibri threads (0 =
     one per core). shared=False keeps shared experts in PyTorch.
     bf16_compute / exact_prefill: the precision options of colibri.Model.
-    A patched block falls back to its PyTorch forward in training mode, when
-    autograd needs a gradient through it, or for non-CPU inputs.
+
+    Memory: Colibri keeps its own (packed) copy of the expert weights, so by
+    default the PyTorch copies of the weights it took over (routed experts,
+    and shared experts run in Colibri) are released: each such parameter
+    becomes an empty tensor, and the model's memory stays about what it was
+    before. Routers, attention and everything else keep their weights.
+    keep_pytorch_weights=True keeps them (twice the expert memory), which a
+    block needs for its PyTorch fallback: in training mode, when autograd
+    needs a gradient through it, or for non-CPU inputs; without them that
+    fallback raises a RuntimeError saying so. report.released_bytes says how
+    much was released.
     """
     if not isinstance(model, nn.Module):
         raise TypeError("accelerate() takes a torch.nn.Module, got %s" % type(model).__name__)
@@ -736,11 +908,14 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     groups = {}
     for path, module, spec in found:
         cdtype = _colibri_dtype(dtype, spec.weight_like)
-        in_colibri = shared and spec.shared is not None and spec.shared_in_colibri
+        # A fused block keeps its own forward (only its experts module's is
+        # replaced), which adds the shared expert itself.
+        in_colibri = shared and spec.shared is not None and spec.shared_in_colibri and spec.layout != "fused"
         key = spec.group_key(cdtype) if in_colibri else spec.group_key(cdtype)[:4] + (0, False)
         groups.setdefault(key, []).append((path, module, spec, in_colibri))
 
     report = AccelerateReport([], skipped, [])
+    released_params = set()
     for key, members in groups.items():
         cdtype = key[0]
         layers = [spec.layer_dict(shared_in_colibri=in_colibri) for _, _, spec, in_colibri in members]
@@ -755,6 +930,9 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
             target.__dict__["_colibri_state"] = state
             target.__dict__["forward"] = types.MethodType(
                 _fused_forward if spec.layout == "fused" else _block_forward, target)
+            if not keep_pytorch_weights:
+                state.released = _release_weights(module, spec, in_colibri, released_params)
+                report.released_bytes += state.released
             report.accelerated.append(AcceleratedBlock(
                 path=path, family=spec.family, layout=spec.layout, n_experts=spec.n_experts, top_k=spec.top_k,
                 d_model=spec.d_model, d_ff=spec.d_ff, dtype=cdtype,
@@ -770,7 +948,18 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 def restore(model):
     """Undoes accelerate(model): the original forwards come back and the
     Colibri models are released once nothing refers to them. Returns the
-    number of modules restored."""
+    number of modules restored.
+
+    It cannot give back weights accelerate() released (the default): then it
+    changes nothing and raises a RuntimeError naming the blocks; reload the
+    model instead, or accelerate with keep_pytorch_weights=True."""
+    released = [path for path, module in model.named_modules()
+                if getattr(module.__dict__.get("_colibri_state"), "released", 0)]
+    if released:
+        raise RuntimeError("colibri.torch.restore: accelerate() released the PyTorch expert weights of %d block(s) "
+                           "(%s%s); they cannot be given back: reload the model, or accelerate it with "
+                           "keep_pytorch_weights=True to be able to restore it"
+                           % (len(released), ", ".join(released[:3]), ", ..." if len(released) > 3 else ""))
     n = 0
     for _, module in model.named_modules():
         state = module.__dict__.get("_colibri_state")

@@ -2,7 +2,6 @@
 blocks that follow each family's Hugging Face forward (reference_moe.py)."""
 
 import copy
-import os
 import subprocess
 import sys
 import weakref
@@ -12,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import colibri
-from helpers import needs_v2
+from helpers import import_paths, needs_v2
 from reference_moe import (EXPECTED_FAMILY, FAMILIES, MLP, MoEGate, Qwen3MoeSparseMoeBlock, blocks_of, init_, make_block, make_model,
                            rel_l2)
 
@@ -108,7 +107,8 @@ def test_accelerate_dtype_from_weights():
 def test_fallback_when_gradients_are_wanted():
     model = make_model("mixtral", seed=6)
     ref_model = copy.deepcopy(model)
-    report = ct.accelerate(model, threads=2)
+    report = ct.accelerate(model, threads=2, keep_pytorch_weights=True)
+    assert report.released_bytes == 0
     x = torch.randn(2, 5, D, requires_grad=True)
     out = model(x)  # autograd recording: the PyTorch path, differentiable
     assert total_calls(report) == 0
@@ -128,9 +128,39 @@ def test_fallback_when_gradients_are_wanted():
     assert total_calls(report) == 4
 
 
+def test_released_weights_and_what_restore_cannot_undo():
+    """By default accelerate() empties the PyTorch copies of the weights
+    Colibri took over (routed and shared experts); the PyTorch fallback and
+    restore() then refuse clearly instead of computing with empty weights."""
+    model = make_model("qwen2_moe", seed=9)
+    ref_model = copy.deepcopy(model)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if ".experts." in n or ".shared_expert." in n)
+    gates = {n: p.clone() for n, p in model.named_parameters() if "gate.weight" in n or "shared_expert_gate" in n}
+    report = ct.accelerate(model, threads=2)
+    assert report.released_bytes == expert_bytes > 0
+    assert "MiB of PyTorch weights released" in str(report)
+    for n, p in model.named_parameters():
+        if ".experts." in n or ".shared_expert." in n:
+            assert p.numel() == 0, n
+        elif n in gates:
+            assert torch.equal(p, gates[n]), n  # routers keep their weights
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        assert rel_l2(model(x), ref_model(x)) <= 1e-5
+    model.train()
+    with pytest.raises(RuntimeError, match="keep_pytorch_weights=True"):
+        model(x)
+    model.eval()
+    with pytest.raises(RuntimeError, match="cannot be given back"):
+        ct.restore(model)
+    with torch.no_grad():  # restore() changed nothing
+        assert rel_l2(model(x), ref_model(x)) <= 1e-5
+
+
 def test_restore_and_accelerate_twice():
     model = make_model("qwen2_moe", seed=7)
-    r1 = ct.accelerate(model)
+    r1 = ct.accelerate(model, keep_pytorch_weights=True)
     r2 = ct.accelerate(model)
     assert r2.accelerated == [] and [p for p, _ in r2.skipped] == ["layers.0.mlp", "layers.1.mlp"]
     assert all("already" in why for _, why in r2.skipped)
@@ -227,7 +257,7 @@ def test_native_bf16_model_subprocess():
     crash fails this test only."""
     code = r"""
 import sys, copy, torch
-sys.path[:0] = sys.argv[1:3]
+sys.path[:0] = sys.argv[1:]
 import colibri.torch as ct
 from reference_moe import make_model, rel_l2, blocks_of
 for fam in ("mixtral", "qwen2_moe", "deepseek_v3", "fused"):
@@ -250,9 +280,7 @@ for fam in ("mixtral", "qwen2_moe", "deepseek_v3", "fused"):
     print(fam, report.models[0].kernels)
 print("ok")
 """
-    here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", code, here, os.path.dirname(here)], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", code, *import_paths()], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, "child exited with %d (%s)\nstdout: %s\nstderr: %s" % (
         r.returncode, "SIGILL: AMX tile state lost between calls?" if r.returncode == -4 else "",
         r.stdout[-2000:], r.stderr[-4000:])
@@ -470,7 +498,7 @@ def test_deepcopy_of_accelerated_model():
 
     model = make_model("deepseek_v3", seed=13)
     ref_model = copy.deepcopy(model)
-    report = ct.accelerate(model, threads=2)
+    report = ct.accelerate(model, threads=2, keep_pytorch_weights=True)
     twin = copy.deepcopy(model)  # shares the Colibri model, routes with its own gates
     x = torch.randn(2, 7, D)
     with torch.no_grad():

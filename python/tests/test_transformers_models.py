@@ -1,0 +1,183 @@
+"""accelerate() and ColibriExperts.from_moe_block on the real Hugging Face
+transformers classes (tiny random models built from their configs, nothing
+downloaded), in whichever transformers this interpreter has: 4.57 keeps one
+nn.Module per expert, 5.x fused *Experts modules. ctest runs this file with
+both (`python` with .venv, `python_transformers4` with .venv-transformers4).
+
+Widths are not powers of two and every model has more than one MoE layer."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import colibri.torch as ct  # noqa: E402
+
+TF5 = int(transformers.__version__.split(".")[0]) >= 5
+
+D, F_MOE, F_SHARED, F_DENSE, VOCAB = 80, 40, 56, 96, 160
+ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=20)
+
+
+def _config(family):
+    c = transformers
+    common = dict(vocab_size=VOCAB, hidden_size=D, max_position_embeddings=256, tie_word_embeddings=False,
+                  rms_norm_eps=1e-6)
+    if family == "mixtral":
+        return c.MixtralConfig(**common, **ATTN, intermediate_size=F_MOE, num_hidden_layers=2,
+                               num_local_experts=6, num_experts_per_tok=2)
+    if family == "qwen2_moe":
+        return c.Qwen2MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, intermediate_size=F_DENSE,
+                                moe_intermediate_size=F_MOE, shared_expert_intermediate_size=F_SHARED,
+                                num_hidden_layers=2, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
+                                decoder_sparse_step=1)
+    if family == "qwen3_moe":
+        return c.Qwen3MoeConfig(**common, **ATTN, intermediate_size=F_DENSE, moe_intermediate_size=F_MOE,
+                                num_hidden_layers=2, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
+                                decoder_sparse_step=1)
+    if family == "olmoe":
+        return c.OlmoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, intermediate_size=F_MOE,
+                             num_hidden_layers=2, num_experts=6, num_experts_per_tok=2)
+    mla = dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+               qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    if family == "deepseek_v2":
+        return c.DeepseekV2Config(**common, **mla, intermediate_size=F_DENSE, moe_intermediate_size=F_MOE,
+                                  num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                                  num_experts_per_tok=3, n_shared_experts=1, topk_method="group_limited_greedy",
+                                  n_group=4, topk_group=2, routed_scaling_factor=1.5, norm_topk_prob=False)
+    if family == "deepseek_v3":
+        return c.DeepseekV3Config(**common, **mla, intermediate_size=F_DENSE, moe_intermediate_size=F_MOE,
+                                  num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                                  num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2,
+                                  routed_scaling_factor=2.5, norm_topk_prob=True)
+    if family == "glm4_moe":
+        return c.Glm4MoeConfig(**common, **ATTN, intermediate_size=F_DENSE, moe_intermediate_size=F_MOE,
+                               num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                               num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                               routed_scaling_factor=1.8, norm_topk_prob=True, partial_rotary_factor=0.5)
+    if family == "qwen3_next":
+        return c.Qwen3NextConfig(**common, **ATTN, intermediate_size=F_DENSE, moe_intermediate_size=F_MOE,
+                                 shared_expert_intermediate_size=F_SHARED, num_hidden_layers=2, num_experts=6,
+                                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                 layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                                 linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                 linear_conv_kernel_dim=4)
+    raise KeyError(family)
+
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next"]
+N_MOE_LAYERS = {"deepseek_v2": 2, "deepseek_v3": 2, "glm4_moe": 2}
+
+
+def build(family, seed=0):
+    """A tiny random model of the real class, float32, eval mode. Every
+    weight random (never the init's zeros), so routers and shared experts
+    matter."""
+    cfg = _config(family)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.05 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+    return model.eval()
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def input_ids(n=12, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (2, n), generator=g)
+
+
+def logits(model, ids):
+    with torch.inference_mode():
+        return model(ids).logits.float()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_accelerate_float32_logits_generate_and_report(family):
+    model = build(family)
+    ids = input_ids()
+    ref = logits(model, ids)
+    prompt = ids[:1, :6]
+    with torch.inference_mode():
+        ref_gen = model.generate(prompt, do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0)
+
+    report = ct.accelerate(model, threads=2, keep_pytorch_weights=True)
+    n_moe = N_MOE_LAYERS.get(family, 2)
+    assert len(report.accelerated) == n_moe, str(report)
+    assert report.skipped == [], str(report)
+    layout = "fused" if TF5 else "experts"
+    for b in report.accelerated:
+        assert b.layout == layout and b.dtype == "f32", str(report)
+        assert b.d_model == D and b.d_ff == F_MOE
+    if family in ("qwen2_moe", "qwen3_next", "deepseek_v2", "deepseek_v3", "glm4_moe") and not TF5:
+        assert all(b.shared == "colibri" for b in report.accelerated), str(report)
+
+    got = logits(model, ids)
+    assert rel_l2(got, ref) <= 1e-5
+    with torch.inference_mode():
+        gen = model.generate(prompt, do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0)
+    assert torch.equal(gen, ref_gen)
+    states = [model.get_submodule(b.path) for b in report.accelerated]
+    if TF5:
+        states = [m.experts for m in states]
+    assert all(m.__dict__["_colibri_state"].calls > 0 for m in states), "Colibri was not called"
+
+    assert ct.restore(model) == n_moe
+    assert rel_l2(logits(model, ids), ref) == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_accelerate_bf16_no_further_from_float32_than_pytorch(family):
+    """bf16 weights: the accelerated model is compared with the float32
+    model holding the same (bf16-rounded) weights, and must be no further
+    from it than plain PyTorch bf16 is (1.5x headroom)."""
+    model = build(family).to(torch.bfloat16)
+    ids = input_ids()
+    exact = logits(copy.deepcopy(model).float(), ids)
+    plain = logits(model, ids)
+    report = ct.accelerate(model, threads=2)
+    assert len(report.accelerated) == N_MOE_LAYERS.get(family, 2)
+    assert all(b.dtype == "bf16" for b in report.accelerated)
+    ours = logits(model, ids)
+    d_plain, d_ours = rel_l2(plain, exact), rel_l2(ours, exact)
+    assert d_plain > 0
+    assert d_ours <= 1.5 * d_plain, "accelerated %.3g vs plain bf16 %.3g from float32" % (d_ours, d_plain)
+
+
+def _block_output(block, x):
+    with torch.inference_mode():
+        y = block(x)
+    return y[0] if isinstance(y, tuple) else y
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_moe_block_with_router_matches_the_block(family):
+    """ColibriExperts.from_moe_block(block, router=True): routed experts,
+    shared expert and the family's router all in Colibri; forward(x) with no
+    ids equals the block's own forward."""
+    model = build(family)
+    paths = [b.path for b in ct.accelerate(copy.deepcopy(model), threads=1).accelerated]
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 37, D, generator=g)
+    for path in paths:
+        block = model.get_submodule(path)
+        experts = ct.ColibriExperts.from_moe_block(block, router=True, threads=2)
+        ref = _block_output(block, x)
+        with torch.inference_mode():
+            got = experts(x)
+        assert rel_l2(got, ref) <= 1e-5, "%s %s: %.3g" % (family, path, rel_l2(got, ref))
+        experts.close()
