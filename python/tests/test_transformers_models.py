@@ -181,3 +181,75 @@ def test_from_moe_block_with_router_matches_the_block(family):
             got = experts(x)
         assert rel_l2(got, ref) <= 1e-5, "%s %s: %.3g" % (family, path, rel_l2(got, ref))
         experts.close()
+
+
+def _variant_cases():
+    """(name, how to alter one MoE block's experts, words the reason must
+    hold): gating and layouts that are not exactly the engine's SwiGLU."""
+    def custom_gate(experts):
+        class PlusOneGate(type(experts)):
+            def _apply_gate(self, gate_up_out):
+                gate, up = gate_up_out.chunk(2, dim=-1)
+                return self.act_fn(gate) * (up + 1)
+        experts.__class__ = PlusOneGate
+
+    def act(experts, value):
+        experts.act_fn = value
+
+    if TF5:
+        return [
+            ("custom _apply_gate", custom_gate, "custom _apply_gate"),
+            ("clamp limit", lambda e: setattr(e, "limit", 7.0), "gating variant"),
+            ("act_fn None", lambda e: act(e, None), "activation None"),
+            ("GELU", lambda e: act(e, torch.nn.GELU()), "not SiLU"),
+            ("transposed", lambda e: setattr(e, "is_transposed", True), "is_transposed"),
+            ("biased", lambda e: setattr(e, "has_bias", True), "has_bias"),
+            ("interleaved", lambda e: setattr(e, "is_concatenated", False), "is_concatenated"),
+        ]
+
+    def per_expert(fn):
+        return lambda experts: [fn(e) for e in experts]
+    return [
+        ("act_fn None", per_expert(lambda e: act(e, None)), "activation None"),
+        ("GELU", per_expert(lambda e: act(e, torch.nn.GELU())), "not SiLU"),
+        ("biased", per_expert(lambda e: setattr(e.up_proj, "bias", torch.nn.Parameter(torch.ones(F_MOE)))),
+         "bias-free"),
+    ]
+
+
+@pytest.mark.parametrize("case", _variant_cases(), ids=lambda c: c[0])
+def test_gating_variants_are_left_to_pytorch_with_a_reason(case):
+    """Experts that are not exactly silu(gate) * up are left alone, reported,
+    and the model computes what PyTorch computes (where the altered model
+    runs at all: a flag alone, e.g. is_transposed, leaves it inconsistent)."""
+    _, alter, words = case
+    model = build("qwen3_moe")
+    alter(model.model.layers[0].mlp.experts)
+    ids = input_ids()
+    try:
+        ref = logits(model, ids)
+    except (TypeError, RuntimeError, AttributeError):
+        ref = None
+    report = ct.accelerate(model, threads=2)
+    assert [b.path for b in report.accelerated] == ["model.layers.1.mlp"], str(report)
+    reasons = dict(report.skipped)
+    assert words in reasons["model.layers.0.mlp"], str(report)
+    assert "left alone model.layers.0.mlp" in str(report)
+    if ref is not None:
+        assert rel_l2(logits(model, ids), ref) <= 1e-5
+
+
+def test_gpt_oss_is_refused_with_a_reason():
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, layer_types=["full_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = input_ids()
+    ref = logits(model, ids)
+    report = ct.accelerate(model, threads=2)
+    assert report.accelerated == []
+    assert [p for p, _ in report.skipped] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    for _, why in report.skipped:
+        assert "bias" in why or "transposed" in why, why
+    assert rel_l2(logits(model, ids), ref) == 0.0
