@@ -28,7 +28,8 @@
 #   matplotlib            the suite's speed-up chart (bench/run_suite.py)
 #   safetensors, gguf     reading and writing checkpoints in tests and tools
 #   scikit-build-core     the PEP 517 backend that builds the package with CMake
-#   transformers          the real Hugging Face MoE classes (5.x)
+#   transformers          the real Hugging Face MoE classes (5.x; 4.57.6 in
+#                         .venv-transformers4, with torch, numpy, pytest, safetensors)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -82,5 +83,21 @@ if [[ ! -x "$venv/bin/python" || "$(cat "$venv/.colibri-setup" 2>/dev/null)" != 
   "$venv/bin/python" -m pip install -q torch==2.13.0 >&2
   "$venv/bin/python" -m pip install -q "${packages[@]}" torch==2.13.0 >&2
   echo "$stamp" >"$venv/.colibri-setup"
+fi
+
+# A second environment with transformers 4.57, whose MoE classes keep one
+# nn.Module per expert where 5.x fuses them: the PyTorch integration is
+# tested against both (ctest's python_transformers4). One environment can
+# hold only one transformers.
+venv4=.venv-transformers4
+packages4=(numpy pytest safetensors "transformers==4.57.6")
+stamp4="torch==2.13.0 ${packages4[*]}"
+if [[ ! -x "$venv4/bin/python" || "$(cat "$venv4/.colibri-setup" 2>/dev/null)" != "$stamp4" ]]; then
+  echo "setup: creating $venv4 from $base_python" >&2
+  rm -rf "$venv4"
+  "$base_python" -m venv "$venv4"
+  "$venv4/bin/python" -m pip install -q torch==2.13.0 >&2
+  "$venv4/bin/python" -m pip install -q "${packages4[@]}" torch==2.13.0 >&2
+  echo "$stamp4" >"$venv4/.colibri-setup"
 fi
 echo "$PWD/$venv/bin/python"
