@@ -175,7 +175,10 @@ def status(model):
     experts module transformers dispatches."""
     out = []
     for path, m in model.named_modules():
-        if not hasattr(m, "has_gate") or not isinstance(getattr(m, "down_proj", None), torch.Tensor):
+        # Flags such as has_gate came in 5.x releases after 5.0: look for the
+        # fused weights and the decorator's wrapped forward instead.
+        if not isinstance(getattr(m, "down_proj", None), torch.Tensor) or \
+                not hasattr(type(m).forward, "__wrapped__"):
             continue
         cached = m.__dict__.get(_CACHE)
         if cached is None:
