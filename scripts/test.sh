@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then build and run the whole test suite: a Release build (plus a
-# smoke run of the benchmark suite), an AddressSanitizer +
+# Set up, then build and run the whole test suite: a Release build (plus the
+# Python tests against the installed wheel, and a smoke run of the benchmark
+# suite), an AddressSanitizer +
 # UndefinedBehaviorSanitizer build, a ThreadSanitizer build of the tests that
 # run threads against each other, clang-tidy over src/, and every fuzz target
 # for a short time (FUZZ_SECONDS, default 30).
@@ -36,7 +37,7 @@ run_ctest() {
   # Python tests do that when their interpreter lacks NumPy or PyTorch.
   # (gtest cases that skip themselves, e.g. AMX tests on a CPU without AMX,
   # are skipped legitimately.)
-  if grep -qE '^[[:space:]]*[0-9]+ - python \(Skipped\)' "$log"; then
+  if grep -qE '^[[:space:]]*[0-9]+ - python(_transformers4)? \(Skipped\)' "$log"; then
     echo "test.sh: ctest in $dir skipped the Python tests (see $log)" >&2
     exit 1
   fi
@@ -47,14 +48,76 @@ run_ctest() {
 # scripts/demo.sh (tests off) or by hand is reconfigured, not reused as is.
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCOLIBRI_BUILD_TESTS=ON -DCOLIBRI_BUILD_TOOLS=ON \
   -DCOLIBRI_BUILD_BENCHMARKS=ON -DCOLIBRI_WERROR=ON -DCOLIBRI_NATIVE=OFF -DCOLIBRI_SANITIZE_ADDRESS=OFF \
-  -DCOLIBRI_SANITIZE_THREAD=OFF -DCOLIBRI_BUILD_FUZZERS=OFF -DCOLIBRI_PYTHON="$python" >/dev/null
+  -DCOLIBRI_SANITIZE_THREAD=OFF -DCOLIBRI_BUILD_FUZZERS=OFF -DCOLIBRI_PYTHON="$python" \
+  -DCOLIBRI_PYTHON_TRANSFORMERS4="$PWD/.venv-transformers4/bin/python" >/dev/null
 cmake --build build -j"$jobs"
 # The Release suite must include the stages that only run there.
-for t in python emulated_cpus kernel_bench_smoke precision_scalar engine_avx2; do
+for t in python python_transformers4 emulated_cpus kernel_bench_smoke precision_scalar engine_avx2; do
   (cd build && ctest -N -R "^$t\$" | grep -q "Total Tests: 1") ||
     { echo "test.sh: the Release build has no test '$t'" >&2; exit 1; }
 done
 run_ctest build 300
+
+# The Python package as users get it: `pip wheel .` builds libcolibri with
+# CMake (scikit-build-core, pyproject.toml) into the wheel, which is installed
+# into a clean virtual environment (build/wheel-venv: torch 2.13.0 CPU, numpy,
+# pytest; kept while its stamp matches). python/tests then run against that
+# installed package from a folder outside the source tree, with
+# COLIBRI_LIBRARY unset: with COLIBRI_TEST_INSTALLED=1, conftest.py keeps
+# python/ off sys.path and stops unless colibri and its libcolibri.so come from
+# the venv. Only the tests that need transformers (not in that venv) may skip.
+rm -rf build/wheel
+CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$python" -m pip wheel . --no-deps --no-build-isolation \
+  --config-settings=build-dir="$PWD/build/wheel-build" -w build/wheel
+wheels=(build/wheel/colibri-*-py3-none-linux_*.whl)
+if [[ ${#wheels[@]} -ne 1 || ! -f "${wheels[0]}" ]]; then
+  echo "test.sh: pip wheel . left no single py3-none-linux wheel of colibri in build/wheel (${wheels[*]})" >&2
+  exit 1
+fi
+repo="$PWD"
+wheel="$repo/${wheels[0]}"
+wheel_venv="$repo/build/wheel-venv"
+base_python="$("$python" -c 'import sys; print(sys._base_executable)')"
+stamp="$base_python $("$base_python" -c 'import sys; print(sys.version.split()[0])') torch==2.13.0 numpy pytest"
+if [[ ! -x "$wheel_venv/bin/python" || "$(cat "$wheel_venv/.colibri-wheel-venv" 2>/dev/null)" != "$stamp" ]]; then
+  echo "test.sh: creating $wheel_venv from $base_python"
+  rm -rf "$wheel_venv"
+  "$base_python" -m venv "$wheel_venv"
+  # torch first and pinned (the CPU build on this disk): nothing may pull another.
+  "$wheel_venv/bin/python" -m pip install -q torch==2.13.0
+  "$wheel_venv/bin/python" -m pip install -q numpy pytest torch==2.13.0
+  echo "$stamp" >"$wheel_venv/.colibri-wheel-venv"
+fi
+# Same version every build: --force-reinstall. Its one dependency (numpy) is
+# there already; pip check says whether the wheel's metadata agrees.
+"$wheel_venv/bin/python" -m pip install -q --no-deps --no-index --force-reinstall "$wheel"
+"$wheel_venv/bin/python" -m pip check
+outside="$(mktemp -d)"
+trap 'rm -rf "$outside"' EXIT
+installed="$(cd "$outside" && env -u COLIBRI_LIBRARY -u PYTHONPATH "$wheel_venv/bin/python" -c \
+  'import os, colibri; print(os.path.dirname(colibri.__file__)); print(colibri.library_path())')"
+{ read -r pkg_dir; read -r lib_path; } <<<"$installed"
+if [[ "$pkg_dir" != "$wheel_venv"/lib/python*/site-packages/colibri || "$lib_path" != "$pkg_dir/libcolibri.so" ]]; then
+  echo "test.sh: colibri in $wheel_venv is not the installed package with its bundled library: $pkg_dir, $lib_path" >&2
+  exit 1
+fi
+log="$repo/build/wheel-pytest.log"
+if ! (cd "$outside" && env -u COLIBRI_LIBRARY -u PYTHONPATH COLIBRI_TEST_INSTALLED=1 COLIBRI_WHEEL="$wheel" \
+  COLIBRI_CLI="$repo/build/tools/colibri" COLIBRI_ABI_LAYOUT="$repo/build/tests/abi_layout" PYTHONDONTWRITEBYTECODE=1 \
+  "$wheel_venv/bin/python" -m pytest -q -p no:cacheprovider -rs "$repo/python/tests") | tee "$log"; then
+  echo "test.sh: the Python tests against the wheel installed in $wheel_venv failed (see $log)" >&2
+  exit 1
+fi
+summary="$(tail -n 1 "$log")"
+if [[ "$summary" != *" passed"* || "$summary" == *" failed"* || "$summary" == *" error"* ]]; then
+  echo "test.sh: the Python tests against the installed wheel did not all pass: $summary" >&2
+  exit 1
+fi
+if grep '^SKIPPED' "$log" | grep -v transformers >&2; then
+  echo "test.sh: the Python tests against the installed wheel skipped the tests above (see $log)" >&2
+  exit 1
+fi
+echo "test.sh: the wheel $(basename "$wheel") installed in $wheel_venv: $summary"
 
 # The benchmark suite as a smoke run only (tiny shapes, a few iterations):
 # it checks that every part runs and that outputs agree with PyTorch, never

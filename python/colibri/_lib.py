@@ -241,8 +241,8 @@ def candidate_paths():
     """Where the library is looked for, in order (see docs/PYTORCH.md):
 
     1. $COLIBRI_LIBRARY (a file, or a folder holding libcolibri.so);
-    2. libcolibri.so bundled in the package folder (``pip install`` with
-       COLIBRI_BUNDLE_LIBRARY);
+    2. libcolibri.so bundled in the package folder (``pip install .`` from
+       the repository root builds it with CMake and puts it there);
     3. the build trees ``<source root>/build*/`` when the package runs from
        the source tree, newest library first, sanitizer builds skipped;
     4. ctypes.util.find_library("colibri") (an installed library).
@@ -303,7 +303,8 @@ def _load():
         raise OSError(
             "colibri: cannot find libcolibri. Set COLIBRI_LIBRARY to the library's path, "
             "build it (cmake -S . -B build && cmake --build build --target colibri), or install "
-            "the package with COLIBRI_BUNDLE_LIBRARY set. Tried: " + ("; ".join(tried) or "nothing")
+            "the package with its library (pip install . from the repository root). Tried: "
+            + ("; ".join(tried) or "nothing")
         )
 
 

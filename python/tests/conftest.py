@@ -1,6 +1,12 @@
 """Test set-up: makes `colibri` importable from the source tree, and ends
 the whole run with exit code 77 (which ctest reports as skipped) when this
-Python lacks NumPy or PyTorch."""
+Python lacks NumPy or PyTorch.
+
+With COLIBRI_TEST_INSTALLED=1 (scripts/test.sh's wheel stage) the tests run
+against the colibri installed in this interpreter instead: the source tree's
+python/ is not put on sys.path, and the run stops at once unless colibri was
+imported from this environment's site-packages and loaded the libcolibri.so
+bundled in it (so COLIBRI_LIBRARY must be unset)."""
 
 import os
 import sys
@@ -8,8 +14,11 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # python/, for `import colibri`
+PYTHON_DIR = os.path.dirname(HERE)  # python/ of the source tree
+INSTALLED = os.environ.get("COLIBRI_TEST_INSTALLED", "") not in ("", "0")
+sys.path.insert(0, HERE)  # helpers, reference_moe
+if not INSTALLED:
+    sys.path.insert(0, PYTHON_DIR)  # for `import colibri`
 
 try:
     import numpy as np
@@ -19,10 +28,34 @@ except ImportError as e:  # pragma: no cover
     MISSING = str(e)
 
 
+def installed_package_problem():
+    """Why the imported colibri is not the installed package with its
+    bundled library (None if it is); for COLIBRI_TEST_INSTALLED runs."""
+    import colibri
+
+    pkg = os.path.dirname(os.path.realpath(colibri.__file__))
+    prefix = os.path.realpath(sys.prefix)
+    if os.environ.get("COLIBRI_LIBRARY"):
+        return "COLIBRI_LIBRARY is set (%s): unset it to test the bundled library" % os.environ["COLIBRI_LIBRARY"]
+    if not pkg.startswith(prefix + os.sep):
+        return "colibri was imported from %s, not from this environment (%s)" % (pkg, prefix)
+    if pkg.startswith(os.path.realpath(PYTHON_DIR) + os.sep):
+        return "colibri was imported from the source tree (%s)" % pkg
+    bundled = os.path.join(pkg, "libcolibri.so")
+    loaded = os.path.realpath(colibri.library_path())
+    if loaded != bundled:
+        return "colibri loaded %s, not the library bundled in the package (%s)" % (loaded, bundled)
+    return None
+
+
 def pytest_configure(config):
     if MISSING:  # before collection: the test modules import both
         pytest.exit("skipping the colibri Python tests: %s (run scripts/setup.sh and use .venv/bin/python)" % MISSING,
                     returncode=77)
+    if INSTALLED:
+        why = installed_package_problem()
+        if why:
+            pytest.exit("COLIBRI_TEST_INSTALLED: " + why, returncode=3)
 
 
 if not MISSING:
@@ -30,7 +63,8 @@ if not MISSING:
     from helpers import random_experts
 
     def pytest_report_header(config):
-        return "libcolibri: %s (version %s, v2 ABI: %s)" % (
+        return "colibri: %s%s; libcolibri: %s (version %s, v2 ABI: %s)" % (
+            os.path.dirname(colibri.__file__), " (installed)" if INSTALLED else "",
             colibri.library_path(), colibri.library_version(), colibri.has_open_memory())
 
     @pytest.fixture(scope="session")

@@ -7,6 +7,18 @@ import pytest
 
 import colibri
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+# COLIBRI_TEST_INSTALLED=1: testing the installed package (conftest.py), not python/.
+INSTALLED = os.environ.get("COLIBRI_TEST_INSTALLED", "") not in ("", "0")
+
+
+def import_paths():
+    """What a child Python needs on sys.path to import what these tests do:
+    this folder (helpers, reference_moe), and python/ unless the tests run
+    against the installed package."""
+    return [HERE] if INSTALLED else [HERE, os.path.dirname(HERE)]
+
+
 needs_v2 = pytest.mark.skipif(not colibri.has_open_memory(),
                               reason="the loaded libcolibri predates colibri_open_memory (v2 ABI)")
 

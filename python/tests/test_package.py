@@ -1,16 +1,21 @@
-"""The package as a user meets it: import without torch, offline install,
-the library lookup, and the examples of docs/PYTORCH.md."""
+"""The package as a user meets it: import without torch, the library
+lookup, the wheel (`pip install .` / `pip wheel .` from the repository root,
+pyproject.toml) and the examples of docs/PYTORCH.md.
 
+With COLIBRI_TEST_INSTALLED=1 (conftest.py) these tests check the installed
+package and its bundled library instead of python/."""
+
+import importlib.metadata
 import os
 import re
-import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
 import colibri
-from helpers import find_cli
+from helpers import INSTALLED, find_cli
 from colibri import _lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -19,13 +24,26 @@ REPO = os.path.dirname(PYTHON_DIR)
 DOC = os.path.join(REPO, "docs", "PYTORCH.md")
 
 
-def run_python(code, cwd=None, env_extra=None, pythonpath=PYTHON_DIR):
+def run_python(code, cwd=None, env_extra=None):
+    """`python -c code` importing the colibri these tests use: python/ with
+    the loaded library, or (INSTALLED) the installed package, left to find
+    its own library."""
     env = dict(os.environ)
-    env["COLIBRI_LIBRARY"] = colibri.library_path()
-    env["PYTHONPATH"] = pythonpath
+    if INSTALLED:
+        env.pop("PYTHONPATH", None)
+        env.pop("COLIBRI_LIBRARY", None)
+    else:
+        env["COLIBRI_LIBRARY"] = colibri.library_path()
+        env["PYTHONPATH"] = PYTHON_DIR
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("COLIBRI_LIBRARY", "PYTHONPATH")}
+    env.update(extra)
+    return env
 
 
 def test_import_does_not_import_torch():
@@ -50,29 +68,110 @@ def test_missing_library_message(tmp_path):
     assert "COLIBRI_LIBRARY" in r.stderr and "nope.so" in r.stderr
 
 
-def test_offline_pip_install(tmp_path):
-    import importlib.util
+def test_library_found(tmp_path):
+    path = colibri.library_path()
+    assert os.path.isfile(path)
+    assert colibri.library_version() == colibri.__version__
+    origins = [o for o, p in _lib.candidate_paths() if (p if o == "system" else os.path.abspath(p)) == path]
+    assert origins, (path, _lib.candidate_paths())
+    pkg = os.path.dirname(os.path.realpath(colibri.__file__))
+    if not INSTALLED:
+        assert pkg == os.path.join(os.path.realpath(PYTHON_DIR), "colibri")
+        if os.environ.get("COLIBRI_LIBRARY"):  # ctest sets it
+            assert origins == ["COLIBRI_LIBRARY"]
+        return
+    # The installed package with its own library, nothing set; also in a
+    # child started elsewhere.
+    assert "COLIBRI_LIBRARY" not in os.environ and origins == ["package"]
+    assert pkg.startswith(os.path.realpath(sys.prefix) + os.sep), (pkg, sys.prefix)
+    assert not pkg.startswith(os.path.realpath(PYTHON_DIR) + os.sep), pkg
+    bundled = os.path.join(pkg, "libcolibri.so")
+    assert os.path.realpath(path) == bundled
+    assert _lib.candidate_paths()[0] == ("package", os.path.join(_lib._PKG_DIR, "libcolibri.so"))
+    r = subprocess.run([sys.executable, "-c", "import colibri; print(colibri.__file__); print(colibri.library_path())"],
+                       cwd=str(tmp_path), env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got_file, got_lib = r.stdout.split()
+    assert os.path.dirname(os.path.realpath(got_file)) == pkg
+    assert os.path.realpath(got_lib) == bundled
 
-    for mod in ("pip", "setuptools"):  # looked up, not imported (setuptools' distutils shim)
-        if importlib.util.find_spec(mod) is None:
-            pytest.skip("%s is not installed (python3-%s)" % (mod, mod))
-    # From a copy, so setuptools' build/ and egg-info land in tmp_path, not the source tree.
-    src = tmp_path / "src"
-    shutil.copytree(PYTHON_DIR, src, ignore=shutil.ignore_patterns("tests", "build", "*.egg-info", "__pycache__",
-                                                                    "libcolibri.so*"))
+
+@pytest.mark.skipif(not INSTALLED, reason="checks the installed package (COLIBRI_TEST_INSTALLED=1, scripts/test.sh)")
+def test_installed_distribution():
+    dist = importlib.metadata.distribution("colibri")
+    assert dist.version == colibri.__version__
+    reqs = dist.requires or []
+    assert any(re.match(r"numpy\b", r) for r in reqs), reqs
+    for r in reqs:  # torch only as the extra, and unpinned (no CUDA build pulled in)
+        if r.startswith("torch"):
+            assert "extra ==" in r and re.fullmatch(r"torch\s*;.*", r), r
+    files = {str(f) for f in dist.files}
+    assert "colibri/libcolibri.so" in files and "colibri/torch.py" in files, sorted(files)
+    assert not any(".so." in f or f.startswith("colibri/tests") for f in files), sorted(files)
+    wheel = dist.read_text("WHEEL")
+    tags = re.findall(r"^Tag: (\S+)$", wheel, re.M)
+    assert tags and all(t.startswith("py3-none-") and not t.endswith("-any") for t in tags), wheel
+    assert "Root-Is-Purelib: false" in wheel
+
+
+def read_pyproject():
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        pytest.skip("tomllib needs Python 3.11")
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_pyproject_builds_the_library_with_cmake():
+    """The root pyproject.toml: scikit-build-core, the version CMake and the
+    package carry, numpy required, torch optional and unpinned, the library
+    alone and portable."""
+    meta = read_pyproject()
+    assert meta["build-system"]["build-backend"] == "scikit_build_core.build"
+    proj = meta["project"]
+    cmake_version = re.search(r"project\(colibri VERSION ([0-9.]+)",
+                              open(os.path.join(REPO, "CMakeLists.txt")).read()).group(1)
+    assert proj["name"] == "colibri"
+    assert proj["version"] == cmake_version == colibri.__version__
+    assert proj["dependencies"] == ["numpy"]
+    assert proj["optional-dependencies"]["torch"] == ["torch"]
+    skb = meta["tool"]["scikit-build"]
+    assert skb["wheel"]["packages"] == ["python/colibri"] and skb["wheel"]["py-api"] == "py3"
+    assert skb["install"]["components"] == ["python"]
+    assert skb["cmake"]["build-type"] == "Release"
+    defines = skb["cmake"]["define"]
+    for opt in ("TESTS", "TOOLS", "BENCHMARKS", "FUZZERS"):
+        assert defines["COLIBRI_BUILD_" + opt] == "OFF"
+    assert defines["COLIBRI_NATIVE"] == "OFF"
+    assert not os.path.exists(os.path.join(PYTHON_DIR, "setup.py"))
+    assert not os.path.exists(os.path.join(PYTHON_DIR, "pyproject.toml"))
+
+
+@pytest.mark.skipif(not os.environ.get("COLIBRI_WHEEL"),
+                    reason="no wheel given (COLIBRI_WHEEL; scripts/test.sh builds one with pip wheel .)")
+def test_wheel_installs_and_finds_its_library(tmp_path):
+    """The wheel scripts/test.sh built: what it holds, and an offline install
+    of it into a folder that works from anywhere with nothing set."""
+    whl = os.environ["COLIBRI_WHEEL"]
+    assert re.fullmatch(r"colibri-%s-py3-none-linux_[a-z0-9_]+\.whl" % re.escape(colibri.__version__),
+                        os.path.basename(whl)), whl
+    with zipfile.ZipFile(whl) as z:
+        names = set(z.namelist())
+        lib = z.getinfo("colibri/libcolibri.so")
+        assert z.read("colibri/libcolibri.so")[:4] == b"\x7fELF"
+    assert lib.file_size > 100000
+    py = {n for n in names if n.startswith("colibri/") and n.endswith(".py")}
+    assert py == {"colibri/" + f for f in os.listdir(os.path.join(PYTHON_DIR, "colibri")) if f.endswith(".py")}
+    assert names - py - {"colibri/libcolibri.so"} == {
+        "colibri-%s.dist-info/%s" % (colibri.__version__, f) for f in ("METADATA", "WHEEL", "RECORD")}, sorted(names)
     target = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-index", "--no-cache-dir",
-                        "--disable-pip-version-check", "-q", "--target", str(target), str(src)],
-                       capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, COLIBRI_BUNDLE_LIBRARY=colibri.library_path()))
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--no-cache-dir",
+                        "--disable-pip-version-check", "-q", "--target", str(target), whl],
+                       capture_output=True, text=True, timeout=600, env=clean_env())
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (target / "colibri" / "libcolibri.so").exists()
-    assert (target / "colibri" / "torch.py").exists()
-    # the installed copy finds its bundled library, away from the source tree
-    env = {k: v for k, v in os.environ.items() if k != "COLIBRI_LIBRARY"}
-    env["PYTHONPATH"] = str(target)
     r = subprocess.run([sys.executable, "-c", "import colibri; print(colibri.library_path())"], cwd=str(tmp_path),
-                       env=env, capture_output=True, text=True, timeout=120)
+                       env=clean_env(PYTHONPATH=str(target)), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(target / "colibri" / "libcolibri.so")
 
