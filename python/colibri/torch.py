@@ -345,6 +345,7 @@ class _Spec:
     e_score_correction_bias: torch.Tensor = None
     returns_logits: bool = True
     router_problem: str = ""  # why the block's router cannot be Colibri's built-in one
+    known_block: bool = False  # a transformers 5 block whose whole forward _fused_block_forward reproduces
 
     @property
     def weight_like(self):
@@ -570,6 +571,16 @@ def _spec_from_rule(rule, **fields):
                  e_score_correction_bias=rule.e_score_correction_bias, **fields)
 
 
+# transformers 5 blocks with a shared expert whose forward is exactly: the
+# router module's (logits, weights, indices) on the flattened tokens, the
+# experts, plus the shared expert (Qwen: scaled by sigmoid(shared_expert_gate
+# . x)). accelerate() replaces their whole forward so that the shared expert
+# runs in Colibri too; other fused blocks keep theirs and only their experts
+# module's forward is replaced.
+_KNOWN_FUSED_BLOCKS = frozenset(("Qwen2MoeSparseMoeBlock", "Qwen3NextSparseMoeBlock", "DeepseekV2Moe",
+                                 "DeepseekV3MoE", "Glm4MoeMoE"))
+
+
 def _recognise_fused(block, experts, gu, dp):
     if gu.dim() != 3 or dp.dim() != 3 or gu.shape[1] % 2:
         return "fused experts with gate_up_proj %s / down_proj %s, expected [E, 2F, D] / [E, D, F]" % (
@@ -597,6 +608,9 @@ def _recognise_fused(block, experts, gu, dp):
         _shared_spec(spec, block.shared_expert, getattr(block, "shared_expert_gate", None))
     elif getattr(block, "shared_experts", None) is not None:
         _shared_spec(spec, block.shared_experts, None)
+    cls = type(block)
+    spec.known_block = (cls.__name__ in _KNOWN_FUSED_BLOCKS and cls.__module__.startswith("transformers.models.")
+                        and not isinstance(rule, str))
     return spec
 
 
@@ -790,16 +804,35 @@ def _block_forward(self, hidden_states, *args, **kwargs):
     return y
 
 
+def _colibri_ids(top_k_index, n_tokens, E):
+    """int32 ids [N, k]; transformers marks "no expert" (expert parallelism)
+    with ids >= E, Colibri with -1."""
+    ids = top_k_index.reshape(n_tokens, -1)
+    return torch.where(ids < E, ids, torch.full_like(ids, -1)).to(torch.int32)
+
+
+def _fused_block_forward(self, hidden_states, *args, **kwargs):
+    """Replaces the forward of a known transformers 5 block with a shared
+    expert (_KNOWN_FUSED_BLOCKS): its router in PyTorch, routed and shared
+    experts in one Colibri call."""
+    state = self.__dict__["_colibri_state"]
+    if _needs_pytorch(self, hidden_states, args, kwargs):
+        return _original(self, state)(hidden_states, *args, **kwargs)
+    state.calls += 1
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, state.spec.d_model)
+    _, weights, indices = self.gate(x)
+    ids = _colibri_ids(indices, x.shape[0], state.spec.n_experts)
+    return state.experts(x, ids, weights.reshape(ids.shape)).reshape(shape)
+
+
 def _fused_forward(self, hidden_states, top_k_index=None, top_k_weights=None, *args, **kwargs):
     """Replaces a fused experts module's forward (bound to that module)."""
     state = self.__dict__["_colibri_state"]
     if top_k_index is None or top_k_weights is None or _needs_pytorch(self, hidden_states, args, kwargs):
         return _original(self, state)(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     state.calls += 1
-    E = state.spec.n_experts
-    ids = top_k_index.reshape(hidden_states.shape[0], -1)
-    # transformers marks "no expert" (expert parallelism) with id E.
-    ids = torch.where(ids < E, ids, torch.full_like(ids, -1)).to(torch.int32)
+    ids = _colibri_ids(top_k_index, hidden_states.shape[0], state.spec.n_experts)
     return state.experts(hidden_states, ids, top_k_weights.reshape(ids.shape))
 
 
@@ -909,8 +942,10 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     for path, module, spec in found:
         cdtype = _colibri_dtype(dtype, spec.weight_like)
         # A fused block keeps its own forward (only its experts module's is
-        # replaced), which adds the shared expert itself.
-        in_colibri = shared and spec.shared is not None and spec.shared_in_colibri and spec.layout != "fused"
+        # replaced), which adds the shared expert itself, unless its whole
+        # forward is known.
+        in_colibri = (shared and spec.shared is not None and spec.shared_in_colibri
+                      and (spec.layout != "fused" or spec.known_block))
         key = spec.group_key(cdtype) if in_colibri else spec.group_key(cdtype)[:4] + (0, False)
         groups.setdefault(key, []).append((path, module, spec, in_colibri))
 
@@ -925,11 +960,15 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
         report.models.append(cmodel)
         for i, (path, module, spec, in_colibri) in enumerate(members):
             experts = ColibriExperts._view(cmodel, i)
-            target = module.experts if spec.layout == "fused" else module
+            if spec.layout != "fused":
+                target, forward = module, _block_forward
+            elif in_colibri:
+                target, forward = module, _fused_block_forward
+            else:
+                target, forward = module.experts, _fused_forward
             state = _State(experts, spec.without_weights(), in_colibri, target.__dict__.get("forward"))
             target.__dict__["_colibri_state"] = state
-            target.__dict__["forward"] = types.MethodType(
-                _fused_forward if spec.layout == "fused" else _block_forward, target)
+            target.__dict__["forward"] = types.MethodType(forward, target)
             if not keep_pytorch_weights:
                 state.released = _release_weights(module, spec, in_colibri, released_params)
                 report.released_bytes += state.released
