@@ -124,6 +124,15 @@ echo "test.sh: the wheel $(basename "$wheel") installed in $wheel_venv: $summary
 # how fast anything is.
 "$python" bench/run_suite.py --smoke --build-dir build --out-dir build/bench-smoke
 
+# Instruction-set objects must define no vague-linkage symbol a baseline
+# caller could bind to (ctest's isa_linkage checks the Release objects); an
+# unoptimised build inlines nothing, so it is where such a symbol shows up.
+cmake -S . -B build-o0 -DCMAKE_BUILD_TYPE=Debug -DCOLIBRI_BUILD_TESTS=OFF -DCOLIBRI_BUILD_TOOLS=OFF \
+  -DCOLIBRI_BUILD_BENCHMARKS=OFF -DCOLIBRI_BUILD_FUZZERS=OFF -DCOLIBRI_NATIVE=OFF -DCOLIBRI_WERROR=ON \
+  -DCOLIBRI_SANITIZE_ADDRESS=OFF -DCOLIBRI_SANITIZE_THREAD=OFF >/dev/null
+cmake --build build-o0 -j"$jobs" --target colibri_objects
+./tests/isa_linkage.sh nm build-o0/CMakeFiles/colibri_objects.dir/src/kernels/*.o
+
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOLIBRI_BUILD_TESTS=ON -DCOLIBRI_BUILD_TOOLS=ON \
   -DCOLIBRI_SANITIZE_ADDRESS=ON -DCOLIBRI_SANITIZE_THREAD=OFF -DCOLIBRI_WERROR=ON >/dev/null
 cmake --build build-asan -j"$jobs"
