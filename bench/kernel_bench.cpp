@@ -57,7 +57,7 @@ Buffer aligned_bytes(size_t n) {
 
 // Random weights in the packed layout (kernels.h), padding zero.
 Buffer random_rows(size_t rows, size_t cols, size_t stride, WeightType t, std::mt19937* rng) {
-  const size_t elem = colibri::kernels::weight_type_size(t);
+  const size_t elem = colibri::weight_format(t).block_bytes;
   Buffer b = aligned_bytes(rows * stride * elem);
   std::memset(b.get(), 0, rows * stride * elem);
   std::uniform_real_distribution<float> dist(-0.05f, 0.05f);

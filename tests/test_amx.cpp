@@ -68,7 +68,7 @@ struct Packed {
 Packed make_packed(int D, int F, WeightType wt, std::mt19937& rng) {
   Packed p;
   p.s = colibri::kernels::make_expert_shape(D, F, wt);
-  const size_t es = colibri::kernels::weight_type_size(wt);
+  const size_t es = colibri::weight_format(wt).block_bytes;
   // Exactly sized, padding zero as the loader writes it.
   p.gate_up.assign(2 * static_cast<size_t>(F) * p.s.gate_up_stride * es, 0);
   p.down.assign(static_cast<size_t>(D) * p.s.down_stride * es, 0);

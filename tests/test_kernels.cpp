@@ -98,8 +98,8 @@ PackedMatrix make_matrix(size_t rows, size_t cols, WeightType t, std::mt19937_64
   PackedMatrix m;
   m.rows = rows;
   m.cols = cols;
-  m.stride = padded_row_elements(cols, t);
-  const size_t elem = weight_type_size(t);
+  m.stride = padded_row_elements(t, cols, kRowAlignBytes);
+  const size_t elem = weight_format(t).block_bytes;
   const size_t bytes = rows * m.stride * elem;
   EXPECT_EQ(m.stride * elem % kRowAlignBytes, 0u);
   m.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(kRowAlignBytes, std::max<size_t>(bytes, kRowAlignBytes))));
@@ -618,3 +618,52 @@ TEST(IsaTest, DecodeTableIsFp32ForEveryWeightType) {
 
 }  // namespace
 }  // namespace colibri::kernels
+
+namespace colibri {
+namespace {
+
+// The format table is the only place that knows element sizes: check each
+// entry against the encodings it names, on random values.
+TEST(WeightFormatTest, FloatFormatsRoundTripAndSizes) {
+  std::mt19937_64 rng(41);
+  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+  std::vector<float> x(37), back(37, -777.0f);
+  for (float& v : x) v = dist(rng);
+  struct Want {
+    WeightType t;
+    const char* name;
+    uint32_t bytes;
+  };
+  for (const Want w : {Want{WeightType::kF32, "f32", 4}, Want{WeightType::kF16, "f16", 2},
+                       Want{WeightType::kBF16, "bf16", 2}}) {
+    const WeightFormat& f = weight_format(w.t);
+    EXPECT_EQ(f.type, w.t);
+    EXPECT_STREQ(f.name, w.name);
+    EXPECT_EQ(f.block_elements, 1u);
+    EXPECT_EQ(f.block_bytes, w.bytes);
+    EXPECT_EQ(weight_row_bytes(w.t, 37), 37u * w.bytes);
+    const size_t padded = padded_row_elements(w.t, 37, 64);
+    EXPECT_EQ(padded, (37u * w.bytes + 63) / 64 * 64 / w.bytes);  // whole 64-byte lines
+    EXPECT_EQ(weight_row_bytes(w.t, padded) % 64, 0u);
+    std::vector<uint8_t> enc(weight_row_bytes(w.t, x.size()), 0xAB);
+    f.from_float(x.data(), enc.data(), x.size());
+    f.to_float(enc.data(), back.data(), x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      float want = x[i];
+      uint16_t h = 0;
+      if (w.t == WeightType::kF16) want = f16_to_float(float_to_f16(x[i]));
+      if (w.t == WeightType::kBF16) want = bf16_to_float(float_to_bf16(x[i]));
+      if (w.t != WeightType::kF32) std::memcpy(&h, enc.data() + 2 * i, 2);
+      ASSERT_EQ(back[i], want) << w.name << " element " << i;
+      if (w.t == WeightType::kF16) {
+        ASSERT_EQ(h, float_to_f16(x[i]));
+      }
+      if (w.t == WeightType::kBF16) {
+        ASSERT_EQ(h, float_to_bf16(x[i]));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace colibri

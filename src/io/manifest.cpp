@@ -165,8 +165,22 @@ uint64_t Manifest::router_file_bytes() const {
   return 4 * e * static_cast<uint64_t>(d_model) + (router_has_bias() ? 4 * e : 0);
 }
 
+WeightType weight_type_of(colibri_dtype_t dtype) {
+  switch (dtype) {
+    case COLIBRI_DTYPE_F32: return WeightType::kF32;
+    case COLIBRI_DTYPE_F16: return WeightType::kF16;
+    case COLIBRI_DTYPE_BF16: return WeightType::kBF16;
+  }
+  return WeightType::kF32;
+}
+
+uint64_t Manifest::matrix_bytes(int32_t rows, int32_t cols) const {
+  return static_cast<uint64_t>(rows) * weight_row_bytes(weight_type(), static_cast<size_t>(cols));
+}
+
+// gate and up [F][D], then down [D][F].
 uint64_t Manifest::shared_file_bytes() const {
-  return 3ull * static_cast<uint64_t>(d_model) * static_cast<uint64_t>(shared_d_ff) * dtype_size();
+  return 2 * matrix_bytes(shared_d_ff, d_model) + matrix_bytes(d_model, shared_d_ff);
 }
 
 uint64_t Manifest::shared_gate_file_bytes() const { return 4ull * static_cast<uint64_t>(d_model); }
@@ -186,9 +200,7 @@ bool parse_dtype(const std::string& name, colibri_dtype_t* out) {
   return true;
 }
 
-uint64_t Manifest::expert_file_bytes() const {
-  return 3ull * static_cast<uint64_t>(d_model) * static_cast<uint64_t>(d_ff) * dtype_size();
-}
+uint64_t Manifest::expert_file_bytes() const { return 2 * matrix_bytes(d_ff, d_model) + matrix_bytes(d_model, d_ff); }
 
 std::string Manifest::expert_file(int32_t layer, int32_t expert) const {
   char buf[64];

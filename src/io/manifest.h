@@ -6,6 +6,7 @@
 #include <string>
 
 #include "colibri.h"
+#include "util/weight_format.h"
 
 namespace colibri {
 
@@ -25,6 +26,8 @@ inline constexpr int64_t kMaxExperts = 65536;
 inline constexpr int64_t kMaxDim = int64_t{1} << 20;
 inline constexpr uint64_t kMaxModelBytes = uint64_t{1} << 46;  // 64 TiB
 
+WeightType weight_type_of(colibri_dtype_t dtype);
+
 struct Manifest {
   int32_t version = kManifestVersion;
   int32_t n_layers = 0;
@@ -43,7 +46,10 @@ struct Manifest {
   bool has_router() const { return router.family != COLIBRI_ROUTER_NONE; }
   bool has_shared() const { return shared_d_ff > 0; }
   bool router_has_bias() const { return router.family == COLIBRI_ROUTER_DEEPSEEK_V3; }
-  size_t dtype_size() const { return dtype == COLIBRI_DTYPE_F32 ? 4 : 2; }
+  WeightType weight_type() const { return weight_type_of(dtype); }
+  // Bytes of a [rows][cols] weight matrix of the model's dtype, as stored in
+  // its files (rows unpadded).
+  uint64_t matrix_bytes(int32_t rows, int32_t cols) const;
   uint64_t expert_file_bytes() const;
   // f32 [E][D], then f32 [E] bias for DeepSeek-V3.
   uint64_t router_file_bytes() const;

@@ -30,18 +30,12 @@ float uniform_pm1(uint64_t& state) {
   return static_cast<float>(static_cast<double>(splitmix64(state) >> 11) * 0x1.0p-52 - 1.0);
 }
 
+// n elements of one row in `dtype`'s file encoding (little-endian, as the
+// x86-64 hosts Colibri runs on store it).
 std::vector<uint8_t> encode_weights(const float* w, size_t n, colibri_dtype_t dtype) {
-  std::vector<uint8_t> out(n * (dtype == COLIBRI_DTYPE_F32 ? 4 : 2));
-  for (size_t i = 0; i < n; ++i) {
-    if (dtype == COLIBRI_DTYPE_F32) {
-      const uint32_t u = float_bits(w[i]);
-      for (int b = 0; b < 4; ++b) out[4 * i + b] = static_cast<uint8_t>(u >> (8 * b));
-    } else {
-      const uint16_t h = dtype == COLIBRI_DTYPE_F16 ? float_to_f16(w[i]) : float_to_bf16(w[i]);
-      out[2 * i] = static_cast<uint8_t>(h);
-      out[2 * i + 1] = static_cast<uint8_t>(h >> 8);
-    }
-  }
+  const WeightType t = weight_type_of(dtype);
+  std::vector<uint8_t> out(weight_row_bytes(t, n));
+  weight_format(t).from_float(w, out.data(), n);
   return out;
 }
 

@@ -420,7 +420,7 @@ void store_down(const float* c, const int32_t* token_index, const float* weight,
   }
 }
 
-size_t elem_size(WeightType t) { return t == WeightType::kF32 ? 4 : 2; }
+size_t elem_size(WeightType t) { return weight_format(t).block_bytes; }
 
 // Cache blocking. The activations of all tokens are swept once per unit
 // (16 f rows of gate+up, or 32 d rows of down); when they do not fit in L2

@@ -121,7 +121,7 @@ void gate_up_gemm(const ExpertShape& s, const void* gate_up, const float* x, siz
     return;
   }
   float* U = G + K16 * kPanelRows;
-  const size_t elem = s.weight_type == WeightType::kF32 ? 4 : 2;
+  const size_t elem = weight_format(s.weight_type).block_bytes;
   // Packed rows: 2f is gate row f, 2f+1 is up row f, so gate rows are every
   // other row: stride 2 * gate_up_stride from row 0, up from row 1.
   const char* gate0 = static_cast<const char*>(gate_up);
@@ -187,7 +187,7 @@ void down_gemm(const ExpertShape& s, const void* down, const float* h, size_t ld
     return;
   }
   float* B = A + K16 * kPanelRows;
-  const size_t elem = s.weight_type == WeightType::kF32 ? 4 : 2;
+  const size_t elem = weight_format(s.weight_type).block_bytes;
   for (int32_t d = d_begin; d < d_end; d += 2 * kPanelRows) {
     const int32_t left = d_end - d;
     const int32_t valid_a = left < kPanelRows ? left : kPanelRows;

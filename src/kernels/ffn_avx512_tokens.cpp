@@ -37,11 +37,6 @@
 namespace colibri::kernels {
 namespace {
 
-// kernels.h's weight_type_size is an inline function: called from here, a -O0
-// build would emit an AVX-512 copy of it that the linker may keep for every
-// caller (tests/isa_linkage.sh).
-constexpr size_t element_bytes(WeightType t) { return t == WeightType::kF32 ? 4 : 2; }
-
 #define COLIBRI_UNROLL _Pragma("GCC unroll 32")
 
 // Weights widened per chunk of this many k: R rows x 128 x 4 bytes stays in
@@ -232,13 +227,14 @@ inline void micro_kernel(const float* wf, const float* xt, int32_t kn, __m512* a
 template <int R, int NV, int P>
 void block_products(const char* w, size_t row_bytes, WeightType t, int32_t row0, int32_t k_begin, int32_t k_end,
                     const float* xt, float* wf, __m512* acc) {
+  const size_t elem = weight_format(t).block_bytes;
   for (int32_t kc = k_begin; kc < k_end; kc += kKc) {
     const int32_t kn = k_end - kc < kKc ? k_end - kc : kKc;
     // Prefetch target: the next chunk of these rows, or the first chunk of
     // the next R rows (prefetches never fault, even past the matrix).
-    const ptrdiff_t next = kc + kn < k_end ? static_cast<ptrdiff_t>(kn * element_bytes(t))
+    const ptrdiff_t next = kc + kn < k_end ? static_cast<ptrdiff_t>(kn * elem)
                                            : static_cast<ptrdiff_t>(R * row_bytes) -
-                                                 static_cast<ptrdiff_t>((kc - k_begin) * element_bytes(t));
+                                                 static_cast<ptrdiff_t>((kc - k_begin) * elem);
     switch (t) {
       case WeightType::kF16: widen_rows<R, WeightType::kF16>(w, row_bytes, row0, kc, kn, next, wf); break;
       case WeightType::kBF16: widen_rows<R, WeightType::kBF16>(w, row_bytes, row0, kc, kn, next, wf); break;
@@ -460,7 +456,7 @@ void gate_up_tokens(const ExpertShape& s, const void* gate_up, const float* x, s
     return;
   }
   const char* w = static_cast<const char*>(gate_up);
-  const size_t row_bytes = s.gate_up_stride * element_bytes(s.weight_type);
+  const size_t row_bytes = weight_row_bytes(s.weight_type, s.gate_up_stride);
   for (int32_t i0 = 0; i0 < n; i0 += group) {
     const int32_t count = n - i0 < group ? n - i0 : group;
     with_layout(count, [&](auto nv_tag, auto p_tag) {
@@ -487,7 +483,7 @@ void down_tokens(const ExpertShape& s, const void* down, const float* h, size_t 
     return;
   }
   const char* w = static_cast<const char*>(down);
-  const size_t row_bytes = s.down_stride * element_bytes(s.weight_type);
+  const size_t row_bytes = weight_row_bytes(s.weight_type, s.down_stride);
   for (int32_t i0 = 0; i0 < n; i0 += kMaxGroup) {
     const int32_t count = n - i0 < kMaxGroup ? n - i0 : kMaxGroup;
     with_layout(count, [&](auto nv_tag, auto p_tag) {

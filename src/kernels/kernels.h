@@ -23,20 +23,15 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "util/weight_format.h"
+
 namespace colibri::kernels {
 
-enum class WeightType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
-
-inline size_t weight_type_size(WeightType t) { return t == WeightType::kF32 ? 4 : 2; }
+using colibri::WeightType;
 
 // Rows padded to this many bytes, so SIMD loads never need a tail mask on
 // weights and every row starts on a cache line.
 inline constexpr size_t kRowAlignBytes = 64;
-
-inline size_t padded_row_elements(size_t n, WeightType t) {
-  const size_t per_line = kRowAlignBytes / weight_type_size(t);
-  return (n + per_line - 1) / per_line * per_line;
-}
 
 struct ExpertShape {
   int32_t d_model = 0;
@@ -51,8 +46,8 @@ inline ExpertShape make_expert_shape(int32_t d_model, int32_t d_ff, WeightType t
   s.d_model = d_model;
   s.d_ff = d_ff;
   s.weight_type = t;
-  s.gate_up_stride = padded_row_elements(static_cast<size_t>(d_model), t);
-  s.down_stride = padded_row_elements(static_cast<size_t>(d_ff), t);
+  s.gate_up_stride = padded_row_elements(t, static_cast<size_t>(d_model), kRowAlignBytes);
+  s.down_stride = padded_row_elements(t, static_cast<size_t>(d_ff), kRowAlignBytes);
   return s;
 }
 

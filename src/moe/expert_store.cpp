@@ -15,23 +15,15 @@ namespace colibri {
 
 namespace {
 
-kernels::WeightType weight_type_of(colibri_dtype_t dtype) {
-  switch (dtype) {
-    case COLIBRI_DTYPE_F32: return kernels::WeightType::kF32;
-    case COLIBRI_DTYPE_F16: return kernels::WeightType::kF16;
-    case COLIBRI_DTYPE_BF16: return kernels::WeightType::kBF16;
-  }
-  return kernels::WeightType::kF32;
-}
-
 // Copies `rows` rows of `cols` elements into rows of `stride` elements,
 // zeroing the padding, with destination rows `dst_step` strides apart.
-void copy_rows(const uint8_t* src, size_t rows, size_t cols, size_t stride, size_t dst_step,
-               size_t elem, uint8_t* dst) {
-  const size_t row_bytes = cols * elem;
-  const size_t pad_bytes = (stride - cols) * elem;
+void copy_rows(const uint8_t* src, size_t rows, size_t cols, size_t stride, size_t dst_step, WeightType t,
+               uint8_t* dst) {
+  const size_t row_bytes = weight_row_bytes(t, cols);
+  const size_t stride_bytes = weight_row_bytes(t, stride);
+  const size_t pad_bytes = stride_bytes - row_bytes;
   for (size_t r = 0; r < rows; ++r) {
-    uint8_t* out = dst + r * dst_step * stride * elem;
+    uint8_t* out = dst + r * dst_step * stride_bytes;
     std::memcpy(out, src + r * row_bytes, row_bytes);
     if (pad_bytes != 0) std::memset(out + row_bytes, 0, pad_bytes);
   }
@@ -44,28 +36,27 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 size_t packed_gate_up_bytes(const kernels::ExpertShape& s) {
-  return 2 * static_cast<size_t>(s.d_ff) * s.gate_up_stride * kernels::weight_type_size(s.weight_type);
+  return 2 * static_cast<size_t>(s.d_ff) * weight_row_bytes(s.weight_type, s.gate_up_stride);
 }
 
 size_t packed_expert_bytes(const kernels::ExpertShape& s) {
   return packed_gate_up_bytes(s) +
-         static_cast<size_t>(s.d_model) * s.down_stride * kernels::weight_type_size(s.weight_type);
+         static_cast<size_t>(s.d_model) * weight_row_bytes(s.weight_type, s.down_stride);
 }
 
 void pack_expert_parts(const uint8_t* gate, const uint8_t* up, const uint8_t* down, const kernels::ExpertShape& s,
                        uint8_t* dst) {
-  const size_t elem = kernels::weight_type_size(s.weight_type);
   const size_t D = static_cast<size_t>(s.d_model);
   const size_t F = static_cast<size_t>(s.d_ff);
   // Gate row f -> packed row 2f, up row f -> packed row 2f+1.
-  copy_rows(gate, F, D, s.gate_up_stride, 2, elem, dst);
-  copy_rows(up, F, D, s.gate_up_stride, 2, elem, dst + s.gate_up_stride * elem);
-  copy_rows(down, D, F, s.down_stride, 1, elem, dst + packed_gate_up_bytes(s));
+  copy_rows(gate, F, D, s.gate_up_stride, 2, s.weight_type, dst);
+  copy_rows(up, F, D, s.gate_up_stride, 2, s.weight_type, dst + weight_row_bytes(s.weight_type, s.gate_up_stride));
+  copy_rows(down, D, F, s.down_stride, 1, s.weight_type, dst + packed_gate_up_bytes(s));
 }
 
 void pack_expert(const uint8_t* file_bytes, const kernels::ExpertShape& s, uint8_t* dst) {
-  const size_t elem = kernels::weight_type_size(s.weight_type);
-  const size_t FD = static_cast<size_t>(s.d_model) * static_cast<size_t>(s.d_ff) * elem;
+  // gate and up [F][D], then down [D][F].
+  const size_t FD = static_cast<size_t>(s.d_ff) * weight_row_bytes(s.weight_type, static_cast<size_t>(s.d_model));
   pack_expert_parts(file_bytes, file_bytes + FD, file_bytes + 2 * FD, s, dst);
 }
 
@@ -73,7 +64,8 @@ namespace {
 
 // Router rows [E][D] f32 into the "down" block of the router shape.
 void pack_router(const uint8_t* rows, const kernels::ExpertShape& rs, uint8_t* dst) {
-  copy_rows(rows, static_cast<size_t>(rs.d_model), static_cast<size_t>(rs.d_ff), rs.down_stride, 1, 4, dst);
+  copy_rows(rows, static_cast<size_t>(rs.d_model), static_cast<size_t>(rs.d_ff), rs.down_stride, 1, WeightType::kF32,
+            dst);
 }
 
 void read_floats(const uint8_t* src, size_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -81,7 +73,7 @@ void read_floats(const uint8_t* src, size_t n, float* dst) { std::memcpy(dst, sr
 }  // namespace
 
 void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
-  const kernels::WeightType wt = weight_type_of(m.dtype);
+  const kernels::WeightType wt = m.weight_type();
   shape_ = kernels::make_expert_shape(m.d_model, m.d_ff, wt);
   n_layers_ = m.n_layers;
   n_experts_ = m.n_experts;
@@ -148,14 +140,14 @@ void ExpertStore::finish(const StoreOptions& options, std::string* warnings) {
 ExpertStore::ExpertStore(const colibri_model_desc_t& desc, const Manifest& m, const StoreOptions& options,
                          std::string* warnings) {
   layout(m, options);
-  const size_t FD = static_cast<size_t>(m.d_model) * static_cast<size_t>(m.d_ff) * m.dtype_size();
+  const uint64_t expert_file_bytes = m.expert_file_bytes();
   for (int32_t l = 0; l < m.n_layers; ++l) {
     const colibri_layer_weights_t& lw = desc.layers[l];
     for (int32_t e = 0; e < m.n_experts; ++e) {
       const colibri_expert_weights_t& ew = lw.experts[e];
       pack_expert_parts(static_cast<const uint8_t*>(ew.gate), static_cast<const uint8_t*>(ew.up),
                         static_cast<const uint8_t*>(ew.down), shape_, mutable_at(base(l, e)));
-      stats_.bytes_files += 3 * FD;
+      stats_.bytes_files += expert_file_bytes;
     }
     if (has_router_) {
       pack_router(reinterpret_cast<const uint8_t*>(lw.router), router_shape_, mutable_at(router(l)));
@@ -197,8 +189,8 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
            path + ": " + (static_cast<uint64_t>(st.st_size) < part.bytes ? "truncated" : "oversized") +
                " weight file: " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(part.bytes) +
                (part.bytes == m.expert_file_bytes()
-                    ? " (3 * d_model " + std::to_string(m.d_model) + " * d_ff " + std::to_string(m.d_ff) + " * " +
-                          std::to_string(m.dtype_size()) + ")"
+                    ? " (gate, up [d_ff " + std::to_string(m.d_ff) + "][d_model " + std::to_string(m.d_model) +
+                          "] and down, " + weight_format(m.weight_type()).name + ")"
                     : std::string()));
     }
   }

@@ -130,8 +130,9 @@ void Model::swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, siz
   const uint64_t want = manifest_.expert_file_bytes();
   if (size != want) {
     fail(COLIBRI_ERR_FORMAT, what + ": " + std::to_string(size) + " bytes, expected " + std::to_string(want) +
-                                 " (3 * d_model " + std::to_string(manifest_.d_model) + " * d_ff " +
-                                 std::to_string(manifest_.d_ff) + " * " + std::to_string(manifest_.dtype_size()) + ")");
+                                 " (gate, up [d_ff " + std::to_string(manifest_.d_ff) + "][d_model " +
+                                 std::to_string(manifest_.d_model) + "] and down, " +
+                                 weight_format(manifest_.weight_type()).name + ")");
   }
   if (checksum != nullptr) {
     const uint64_t actual = xxh64(bytes, size);

@@ -1,0 +1,42 @@
+// Weight formats: the one place that knows how each format stores a row.
+//
+// A format packs `block_elements` consecutive elements of a row into
+// `block_bytes` bytes: one element per block for the float formats (4 or 2
+// bytes), and for block-quantised formats a block of 32 or 256 elements with
+// its scales. Row strides, file and matrix sizes, copies and the reference
+// conversions all ask here; nothing else may assume an element size.
+//
+// The functions are defined out of line, so the instruction-set files may
+// call them (an inline function called there could be emitted with their
+// flags and bound by baseline code: tests/isa_linkage.sh).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace colibri {
+
+enum class WeightType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+inline constexpr int kWeightTypeCount = 3;
+
+struct WeightFormat {
+  WeightType type;
+  const char* name;  // as manifests and the CLI spell it: "f32", "f16", "bf16"
+  uint32_t block_elements;
+  uint32_t block_bytes;
+  // The scalar reference: n elements (a multiple of block_elements) of a
+  // row, widened or dequantised to float. The SIMD kernels must agree.
+  void (*to_float)(const void* src, float* dst, size_t n);
+  // The nearest representable values (round to nearest even), n as above.
+  void (*from_float)(const float* src, void* dst, size_t n);
+};
+
+const WeightFormat& weight_format(WeightType t);
+
+// Bytes of n elements of a row; n must be a multiple of block_elements.
+size_t weight_row_bytes(WeightType t, size_t n);
+
+// n rounded up to whole blocks, and on to whole `align_bytes` lines of them.
+size_t padded_row_elements(WeightType t, size_t n, size_t align_bytes);
+
+}  // namespace colibri
