@@ -14,8 +14,11 @@ For each shape it
      changes every call (see CYCLED),
   4. checks Colibri's output (`colibri infer`, default ISA) against PyTorch's
      on the same input,
-  5. runs the PyTorch block (bench/pytorch_moe.py) in float32 and bfloat16 on
-     the same weights and routings,
+  5. runs the PyTorch baselines (bench/pytorch_moe.py; --torch-baselines,
+     default all: the HF-style eager block, transformers 5's own
+     grouped_mm and batched_mm experts implementations, torch.compile of the
+     eager block) in float32 and bfloat16 on the same weights and routings,
+     each new baseline's output checked against the eager block's,
 and runs colibri_probe before the first shape, after each and at the end:
 the host's bandwidth moves with other load, and a fraction of the limit means
 something only against a limit measured the same hour. The machine is shared,
@@ -23,8 +26,9 @@ so every measurement waits for a quiet moment, records how much of the
 machine other processes took meanwhile, and is taken again at the end of the
 run if that was too much.
 
-Reported per row: latency percentiles, tokens/s, speed-up over PyTorch
-(torch p50 / colibri p50), and distance from the machine's limit: decode
+Reported per row: latency percentiles, tokens/s, speed-up over PyTorch's
+eager block (torch p50 / colibri p50; a second table has Colibri against
+every baseline), and distance from the machine's limit: decode
 rows (T=1) against the probe's read bandwidth (huge pages), prefill rows
 against the peak FLOP/s of the precision the kernel computes in.
 
@@ -413,6 +417,61 @@ TABLE_COLUMNS = [
 ]
 
 
+def torch_engine_name(baseline):
+    """The rows' engine column: "torch" for the eager block (as before the
+    other baselines existed), "torch <engine>" for the others."""
+    return "torch" if baseline == "eager" else "torch " + baseline
+
+
+def baselines_text(rows, baselines, skipped, best_isa):
+    """Colibri (default ISA level) against each PyTorch baseline of the same
+    precision: p50 and speed-up (baseline p50 / Colibri p50), one line per
+    Colibri row; then what each baseline is and which rows it did not run."""
+    if not any(r["engine"] != "colibri" for r in rows):
+        return []
+    heads = ["torch %s (%s)" % (b, "p50 ms, x") for b in baselines]
+    out = ["Colibri (level %s) against each PyTorch baseline, same weights, routing and input: PyTorch p50 ms and "
+           "speed-up (PyTorch p50 / Colibri p50) in brackets; f16 weights against PyTorch float32, bf16 against "
+           "PyTorch bfloat16." % best_isa, "",
+           "| shape | T | routing | weights | Colibri p50 ms | torch dtype | " + " | ".join(heads) + " |",
+           "|---|---|---|---|---|---|" + "---|" * len(baselines)]
+    for r in rows:
+        if r["engine"] != "colibri" or r["isa"] != best_isa:
+            continue
+        tdt = "float32" if r["weights"] in ("f16", "f32") else "bfloat16"
+        cells = []
+        for b in baselines:
+            t = [x for x in rows if x["engine"] != "colibri" and x.get("baseline") == b and x["weights"] == tdt and
+                 (x["shape"], x["T"], x["routing"]) == (r["shape"], r["T"], r["routing"])]
+            if t:
+                cells.append("%.3g (%.2fx)" % (t[0]["p50_ms"], t[0]["p50_ms"] / r["p50_ms"]))
+            else:
+                sk = [x for x in skipped if (x["shape"], x["T"], x["routing"], x["dtype"]) ==
+                      (r["shape"], r["T"], r["routing"], tdt) and x["engine"] == torch_engine_name(b)]
+                cells.append("not run" if sk else "")
+        out.append("| %s | %d | %s | %s | %.3g | %s | %s |" % (r["shape"], r["T"], r["routing"], r["weights"],
+                                                            r["p50_ms"], tdt, " | ".join(cells)))
+    out.append("")
+    out += ["- torch %s: %s" % (b, pytorch_moe.ENGINE_TEXT[b]) for b in baselines]
+    comp = [x for x in rows if x.get("baseline") == "compile" and "compile_s" in x]
+    groups = []
+    for x in comp:
+        if (x["shape"], x["weights"]) not in groups:
+            groups.append((x["shape"], x["weights"]))
+    for shape, tdt in groups:
+        g = [x for x in comp if (x["shape"], x["weights"]) == (shape, tdt)]
+        d = g[-1].get("dynamo", {})  # dynamo's counters after the run's last row
+        out.append("- torch compile, %s %s: first call (compiles for new shapes; not timed) %s; dynamo: %s graphs, "
+                   "%s graph breaks (%s)" % (
+                       shape, tdt, ", ".join("%s T=%d %.1f s" % (x["routing"], x["T"], x["compile_s"]) for x in g),
+                       d.get("stats", {}).get("unique_graphs", "?"), d.get("graph_breaks", "?"),
+                       "; ".join(r_.split("\n")[0] for r_ in d.get("graph_break_reasons", [])) or "none"))
+    for x in skipped:
+        out.append("- not run: %s %s %s T=%d %s: %s" % (x["engine"], x["shape"], x["routing"], x["T"], x["dtype"],
+                                                        x["why"]))
+    return out + [""]
+
+
 def markdown_table(rows):
     out = ["| " + " | ".join(c for c, _ in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     for r in rows:
@@ -531,7 +590,14 @@ def parse_args(argv):
                     help="share of the machine other processes may use during a measurement before it is retried")
     ap.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine before each measurement")
     ap.add_argument("--retries", type=int, default=2, help="extra attempts of a measurement disturbed by other load")
-    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
+    ap.add_argument("--torch-baselines", default="all",
+                    help="comma-separated PyTorch engines to run, of: %s (default all; eager is the HF-style block "
+                         "the check and the x torch columns use; see bench/pytorch_moe.py)"
+                         % ", ".join(pytorch_moe.ENGINES))
+    ap.add_argument("--batched-mm-max-gb", type=float, default=4.0,
+                    help="rows where transformers' batched_mm would gather more than this many GB of expert "
+                         "weights per call (T x top-k copies of an expert) are not run, and listed as skipped")
     ap.add_argument("--no-check", action="store_true", help="skip the output check against PyTorch")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, 3 iterations, quick probe: checks that everything runs (never a timed pass/fail)")
@@ -556,6 +622,15 @@ def parse_args(argv):
         if unknown:
             ap.error("unknown shape(s) %s; known: %s" % (", ".join(unknown), ", ".join(known)))
         a.shapes_table = {n: known[n] for n in names}
+    if a.torch_baselines.strip() == "all":
+        a.baselines = list(pytorch_moe.ENGINES)
+    else:
+        a.baselines = [e.strip() for e in a.torch_baselines.split(",") if e.strip()]
+        bad = [e for e in a.baselines if e not in pytorch_moe.ENGINES]
+        if bad or not a.baselines:
+            ap.error("unknown --torch-baselines %s; known: %s" % (", ".join(bad) or "(none)",
+                                                                 ", ".join(pytorch_moe.ENGINES)))
+        a.baselines = [e for e in pytorch_moe.ENGINES if e in a.baselines]
     a.dtype_list = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     for d in a.dtype_list:
         if d not in ("f16", "bf16", "f32"):
@@ -709,13 +784,15 @@ def main(argv=None):
         "settings": {"iters_decode": a.iters, "iters_prefill": a.prefill_iters, "warmup": a.warmup,
                      "dtypes": a.dtype_list, "scalar": a.scalar, "torch_max_seconds": a.torch_max_seconds,
                      "quiet_threshold": a.quiet_threshold, "max_wait": a.max_wait, "retries": a.retries,
-                     "cycled_routings": CYCLED},
+                     "cycled_routings": CYCLED, "torch_baselines": a.baselines,
+                     "batched_mm_max_gb": a.batched_mm_max_gb},
         "torch": pytorch_moe.torch_info() if torch_mod else None,
         "probes": [],
         "shapes": {},
         "rows": [],
         "scaling": [],
         "same_moment": [],
+        "skipped": [],
         "errors": [],
     }
     meter = LoadMeter()
@@ -872,6 +949,8 @@ def main(argv=None):
 
         # PyTorch: fp32 on the f16 weights (exactly representable, so the
         # same numbers Colibri's f16 rows multiply), bf16 on the bf16 ones.
+        # Every baseline engine (--torch-baselines) on the same weights,
+        # loaded once per dtype, each engine its own measurement.
         torch_out = {}
         if torch_mod:
             for tdt in ("float32", "bfloat16"):
@@ -879,55 +958,95 @@ def main(argv=None):
                     src = "bf16" if "bf16" in models else a.dtype_list[0]
                 else:
                     src = "f16" if "f16" in models else ("f32" if "f32" in models else a.dtype_list[0])
-                reqs, trows = [], {}
-                for kind, T in cycles:
-                    req = {"label": (kind, T), "iters": a.iters if T == 1 else a.prefill_iters}
-                    if kind == "fixed":
-                        req.update(ids=routes[T]["ids"], weights=routes[T]["weights"],
-                                   x=None if a.no_check else routes[T]["x"])
-                        distinct = routes[T]["distinct"]
-                    else:
-                        req.update(ids=[c[0] for c in cycled], weights=[c[1] for c in cycled])
-                        distinct = k
-                    reqs.append(req)
-                    trows[(kind, T)] = dict(
-                        base, T=T, routing=kind, engine="torch", weights=tdt, isa="", source_weights=src,
-                        bytes_per_call=distinct * 3 * D * F * DTYPE_BYTES[tdt], flop_per_call=6.0 * D * F * T * k,
-                        compute="fp32" if tdt == "float32" else torch_bf16_compute,
-                        kernel="" if tdt == "float32" else bf16_kernel)
+                for engine in a.baselines:
+                    reqs, trows = [], {}
+                    for kind, T in cycles:
+                        req = {"label": (kind, T), "iters": a.iters if T == 1 else a.prefill_iters}
+                        if kind == "fixed":
+                            req.update(ids=routes[T]["ids"], weights=routes[T]["weights"],
+                                       x=None if a.no_check else routes[T]["x"])
+                            distinct = routes[T]["distinct"]
+                        else:
+                            req.update(ids=[c[0] for c in cycled], weights=[c[1] for c in cycled])
+                            distinct = k
+                        reqs.append(req)
+                        trows[(kind, T)] = dict(
+                            base, T=T, routing=kind, engine=torch_engine_name(engine), baseline=engine,
+                            weights=tdt, isa="", source_weights=src,
+                            bytes_per_call=distinct * 3 * D * F * DTYPE_BYTES[tdt], flop_per_call=6.0 * D * F * T * k,
+                            compute="fp32" if tdt == "float32" else torch_bf16_compute,
+                            kernel="" if tdt == "float32" else bf16_kernel)
 
-                def apply(res, load, trows=trows, tdt=tdt, outs=torch_out):
-                    for label, row in trows.items():
-                        t = res[label]
-                        out = t.pop("output", None)
-                        if out is not None:
-                            outs[(label[1], tdt)] = out
-                        row.update({key: t[key] for key in LATENCY_KEYS})
-                        row.update(iters=t["iters"], load_s=t["load_s"], other_load=load)
-                        log("  torch %s %s T=%d: p50 %.3f ms (%d iters, others %.0f%%)"
-                            % (tdt, label[0], label[1], row["p50_ms"], row["iters"], 100 * load))
+                    def apply(res, load, trows=trows, tdt=tdt, engine=engine, outs=torch_out):
+                        for label, row in trows.items():
+                            t = res[label]
+                            if "skipped" in t:
+                                row["skipped"] = t["skipped"]
+                                continue
+                            out = t.pop("output", None)
+                            if out is not None:
+                                outs[(label[1], tdt, engine)] = out
+                            row.update({key: t[key] for key in LATENCY_KEYS})
+                            row.update(iters=t["iters"], load_s=t["load_s"], other_load=load)
+                            for key in ("compile_s", "dynamo", "experts_implementation"):
+                                if key in t:
+                                    row[key] = t[key]
+                            log("  torch %s %s %s T=%d: p50 %.3f ms (%d iters, others %.0f%%)%s"
+                                % (engine, tdt, label[0], label[1], row["p50_ms"], row["iters"], 100 * load,
+                                   ", first call (compiles) %.1f s" % t["compile_s"] if "compile_s" in t else ""))
 
-                # Defaults bind this shape's values: the job may run again
-                # at the end, when the loop variables name the last shape.
-                def fn(model_dir=models[src], reqs=reqs, tdt=tdt, first=[True]):
-                    # The outputs for the check are computed on the first run
-                    # only; a re-run for a quieter measurement needs none.
-                    rq = reqs if first[0] else [dict(r, x=None) for r in reqs]
-                    first[0] = False
-                    return pytorch_moe.run(model_dir, rq, tdt, a.threads, iters=a.iters, warmup=min(a.warmup, 2),
-                                           max_seconds=a.torch_max_seconds)
+                    # Defaults bind this shape's values: the job may run again
+                    # at the end, when the loop variables name the last shape.
+                    def fn(model_dir=models[src], reqs=reqs, tdt=tdt, engine=engine, first=[True]):
+                        # The outputs for the check are computed on the first run
+                        # only; a re-run for a quieter measurement needs none.
+                        rq = reqs if first[0] else [dict(r, x=None) for r in reqs]
+                        first[0] = False
+                        return pytorch_moe.run(model_dir, rq, tdt, a.threads, iters=a.iters, warmup=min(a.warmup, 2),
+                                               max_seconds=a.torch_max_seconds, engine=engine, keep_loaded=True,
+                                               max_gather_bytes=a.batched_mm_max_gb * 1e9)
 
-                log("  torch %s on %s weights ..." % (tdt, src))
-                job = Job("torch %s %s" % (name, tdt), fn, apply)
-                try:
-                    job.run(meter, a)
-                except Exception as e:  # noqa: BLE001  (a torch failure must not lose the other results)
-                    doc["errors"].append({"shape": name, "engine": "torch", "dtype": tdt, "error": repr(e)})
-                    log("ERROR torch %s: %r" % (tdt, e))
-                    continue
-                rows.extend(trows.values())
-                jobs.append(job)
+                    log("  torch %s %s on %s weights ..." % (engine, tdt, src))
+                    job = Job("torch %s %s %s" % (engine, name, tdt), fn, apply)
+                    try:
+                        job.run(meter, a)
+                    except Exception as e:  # noqa: BLE001  (a torch failure must not lose the other results)
+                        err = "%s: %s" % (type(e).__name__, str(e).strip().splitlines()[0][:500] if str(e).strip() else "")
+                        doc["errors"].append({"shape": name, "engine": "torch " + engine, "dtype": tdt, "error": err})
+                        log("ERROR torch %s %s: %s" % (engine, tdt, err))
+                        continue
+                    for row in trows.values():
+                        if "skipped" in row:
+                            doc["skipped"].append({"shape": name, "T": row["T"], "routing": row["routing"],
+                                                   "engine": row["engine"], "dtype": tdt, "why": row["skipped"]})
+                            log("  torch %s %s %s T=%d: not run: %s" % (engine, tdt, row["routing"], row["T"],
+                                                                         row["skipped"]))
+                        else:
+                            rows.append(row)
+                    jobs.append(job)
+                pytorch_moe.release()
                 gc.collect()
+
+        # Each further baseline against the eager block on the same input
+        # (its outputs, like the eager block's, from the fixed routings).
+        for row in rows:
+            if row["shape"] != name or row["engine"] == "colibri" or row.get("baseline", "eager") == "eager" or \
+                    row["routing"] != "fixed":
+                continue
+            ref = torch_out.get((row["T"], row["weights"], "eager"))
+            got = torch_out.get((row["T"], row["weights"], row["baseline"]))
+            if ref is None or got is None:
+                continue
+            err = float(np.max(np.abs(got - ref))) / (float(np.max(np.abs(ref))) or 1.0)
+            row["check_max_rel_err"], row["check_against"] = err, "torch eager " + row["weights"]
+            # Same weights, different summation orders (fp32); in bf16 each
+            # engine rounds at other points (index_add_ in bf16 against a sum
+            # over top-k; inductor fuses silu * up without rounding between).
+            tol = 1e-4 if row["weights"] == "float32" else 5e-2
+            row["check_text"] = ("ok " if err <= tol else "MISMATCH ") + "%.1e vs eager" % err
+            if err > tol:
+                doc["errors"].append({"shape": name, "T": row["T"], "engine": row["engine"], "dtype": row["weights"],
+                                      "error": "output differs from torch eager: max rel err %.3g" % err})
 
         # Output check against PyTorch on the same input.
         for row in rows:
@@ -935,7 +1054,7 @@ def main(argv=None):
                 continue
             T = row["T"]
             ref_dt = "float32" if row["weights"] in ("f16", "f32") else "bfloat16"
-            ref, got = torch_out.get((T, ref_dt)), colibri_out.get((T, row["weights"]))
+            ref, got = torch_out.get((T, ref_dt, "eager")), colibri_out.get((T, row["weights"]))
             if ref is None or got is None:
                 continue
             err = float(np.max(np.abs(got - ref))) / (float(np.max(np.abs(ref))) or 1.0)
@@ -964,6 +1083,7 @@ def main(argv=None):
                     job.run(meter, a)
                 except Exception as e:  # noqa: BLE001  (the first measurement stands)
                     log("ERROR again %s: %r" % (job.what, e))
+            pytorch_moe.release()
         log("probe (end) ...")
         probe_job("end")
 
@@ -978,11 +1098,19 @@ def main(argv=None):
                 tr = [t for t in rows if t["engine"] == "torch" and t["weights"] == tdt and
                       (t["shape"], t["T"], t["routing"]) == (row["shape"], row["T"], row["routing"])]
                 row[key] = tr[0]["p50_ms"] / row["p50_ms"] if tr else None
+            # Against every baseline of the matching precision (f16/f32
+            # weights: PyTorch fp32 on the same values; bf16: PyTorch bf16).
+            tdt = "float32" if row["weights"] in ("f16", "f32") else "bfloat16"
+            row["speedup_vs_baselines"] = {
+                t["baseline"]: t["p50_ms"] / row["p50_ms"] for t in rows
+                if t["engine"] != "colibri" and t["weights"] == tdt and
+                (t["shape"], t["T"], t["routing"]) == (row["shape"], row["T"], row["routing"])}
     shape_order = list(a.shapes_table)
     dtype_order = ["f16", "bf16", "f32", "float32", "bfloat16"]
     isa_order = ["scalar", "avx2", "avx512", "amx", ""]
     rows.sort(key=lambda r: (shape_order.index(r["shape"]), r["T"], r["routing"] != "fixed", r["engine"] != "colibri",
-                             dtype_order.index(r["weights"]), isa_order.index(r["isa"]) if r["isa"] in isa_order else 9))
+                             dtype_order.index(r["weights"]), isa_order.index(r["isa"]) if r["isa"] in isa_order else 9,
+                             pytorch_moe.ENGINES.index(r.get("baseline", "eager"))))
     doc["rows"] = rows
     machine["load_average_end"] = os.getloadavg()
     doc["elapsed_s"] = round(time.time() - T0, 1)
@@ -1009,7 +1137,7 @@ def main(argv=None):
         "check: max |colibri - torch| / max |torch| on one input (default ISA)."
         % (CYCLED, bf16_kernel or "?", 100 * a.quiet_threshold), "",
         markdown_table(rows), "",
-    ] + ["Thread scaling (calls at both counts back to back, median per-iteration ratio): %s %s weights, %s, T=%d: "
+    ] + baselines_text(rows, a.baselines, doc["skipped"], best_isa) + ["Thread scaling (calls at both counts back to back, median per-iteration ratio): %s %s weights, %s, T=%d: "
          "1 thread p50 %.1f ms, %d threads %.1f ms: %.2fx"
          % (e["shape"], e["weights"], e["isa"], e["T"], e["p50_ms_1_thread"], e["threads"], e["p50_ms_n_threads"],
             e["speedup"]) for e in doc["scaling"]] + [""] + same_moment_text(doc["same_moment"]) + (["Errors:", ""] + ["- " + json.dumps(e) for e in doc["errors"]] + [""] if doc["errors"] else []))
