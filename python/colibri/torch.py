@@ -33,6 +33,7 @@ transformers:
                 experts(hidden, top_k_index, top_k_weights) (transformers' fused experts modules)
 """
 
+import ctypes
 import dataclasses
 import types
 import warnings
@@ -891,6 +892,20 @@ def _release_weights(module, spec, shared_in_colibri, seen):
     return n
 
 
+def _return_freed_memory():
+    """Hands the released weights' pages back to the OS. glibc keeps freed
+    blocks in its heap while smaller allocations made after them (e.g. by a
+    forward pass with transformers' grouped_mm) sit above them: measured, a
+    Qwen3-MoE model's RSS stayed 2.2 GiB high after accelerate(dtype="f16")
+    until malloc_trim(0). Elsewhere (no glibc) nothing to do."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
 def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
                verbose=False, exact_prefill=False, keep_pytorch_weights=False):
     """Runs the experts of every recognised sparse-MoE block of `model` in
@@ -979,6 +994,8 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
                 colibri_layer=i))
     order = {p: n for n, (p, _, _) in enumerate(found)}
     report.accelerated.sort(key=lambda b: order[b.path])
+    if report.released_bytes:
+        _return_freed_memory()
     if verbose:
         print(report)
     return report

@@ -257,7 +257,7 @@ def test_gpt_oss_is_refused_with_a_reason():
 
 _RSS_CHILD = r"""
 import gc, json, sys
-sys.path[:0] = sys.argv[1:]
+sys.path[:0] = sys.argv[2:]
 import torch, transformers
 import colibri.torch as ct
 
@@ -274,11 +274,12 @@ with torch.no_grad():
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
 expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
 ids = torch.randint(0, 512, (1, 8))
+dtype = None if sys.argv[1] == "same" else sys.argv[1]
 with torch.inference_mode():
-    want = model(ids).logits
+    want = model(ids).logits  # transformers 5: grouped_mm, whose scratch lands above the weights in the heap
 gc.collect()
 loaded = rss()["VmRSS"]
-report = ct.accelerate(model, threads=2)
+report = ct.accelerate(model, threads=2, dtype=dtype)
 gc.collect()
 with torch.inference_mode():
     got = model(ids).logits
@@ -289,23 +290,27 @@ print(json.dumps({"expert_bytes": expert_bytes, "loaded_rss": loaded, "accelerat
 """
 
 
-def test_accelerated_model_rss_stays_within_10_percent():
-    """A model with > 1 GB of expert weights: after accelerate() (which
-    releases the PyTorch copies), the process's RSS is at most the
-    unaccelerated model's + 10%. Peak RSS is printed, not bounded: while
-    Colibri copies, both copies exist."""
+@pytest.mark.parametrize("dtype", ["same", "f16"])
+def test_accelerated_model_rss_stays_within_10_percent(dtype):
+    """A model with > 1 GB of float32 expert weights: after accelerate()
+    (which releases the PyTorch copies), the process's RSS is at most the
+    unaccelerated model's + 10%; with dtype="f16" (Colibri's copy half the
+    size) it drops by at least 40% of the expert bytes. Peak RSS is printed,
+    not bounded: while Colibri copies, both copies exist."""
     import json
     import subprocess
     import sys
 
     from helpers import import_paths
 
-    r = subprocess.run([sys.executable, "-c", _RSS_CHILD, *import_paths()], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _RSS_CHILD, dtype, *import_paths()], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
     print(m)
     assert m["expert_bytes"] >= 1 << 30
     assert m["released"] == m["expert_bytes"]
-    assert m["rel_l2"] <= 1e-5
+    assert m["rel_l2"] <= (1e-5 if dtype == "same" else 1e-3)
     assert m["accelerated_rss"] <= 1.10 * m["loaded_rss"], m
+    if dtype == "f16":
+        assert m["accelerated_rss"] <= m["loaded_rss"] - 0.4 * m["expert_bytes"], m
