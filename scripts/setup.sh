@@ -72,32 +72,27 @@ if [[ -z "$base_python" ]]; then
   exit 1
 fi
 
-venv=.venv
-packages=(numpy pytest matplotlib safetensors gguf scikit-build-core "transformers>=5,<6")
-stamp="torch==2.13.0 ${packages[*]}"
-if [[ ! -x "$venv/bin/python" || "$(cat "$venv/.colibri-setup" 2>/dev/null)" != "$stamp" ]]; then
-  echo "setup: creating $venv from $base_python" >&2
-  rm -rf "$venv"
-  "$base_python" -m venv "$venv"
+# make_venv DIR PACKAGE...: DIR from $base_python with torch==2.13.0 and the
+# packages, unless its stamp says it already holds exactly those.
+make_venv() {
+  local dir="$1"
+  shift
+  local stamp="torch==2.13.0 $*"
+  [[ -x "$dir/bin/python" && "$(cat "$dir/.colibri-setup" 2>/dev/null)" == "$stamp" ]] && return 0
+  echo "setup: creating $dir from $base_python" >&2
+  rm -rf "$dir"
+  "$base_python" -m venv "$dir"
   # torch first and pinned: a package that asks for torch must find this one.
-  "$venv/bin/python" -m pip install -q torch==2.13.0 >&2
-  "$venv/bin/python" -m pip install -q "${packages[@]}" torch==2.13.0 >&2
-  echo "$stamp" >"$venv/.colibri-setup"
-fi
+  "$dir/bin/python" -m pip install -q torch==2.13.0 >&2
+  "$dir/bin/python" -m pip install -q "$@" torch==2.13.0 >&2
+  echo "$stamp" >"$dir/.colibri-setup"
+}
 
+venv=.venv
+make_venv "$venv" numpy pytest matplotlib safetensors gguf scikit-build-core "transformers>=5,<6"
 # A second environment with transformers 4.57, whose MoE classes keep one
 # nn.Module per expert where 5.x fuses them: the PyTorch integration is
 # tested against both (ctest's python_transformers4). One environment can
 # hold only one transformers.
-venv4=.venv-transformers4
-packages4=(numpy pytest safetensors "transformers==4.57.6")
-stamp4="torch==2.13.0 ${packages4[*]}"
-if [[ ! -x "$venv4/bin/python" || "$(cat "$venv4/.colibri-setup" 2>/dev/null)" != "$stamp4" ]]; then
-  echo "setup: creating $venv4 from $base_python" >&2
-  rm -rf "$venv4"
-  "$base_python" -m venv "$venv4"
-  "$venv4/bin/python" -m pip install -q torch==2.13.0 >&2
-  "$venv4/bin/python" -m pip install -q "${packages4[@]}" torch==2.13.0 >&2
-  echo "$stamp4" >"$venv4/.colibri-setup"
-fi
+make_venv .venv-transformers4 numpy pytest safetensors "transformers==4.57.6"
 echo "$PWD/$venv/bin/python"

@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from .torch import ColibriExperts, _fused_experts_problem, _needs_pytorch
+from .torch import ColibriExperts, _fused_module_problem, _needs_pytorch
 
 __all__ = ["register", "set_experts_implementation", "status", "experts_forward", "NAME"]
 
@@ -121,18 +121,6 @@ def _weights_key(module):
     return (gu.data_ptr(), gu._version, tuple(gu.shape), gu.dtype, dp.data_ptr(), dp._version, tuple(dp.shape))
 
 
-def _why_not(module):
-    gu, dp = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not isinstance(gu, torch.Tensor) or not isinstance(dp, torch.Tensor):
-        return "no gate_up_proj / down_proj tensors"
-    if gu.dim() != 3 or dp.dim() != 3 or gu.shape[1] % 2 or tuple(dp.shape) != (gu.shape[0], gu.shape[2],
-                                                                                gu.shape[1] // 2):
-        return "gate_up_proj %s / down_proj %s are not [E, 2F, D] / [E, D, F]" % (list(gu.shape), list(dp.shape))
-    if gu.device.type != "cpu" or not gu.is_floating_point():
-        return "weights are not floating point on the CPU"
-    return _fused_experts_problem(module)
-
-
 def _colibri_for(module):
     """(ColibriExperts or None, reason) for a module, built on first use."""
     key = _weights_key(module) if isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) else None
@@ -141,7 +129,7 @@ def _colibri_for(module):
         return cached[1], cached[2]
     if cached is not None and cached[1] is not None:
         cached[1].close()
-    why = _why_not(module)
+    why = _fused_module_problem(module)
     experts = None
     if why is None:
         experts = ColibriExperts(gate_up_proj=module.gate_up_proj.detach(), down_proj=module.down_proj.detach(),

@@ -582,20 +582,33 @@ _KNOWN_FUSED_BLOCKS = frozenset(("Qwen2MoeSparseMoeBlock", "Qwen3NextSparseMoeBl
                                  "DeepseekV3MoE", "Glm4MoeMoE"))
 
 
-def _recognise_fused(block, experts, gu, dp):
+def _fused_module_problem(experts):
+    """None if a fused experts module holds float CPU weights gate_up_proj
+    [E, 2F, D] and down_proj [E, D, F] and computes exactly the engine's
+    SwiGLU, else why not (accelerate() and colibri.experts_backend)."""
+    gu, dp = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(dp, torch.Tensor):
+        return "no gate_up_proj / down_proj tensors"
     if gu.dim() != 3 or dp.dim() != 3 or gu.shape[1] % 2:
-        return "fused experts with gate_up_proj %s / down_proj %s, expected [E, 2F, D] / [E, D, F]" % (
-            list(gu.shape), list(dp.shape))
+        return "gate_up_proj %s / down_proj %s, expected [E, 2F, D] / [E, D, F]" % (list(gu.shape), list(dp.shape))
     E, F2, D = gu.shape
-    F_ = F2 // 2
-    if tuple(dp.shape) != (E, D, F_):
-        return "fused experts: down_proj %s is not [E, D, F] = %s (gate_up_proj %s; a transposed layout?)" % (
-            list(dp.shape), [E, D, F_], list(gu.shape))
+    if tuple(dp.shape) != (E, D, F2 // 2):
+        return "down_proj %s is not [E, D, F] = %s (gate_up_proj %s; a transposed layout?)" % (
+            list(dp.shape), [E, D, F2 // 2], list(gu.shape))
     problem = _fused_experts_problem(experts)
     if problem:
-        return "fused experts: " + problem
+        return problem
     if not gu.is_floating_point() or gu.device.type != "cpu" or not dp.is_floating_point():
-        return "fused experts: weights are not floating point on the CPU"
+        return "weights are not floating point on the CPU"
+    return None
+
+
+def _recognise_fused(block, experts, gu, dp):
+    problem = _fused_module_problem(experts)
+    if problem:
+        return "fused experts: " + problem
+    E, F2, D = gu.shape
+    F_ = F2 // 2
     rule = _fused_router_rule(block, E, D)
     if isinstance(rule, str):
         # The router stays in PyTorch under accelerate(), so the experts can
