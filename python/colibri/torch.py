@@ -439,7 +439,7 @@ _FUSED_FLAGS = (("has_gate", True), ("has_bias", False), ("is_transposed", False
 # Attributes of gating variants the engine does not compute (gpt-oss's
 # clamped SwiGLU keeps its clamp in .limit and its sigmoid scale in .alpha).
 _GATING_VARIANT_ATTRS = ("limit", "alpha", "swiglu_limit", "clamp_limit")
-_FUSED_BIASES = ("gate_up_proj_bias", "down_proj_bias", "up_proj_bias", "gate_up_proj_bias_", "bias")
+_FUSED_BIASES = ("gate_up_proj_bias", "down_proj_bias", "up_proj_bias")
 
 
 def _fused_experts_problem(experts):
