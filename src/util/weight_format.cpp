@@ -3,6 +3,8 @@
 #include <cstring>
 
 #include "util/half.h"
+#include "util/quant_blocks.h"
+#include "util/quant_ref.h"
 
 namespace colibri {
 
@@ -31,9 +33,14 @@ void bf16_from_float_row(const float* src, void* dst, size_t n) {
 
 // Indexed by WeightType.
 constexpr WeightFormat kFormats[kWeightTypeCount] = {
-    {WeightType::kF32, "f32", 1, 4, f32_to_float, f32_from_float},
-    {WeightType::kF16, "f16", 1, 2, f16_to_float_row, f16_from_float_row},
-    {WeightType::kBF16, "bf16", 1, 2, bf16_to_float_row, bf16_from_float_row},
+    {WeightType::kF32, "f32", 1, 4, f32_to_float, f32_from_float, false},
+    {WeightType::kF16, "f16", 1, 2, f16_to_float_row, f16_from_float_row, false},
+    {WeightType::kBF16, "bf16", 1, 2, bf16_to_float_row, bf16_from_float_row, false},
+    {WeightType::kQ8_0, "q8_0", kQK32, sizeof(BlockQ8_0), dequantize_q8_0, quantize_q8_0, true},
+    {WeightType::kQ4_0, "q4_0", kQK32, sizeof(BlockQ4_0), dequantize_q4_0, quantize_q4_0, true},
+    {WeightType::kQ4_K, "q4_k", kQKK, sizeof(BlockQ4K), dequantize_q4_k, quantize_q4_k, true},
+    {WeightType::kQ5_K, "q5_k", kQKK, sizeof(BlockQ5K), dequantize_q5_k, quantize_q5_k, true},
+    {WeightType::kQ6_K, "q6_k", kQKK, sizeof(BlockQ6K), dequantize_q6_k, quantize_q6_k, true},
 };
 
 }  // namespace
@@ -41,6 +48,17 @@ constexpr WeightFormat kFormats[kWeightTypeCount] = {
 const WeightFormat& weight_format(WeightType t) {
   const auto i = static_cast<size_t>(t);
   return kFormats[i < static_cast<size_t>(kWeightTypeCount) ? i : 0];
+}
+
+bool parse_weight_type(const char* name, WeightType* out) {
+  if (name == nullptr) return false;
+  for (const WeightFormat& f : kFormats) {
+    if (std::strcmp(f.name, name) == 0) {
+      if (out != nullptr) *out = f.type;
+      return true;
+    }
+  }
+  return false;
 }
 
 size_t weight_row_bytes(WeightType t, size_t n) {
@@ -51,6 +69,7 @@ size_t weight_row_bytes(WeightType t, size_t n) {
 size_t padded_row_elements(WeightType t, size_t n, size_t align_bytes) {
   const WeightFormat& f = weight_format(t);
   size_t blocks = (n + f.block_elements - 1) / f.block_elements;
+  if (f.quantized) return blocks * f.block_elements;
   while (blocks * f.block_bytes % align_bytes != 0) ++blocks;
   return blocks * f.block_elements;
 }

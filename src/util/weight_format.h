@@ -16,12 +16,22 @@
 
 namespace colibri {
 
-enum class WeightType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
-inline constexpr int kWeightTypeCount = 3;
+// Values match colibri_dtype_t (src/api maps them).
+enum class WeightType : uint8_t {
+  kF32 = 0,
+  kF16 = 1,
+  kBF16 = 2,
+  kQ8_0 = 3,
+  kQ4_0 = 4,
+  kQ4_K = 5,
+  kQ5_K = 6,
+  kQ6_K = 7,
+};
+inline constexpr int kWeightTypeCount = 8;
 
 struct WeightFormat {
   WeightType type;
-  const char* name;  // as manifests and the CLI spell it: "f32", "f16", "bf16"
+  const char* name;  // as manifests and the CLI spell it: "f32", "bf16", "q4_k", ...
   uint32_t block_elements;
   uint32_t block_bytes;
   // The scalar reference: n elements (a multiple of block_elements) of a
@@ -29,14 +39,21 @@ struct WeightFormat {
   void (*to_float)(const void* src, float* dst, size_t n);
   // The nearest representable values (round to nearest even), n as above.
   void (*from_float)(const float* src, void* dst, size_t n);
+  // Block-quantised (the integer kernels, quant_dot.h) rather than a float type.
+  bool quantized;
 };
 
 const WeightFormat& weight_format(WeightType t);
+// The type named `name` ("q4_k"); false if none.
+bool parse_weight_type(const char* name, WeightType* out);
 
 // Bytes of n elements of a row; n must be a multiple of block_elements.
 size_t weight_row_bytes(WeightType t, size_t n);
 
-// n rounded up to whole blocks, and on to whole `align_bytes` lines of them.
+// n rounded up to whole blocks, and for the float types on to whole
+// `align_bytes` lines of them (quantised rows are not aligned: their
+// kernels load unaligned, and padding a 34-byte block row to a cache line
+// could take 31 blocks).
 size_t padded_row_elements(WeightType t, size_t n, size_t align_bytes);
 
 }  // namespace colibri

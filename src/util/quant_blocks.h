@@ -1,0 +1,59 @@
+// Byte layouts of the block-quantised weight formats, exactly as GGUF
+// stores them (ggml's block_q8_0, block_q4_0, block_q4_K, block_q5_K,
+// block_q6_K), so model files, GGUF tensors and memory hold the same bytes.
+// docs/FORMAT.md describes every field; weight_format.h owns the sizes.
+#pragma once
+
+#include <cstdint>
+
+namespace colibri {
+
+inline constexpr int kQK32 = 32;    // elements per q8_0 / q4_0 block
+inline constexpr int kQKK = 256;    // elements per K-format super-block
+inline constexpr int kKScaleBytes = 12;
+
+// x[i] = d * qs[i]
+struct BlockQ8_0 {
+  uint16_t d;  // f16
+  int8_t qs[kQK32];
+};
+// x[i] = d * ((qs[i] & 15) - 8), x[i + 16] = d * ((qs[i] >> 4) - 8), i < 16
+struct BlockQ4_0 {
+  uint16_t d;  // f16
+  uint8_t qs[kQK32 / 2];
+};
+// 8 sub-blocks of 32; sub-block j has a 6-bit scale sc_j and min m_j packed
+// in `scales` (ggml's get_scale_min_k4): x = d * sc_j * q - dmin * m_j.
+// qs: 4 chunks of 32 bytes; chunk c's low nibbles are sub-block 2c, its
+// high nibbles sub-block 2c + 1.
+struct BlockQ4K {
+  uint16_t d;     // f16, scale of the scales
+  uint16_t dmin;  // f16, scale of the mins
+  uint8_t scales[kKScaleBytes];
+  uint8_t qs[kQKK / 2];
+};
+// As Q4K, with a fifth bit per weight: bit j of qh[l] is the high bit of
+// element l of sub-block j (q = nibble + 16 * bit, 0..31).
+struct BlockQ5K {
+  uint16_t d;
+  uint16_t dmin;
+  uint8_t scales[kKScaleBytes];
+  uint8_t qh[kQKK / 8];
+  uint8_t qs[kQKK / 2];
+};
+// 16 sub-blocks of 16, each with a signed 8-bit scale: x = d * sc * (q - 32),
+// q 6 bits: low 4 in ql, high 2 in qh (ggml's dequantize_row_q6_K order).
+struct BlockQ6K {
+  uint8_t ql[kQKK / 2];
+  uint8_t qh[kQKK / 4];
+  int8_t scales[kQKK / 16];
+  uint16_t d;  // f16
+};
+
+static_assert(sizeof(BlockQ8_0) == 34);
+static_assert(sizeof(BlockQ4_0) == 18);
+static_assert(sizeof(BlockQ4K) == 144);
+static_assert(sizeof(BlockQ5K) == 176);
+static_assert(sizeof(BlockQ6K) == 210);
+
+}  // namespace colibri
