@@ -51,10 +51,20 @@ typedef enum colibri_status {
   COLIBRI_ERR_INTERNAL = 7
 } colibri_status_t;
 
+/* Weight types. The block-quantised ones store GGUF's blocks byte for byte
+ * (docs/FORMAT.md): q8_0 and q4_0 in blocks of 32 weights (8.5 and 4.5
+ * bits per weight), q4_k, q5_k and q6_k in super-blocks of 256 (4.5, 5.5,
+ * 6.5625 bits). A row of n weights is ceil(n / block) whole blocks, the
+ * last padded with zeros (colibri_dtype_row_bytes). */
 typedef enum colibri_dtype {
   COLIBRI_DTYPE_F32 = 0,
   COLIBRI_DTYPE_F16 = 1,
-  COLIBRI_DTYPE_BF16 = 2
+  COLIBRI_DTYPE_BF16 = 2,
+  COLIBRI_DTYPE_Q8_0 = 3,
+  COLIBRI_DTYPE_Q4_0 = 4,
+  COLIBRI_DTYPE_Q4_K = 5,
+  COLIBRI_DTYPE_Q5_K = 6,
+  COLIBRI_DTYPE_Q6_K = 7
 } colibri_dtype_t;
 
 /* Kind of huge pages backing the packed weights. */
@@ -81,6 +91,23 @@ COLIBRI_API const char* colibri_last_warning(void);
 COLIBRI_API const char* colibri_status_name(colibri_status_t status);
 COLIBRI_API const char* colibri_dtype_name(colibri_dtype_t dtype);
 COLIBRI_API const char* colibri_version(void);
+
+/* Bytes of one row of n weights of `dtype` as model files and buffers hold
+ * it; 0 for an unknown dtype. */
+COLIBRI_API size_t colibri_dtype_row_bytes(colibri_dtype_t dtype, size_t n);
+
+/* Converts rows x n floats (row-major) into rows of `dtype`
+ * (colibri_dtype_row_bytes(dtype, n) bytes each, rows * that in all at dst,
+ * which holds dst_bytes): rounding to nearest even for f16 / bf16, and for
+ * the block formats the reference quantisers of ggml (so q8_0 and q4_0
+ * blocks equal what the gguf package writes). Thread-safe. */
+COLIBRI_API colibri_status_t colibri_quantize(colibri_dtype_t dtype, const float* src, size_t rows, size_t n,
+                                              void* dst, size_t dst_bytes);
+
+/* The inverse: rows of `dtype` (src_bytes in all) to rows x n floats, as
+ * the kernels' reference and the gguf package read them. */
+COLIBRI_API colibri_status_t colibri_dequantize(colibri_dtype_t dtype, const void* src, size_t src_bytes,
+                                                size_t rows, size_t n, float* dst);
 
 /* ------------------------------------------------------------ open/close */
 
@@ -175,8 +202,9 @@ COLIBRI_API const char* colibri_router_family_name(colibri_router_family_t famil
 /* ------------------------------------------------ models from memory (v2) */
 
 /* One expert's three matrices, each row-major as nn.Linear.weight, in the
- * model's dtype: gate [d_ff][d_model], up [d_ff][d_model], down
- * [d_model][d_ff]. The fused layout's gate_up_proj[e] ([2*d_ff][d_model],
+ * model's dtype (down in down_dtype): gate [d_ff][d_model], up
+ * [d_ff][d_model], down [d_model][d_ff]; block formats in rows of whole
+ * blocks (colibri_dtype_row_bytes). The fused layout's gate_up_proj[e] ([2*d_ff][d_model],
  * gate first) is gate = gate_up_proj[e], up = gate + d_ff*d_model. */
 typedef struct colibri_expert_weights_s {
   const void* gate;
@@ -206,6 +234,10 @@ typedef struct colibri_model_desc_s {
   int32_t shared_d_ff;       /* 0 = no shared expert */
   colibri_router_desc_t router;
   const colibri_layer_weights_t* layers; /* [n_layers] */
+  colibri_dtype_t down_dtype; /* of the down matrices when dtype is a block
+                                 format (another block format may be
+                                 given, e.g. q6_k down with q4_k gate and
+                                 up); ignored for float dtypes */
 } colibri_model_desc_t;
 
 /* Zeroes *desc and sets router defaults. */
@@ -265,8 +297,9 @@ COLIBRI_API colibri_status_t colibri_route(colibri_model_t* model, int32_t layer
 /* ------------------------------------------------------- hot swap (v2) */
 
 /* Where a new copy of one expert comes from: a file in the model's expert
- * format (gate, up, down; exactly 3 * d_model * d_ff values of the model's
- * dtype), or the same bytes in memory. */
+ * format (gate, up, down; exactly the bytes of an expert file: 3 * d_model
+ * * d_ff values of the model's dtype, or its blocks), or the same bytes in
+ * memory. */
 typedef struct colibri_swap_source_s {
   const char* path;      /* the file, or NULL to use data/size */
   const void* data;      /* expert-file bytes (copied; may be freed on return) */
@@ -303,6 +336,7 @@ typedef struct colibri_model_info_s {
   colibri_router_family_t router_family; /* NONE without a built-in router */
   int32_t router_top_k;                  /* 0 without a router */
   int32_t shared_d_ff;                   /* 0 without a shared expert */
+  colibri_dtype_t down_dtype;            /* of the down matrices (= dtype unless mixed) */
 } colibri_model_info_t;
 
 typedef struct colibri_stats_s {

@@ -71,6 +71,7 @@ int main(void) {
   FIELD(colibri_model_desc_t, shared_d_ff);
   FIELD(colibri_model_desc_t, router);
   FIELD(colibri_model_desc_t, layers);
+  FIELD(colibri_model_desc_t, down_dtype);
   end();
 
   BEGIN(colibri_infer_t);
@@ -106,6 +107,7 @@ int main(void) {
   FIELD(colibri_model_info_t, router_family);
   FIELD(colibri_model_info_t, router_top_k);
   FIELD(colibri_model_info_t, shared_d_ff);
+  FIELD(colibri_model_info_t, down_dtype);
   end();
 
   BEGIN(colibri_stats_t);

@@ -288,8 +288,12 @@ TEST_F(ApiTest, WrongFormatOrVersion) {
   expect_manifest_rejected(doc, {"format"});
 
   doc = manifest_;
-  doc["version"] = 3;
+  doc["version"] = 4;
   expect_manifest_rejected(doc, {"version"});
+  // Block formats need version 3.
+  doc = manifest_;
+  doc["dtype"] = "q8_0";
+  expect_manifest_rejected(doc, {"dtype", "version"});
   // v2 parts in a v1 manifest.
   doc = manifest_;
   doc["router"] = {{"family", "mixtral"}, {"top_k", 2}};

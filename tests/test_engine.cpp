@@ -45,6 +45,7 @@ const char* dtype_str(colibri_dtype_t d) {
     case COLIBRI_DTYPE_F32: return "f32";
     case COLIBRI_DTYPE_F16: return "f16";
     case COLIBRI_DTYPE_BF16: return "bf16";
+    default: break;
   }
   return "?";
 }

@@ -461,8 +461,8 @@ struct MemoryModel {
       std::memcpy(v.data(), b.data(), b.size());
       return v;
     };
-    const size_t FD = m.matrix_bytes(m.d_ff, m.d_model);
-    const size_t SD = m.matrix_bytes(m.shared_d_ff, m.d_model);
+    const size_t FD = colibri::Manifest::matrix_bytes(m.weight_type(), m.d_ff, m.d_model);
+    const size_t SD = colibri::Manifest::matrix_bytes(m.weight_type(), m.shared_d_ff, m.d_model);
     for (int32_t l = 0; l < m.n_layers; ++l) {
       for (int32_t e = 0; e < m.n_experts; ++e) experts.push_back(bytes_of(m.expert_file(l, e)));
       router.push_back(m.has_router() ? floats_of(m.router_file(l)) : std::vector<float>());

@@ -17,9 +17,10 @@ from ._lib import ColibriError, library_path
 from ._lib import version as _version
 from .model import Model, ModelInfo, ModelStats, RouterConfig, save_model
 from . import routing
+from .quant import dequantize, quantize
 
 __all__ = ["Model", "ModelInfo", "ModelStats", "RouterConfig", "ColibriError", "library_path",
-           "library_version", "routing", "has_open_memory", "save_model"]
+           "library_version", "routing", "has_open_memory", "save_model", "quantize", "dequantize"]
 
 __version__ = "0.2.0"
 

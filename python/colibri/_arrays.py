@@ -221,6 +221,14 @@ def as_weight(obj, dtype, name, shape):
     return f32_to_bf16_bits(obj)
 
 
+def as_numpy_f32(buf):
+    """A float32 buffer from as_weight(..., 'f32', ...) as a NumPy array
+    (a torch tensor's memory shared, not copied)."""
+    if isinstance(buf, np.ndarray):
+        return buf
+    return buf.numpy()
+
+
 def as_f32_vector(obj, name, n):
     """A float32 C-contiguous buffer of n values (a [n] or [1, n] input)."""
     kind = kind_of(obj, name)

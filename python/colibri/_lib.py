@@ -41,7 +41,10 @@ STATUS_NAMES = {
 }
 
 DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
-DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16"}
+DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K = 3, 4, 5, 6, 7
+DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16", DTYPE_Q8_0: "q8_0",
+               DTYPE_Q4_0: "q4_0", DTYPE_Q4_K: "q4_k", DTYPE_Q5_K: "q5_k", DTYPE_Q6_K: "q6_k"}
+QUANTIZED_DTYPES = frozenset({DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K})
 DTYPE_CODES = {v: k for k, v in DTYPE_NAMES.items()}
 
 HUGE_PAGE_NAMES = {0: "none", 1: "transparent", 2: "hugetlbfs"}
@@ -123,6 +126,7 @@ class ModelDesc(ctypes.Structure):
         ("shared_d_ff", c_int32),
         ("router", RouterDesc),
         ("layers", ctypes.POINTER(LayerWeights)),
+        ("down_dtype", ctypes.c_int),  # enum
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 
@@ -155,6 +159,7 @@ class ModelInfo(ctypes.Structure):
         ("router_family", ctypes.c_int),
         ("router_top_k", c_int32),
         ("shared_d_ff", c_int32),
+        ("down_dtype", ctypes.c_int),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 
@@ -334,6 +339,15 @@ _PROTOTYPES = {
     "colibri_status_name": (ctypes.c_char_p, [ctypes.c_int]),
     "colibri_dtype_name": (ctypes.c_char_p, [ctypes.c_int]),
     "colibri_version": (ctypes.c_char_p, []),
+    "colibri_dtype_row_bytes": (ctypes.c_size_t, [ctypes.c_int, ctypes.c_size_t]),
+    "colibri_quantize": (
+        ctypes.c_int,
+        [ctypes.c_int, c_void_p, ctypes.c_size_t, ctypes.c_size_t, c_void_p, ctypes.c_size_t],
+    ),
+    "colibri_dequantize": (
+        ctypes.c_int,
+        [ctypes.c_int, c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, c_void_p],
+    ),
     "colibri_open_options_default": (None, [_P(OpenOptions)]),
     "colibri_open": (ctypes.c_int, [ctypes.c_char_p, _P(OpenOptions), _P(c_void_p)]),
     "colibri_free": (None, [c_void_p]),

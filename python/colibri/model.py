@@ -17,8 +17,10 @@ __all__ = ["Model", "ModelInfo", "ModelStats", "RouterConfig", "save_model"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
-    """colibri_model_info(). dtype is 'f32', 'f16' or 'bf16'; router_family is
-    None without a built-in router, else e.g. 'mixtral' or 'deepseek_v3'."""
+    """colibri_model_info(). dtype is 'f32', 'f16', 'bf16' or a block format
+    ('q8_0', 'q4_0', 'q4_k', 'q5_k', 'q6_k'), down_dtype that of the down
+    matrices (the same unless mixed, e.g. 'q6_k' with 'q4_k'); router_family
+    is None without a built-in router, else e.g. 'mixtral' or 'deepseek_v3'."""
 
     n_layers: int
     n_experts: int
@@ -30,6 +32,7 @@ class ModelInfo:
     router_family: Optional[str]
     router_top_k: int
     shared_d_ff: int
+    down_dtype: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +160,7 @@ class Model:
             router_family=L.router_family_name(info.router_family),
             router_top_k=info.router_top_k,
             shared_d_ff=info.shared_d_ff,
+            down_dtype=L.DTYPE_NAMES.get(info.down_dtype, str(info.down_dtype)),
         )
 
     # ------------------------------------------------------------ from memory
@@ -181,10 +185,25 @@ class Model:
         and contiguous are passed without a copy, others are converted
         (bf16 in NumPy: uint16 bit patterns). The library copies everything
         at open, so nothing is referenced afterwards.
-        dtype: 'f32', 'f16' or 'bf16'. router: RouterConfig or dict.
+        dtype: 'f32', 'f16' or 'bf16', or a block format ('q8_0', 'q4_0',
+        'q4_k', 'q5_k', 'q6_k', or 'q4_k_m': q4_k with q6_k down) into which
+        the expert weights (given as floats) are quantised here with the
+        library's reference quantisers (colibri.quantize); the router and
+        gates stay f32. router: RouterConfig or dict.
         """
-        if dtype not in L.DTYPE_CODES:
-            raise ValueError("dtype must be 'f32', 'f16' or 'bf16', got %r" % (dtype,))
+        from . import quant as Q
+
+        try:
+            dtype, down_dtype = Q.split_dtype(dtype)
+        except ValueError:
+            raise ValueError("dtype must be one of %s or 'q4_k_m', got %r" % (", ".join(Q.DTYPES), dtype)) from None
+
+        def weight(obj, name, shape, t=None):
+            t = t or dtype
+            if t not in Q.QUANTIZED:
+                return A.as_weight(obj, t, name, shape)
+            return Q.quantize(A.as_numpy_f32(A.as_weight(obj, "f32", name, shape)), t)
+
         router = RouterConfig.coerce(router)
         if not isinstance(layers, (list, tuple)) or not layers:
             raise ValueError("layers must be a non-empty list of dicts, one per layer")
@@ -214,9 +233,9 @@ class Model:
                                  % (where, e_n, f_n, d_n, E, F, D))
             c_experts = (L.ExpertWeights * E)()
             for e, (g, u, d) in enumerate(triples):
-                g = A.as_weight(g, dtype, "%s expert %d gate" % (where, e), (F, D))
-                u = A.as_weight(u, dtype, "%s expert %d up" % (where, e), (F, D))
-                d = A.as_weight(d, dtype, "%s expert %d down" % (where, e), (D, F))
+                g = weight(g, "%s expert %d gate" % (where, e), (F, D))
+                u = weight(u, "%s expert %d up" % (where, e), (F, D))
+                d = weight(d, "%s expert %d down" % (where, e), (D, F), down_dtype)
                 keep.extend((g, u, d))
                 c_experts[e].gate, c_experts[e].up, c_experts[e].down = (A.data_ptr(g), A.data_ptr(u), A.data_ptr(d))
             expert_arrays.append(c_experts)
@@ -242,9 +261,9 @@ class Model:
                     S = sg[0]
                 elif S != sg[0]:
                     raise ValueError("%s: shared_d_ff %d differs from layer 0's %d" % (where, sg[0], S))
-                g = A.as_weight(shared[0], dtype, where + " shared gate", (S, D))
-                u = A.as_weight(shared[1], dtype, where + " shared up", (S, D))
-                d = A.as_weight(shared[2], dtype, where + " shared down", (D, S))
+                g = weight(shared[0], where + " shared gate", (S, D))
+                u = weight(shared[1], where + " shared up", (S, D))
+                d = weight(shared[2], where + " shared down", (D, S), down_dtype)
                 keep.extend((g, u, d))
                 c_layers[li].shared.gate = A.data_ptr(g)
                 c_layers[li].shared.up = A.data_ptr(u)
@@ -268,6 +287,7 @@ class Model:
         desc.d_model = D
         desc.d_ff = F
         desc.dtype = L.DTYPE_CODES[dtype]
+        desc.down_dtype = L.DTYPE_CODES[down_dtype]
         desc.shared_d_ff = S or 0
         if router is not None:
             desc.router = router.to_c()

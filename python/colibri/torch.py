@@ -55,17 +55,37 @@ _DTYPES = {
 }
 
 
+_BLOCK_DTYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m")
+
+
 def _colibri_dtype(dtype, like=None):
-    """'f32'/'f16'/'bf16' from a name or torch dtype; None = like's dtype
-    (float32 for anything Colibri does not store)."""
+    """'f32'/'f16'/'bf16' from a name or torch dtype, or a block format's
+    name (the weights are quantised on load); None = like's dtype (float32
+    for anything Colibri does not store)."""
     if dtype is None:
         if like is not None and like.dtype in _DTYPES:
             return _DTYPES[like.dtype]
         return "f32"
+    if isinstance(dtype, str) and dtype in _BLOCK_DTYPES:
+        return dtype
     try:
         return _DTYPES[dtype]
     except (KeyError, TypeError):
-        raise ValueError("dtype must be 'f32', 'f16', 'bf16' or the matching torch dtype, got %r" % (dtype,)) from None
+        raise ValueError("dtype must be 'f32', 'f16', 'bf16', the matching torch dtype, or a block format (%s), "
+                         "got %r" % (", ".join(_BLOCK_DTYPES), dtype)) from None
+
+
+def _tensor_bytes(layer):
+    """Bytes of the expert (and shared expert) weights in a layer dict."""
+    total = 0
+    for key in ("experts", "shared", "gate_up_proj", "down_proj"):
+        v = layer.get(key)
+        items = v if isinstance(v, (list, tuple)) else [v]
+        for item in items:
+            for t in (item if isinstance(item, (list, tuple)) else [item]):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
 
 
 _grad_warned = False
@@ -725,10 +745,15 @@ class AccelerateReport:
     skipped: List[Tuple[str, str]]
     models: list
     released_bytes: int = 0  # PyTorch weight bytes released (keep_pytorch_weights=False)
+    source_bytes: int = 0  # bytes of the PyTorch expert weights taken over, in their dtype
+    colibri_bytes: int = 0  # bytes of Colibri's packed copies (block formats: the quantised blocks)
 
     def __str__(self):
         lines = ["colibri.torch.accelerate: %d block(s) accelerated, %d left alone"
                  % (len(self.accelerated), len(self.skipped))]
+        if self.source_bytes:
+            lines[0] += ", experts %.1f MiB in PyTorch -> %.1f MiB in Colibri" % (
+                self.source_bytes / 2.0**20, self.colibri_bytes / 2.0**20)
         if self.released_bytes:
             lines[0] += ", %.1f MiB of PyTorch weights released" % (self.released_bytes / 2.0**20)
         for b in self.accelerated:
@@ -934,7 +959,10 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     state_dict() are unchanged; restore(model) undoes it.
 
     dtype: Colibri's weight dtype ('f32', 'f16', 'bf16' or a torch dtype;
-    None = each block's own). Same-shaped blocks share one Colibri model
+    None = each block's own), or a block format ('q8_0', 'q4_0', 'q4_k',
+    'q5_k', 'q6_k', 'q4_k_m') into which the expert weights are quantised
+    on load (report.source_bytes and .colibri_bytes say the sizes before
+    and after). Same-shaped blocks share one Colibri model
     (one thread pool) with one layer per block. threads: Colibri threads (0 =
     one per core). shared=False keeps shared experts in PyTorch.
     bf16_compute / exact_prefill: the precision options of colibri.Model.
@@ -982,9 +1010,11 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     for key, members in groups.items():
         cdtype = key[0]
         layers = [spec.layer_dict(shared_in_colibri=in_colibri) for _, _, spec, in_colibri in members]
+        report.source_bytes += sum(_tensor_bytes(layer) for layer in layers)
         cmodel = Model.from_arrays(layers, dtype=cdtype, threads=threads, lock=lock, huge_pages=huge_pages,
                                    bf16_compute=bf16_compute, exact_prefill=exact_prefill)
         del layers
+        report.colibri_bytes += cmodel.stats.bytes_mapped
         report.models.append(cmodel)
         for i, (path, module, spec, in_colibri) in enumerate(members):
             experts = ColibriExperts._view(cmodel, i)

@@ -124,11 +124,73 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
     case COLIBRI_DTYPE_F32: return "f32";
     case COLIBRI_DTYPE_F16: return "f16";
     case COLIBRI_DTYPE_BF16: return "bf16";
+    case COLIBRI_DTYPE_Q8_0: return "q8_0";
+    case COLIBRI_DTYPE_Q4_0: return "q4_0";
+    case COLIBRI_DTYPE_Q4_K: return "q4_k";
+    case COLIBRI_DTYPE_Q5_K: return "q5_k";
+    case COLIBRI_DTYPE_Q6_K: return "q6_k";
   }
   return "unknown";
 }
 
 const char* colibri_version(void) { return "0.2.0"; }
+
+namespace {
+
+bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_Q6_K; }
+
+// Checks a conversion's arguments; the byte count of its rows.
+size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) {
+  if (!known_dtype(dtype)) {
+    colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, std::string(function) + ": unknown dtype " + std::to_string(dtype));
+  }
+  const size_t row = colibri::weight_row_bytes(colibri::weight_type_of(static_cast<colibri_dtype_t>(dtype)), n);
+  size_t total = 0;
+  if (__builtin_mul_overflow(row, rows, &total) || n > (size_t{1} << 40)) {
+    colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, std::string(function) + ": rows * n too large");
+  }
+  return total;
+}
+
+}  // namespace
+
+size_t colibri_dtype_row_bytes(colibri_dtype_t dtype, size_t n) {
+  const int d = colibri::raw_enum(dtype);
+  return known_dtype(d) ? colibri::weight_row_bytes(colibri::weight_type_of(dtype), n) : 0;
+}
+
+colibri_status_t colibri_quantize(colibri_dtype_t dtype, const float* src, size_t rows, size_t n, void* dst,
+                                  size_t dst_bytes) {
+  return guarded("colibri_quantize", [&] {
+    const size_t bytes = conversion_bytes("colibri_quantize", colibri::raw_enum(dtype), rows, n);
+    if (rows != 0 && n != 0 && (src == nullptr || dst == nullptr)) {
+      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_quantize: src or dst is NULL");
+    }
+    if (dst_bytes < bytes) {
+      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_quantize: dst holds " + std::to_string(dst_bytes) +
+                                                      " bytes, the rows need " + std::to_string(bytes));
+    }
+    colibri::convert_rows_from_float(colibri::weight_type_of(dtype), src, rows, n, dst);
+    return COLIBRI_OK;
+  });
+}
+
+colibri_status_t colibri_dequantize(colibri_dtype_t dtype, const void* src, size_t src_bytes, size_t rows, size_t n,
+                                    float* dst) {
+  return guarded("colibri_dequantize", [&] {
+    const size_t bytes = conversion_bytes("colibri_dequantize", colibri::raw_enum(dtype), rows, n);
+    if (rows != 0 && n != 0 && (src == nullptr || dst == nullptr)) {
+      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_dequantize: src or dst is NULL");
+    }
+    if (src_bytes != bytes) {
+      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_dequantize: src holds " + std::to_string(src_bytes) +
+                                                      " bytes, " + std::to_string(rows) + " rows of " +
+                                                      std::to_string(n) + " need " + std::to_string(bytes));
+    }
+    colibri::convert_rows_to_float(colibri::weight_type_of(dtype), src, rows, n, dst);
+    return COLIBRI_OK;
+  });
+}
 
 void colibri_open_options_default(colibri_open_options_t* o) {
   if (o == nullptr) return;
@@ -320,7 +382,7 @@ colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int3
       }
       const int dtype = colibri::raw_enum(source->dtype);
       if (dtype != static_cast<int>(m.dtype)) {
-        const bool known = dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_BF16;
+        const bool known = dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_Q6_K;
         colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT,
                       std::string("colibri_swap_expert: source dtype ") +
                           (known ? colibri_dtype_name(static_cast<colibri_dtype_t>(dtype)) : std::to_string(dtype)) +
@@ -348,6 +410,7 @@ colibri_status_t colibri_model_info(const colibri_model_t* model, colibri_model_
   out->router_family = m.router.family;
   out->router_top_k = m.has_router() ? m.router.top_k : 0;
   out->shared_d_ff = m.shared_d_ff;
+  out->down_dtype = m.down_dtype;
   t_last_error.clear();
   return COLIBRI_OK;
 }

@@ -567,6 +567,7 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
   const LayerPlan& p0 = plans.front();
   result.source_dtype = to_colibri_dtype(p0.fused ? p0.gate_up.tensor->dtype : p0.experts[0].gate.tensor->dtype);
   result.dtype = options.dtype.value_or(result.source_dtype);
+  result.down_dtype = options.down_dtype.value_or(result.dtype);
 
   ModelWriteSpec spec;
   spec.n_layers = static_cast<int32_t>(plans.size());
@@ -574,6 +575,7 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
   spec.d_model = c.d_model;
   spec.d_ff = c.d_ff;
   spec.dtype = result.dtype;
+  spec.down_dtype = result.down_dtype;
   spec.checksums = options.checksums;
   spec.router = c.router;
   spec.shared_d_ff = c.shared_d_ff;

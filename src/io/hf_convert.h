@@ -54,6 +54,8 @@ struct HfConvertOptions {
   std::string out_dir;  // must not exist, or be an empty directory
   // Default: the dtype of the checkpoint's expert tensors.
   std::optional<colibri_dtype_t> dtype;
+  // Of the down matrices when dtype is a block format (default: dtype).
+  std::optional<colibri_dtype_t> down_dtype;
   // HF decoder layer indices, inclusive; the MoE layers inside are
   // converted. Default: all.
   std::optional<int32_t> first_layer, last_layer;
@@ -67,6 +69,7 @@ struct HfConvertResult {
   HfMoeConfig config;
   std::vector<int32_t> layers;  // HF indices converted; Colibri layer j = layers[j]
   colibri_dtype_t dtype = COLIBRI_DTYPE_F16;  // of the written model
+  colibri_dtype_t down_dtype = COLIBRI_DTYPE_F16;  // of its down matrices
   colibri_dtype_t source_dtype = COLIBRI_DTYPE_F16;  // of the first expert tensor
   int32_t fused_layers = 0;  // layers whose experts came as fused tensors
   int32_t n_shards = 0;

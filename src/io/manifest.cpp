@@ -166,21 +166,17 @@ uint64_t Manifest::router_file_bytes() const {
 }
 
 WeightType weight_type_of(colibri_dtype_t dtype) {
-  switch (dtype) {
-    case COLIBRI_DTYPE_F32: return WeightType::kF32;
-    case COLIBRI_DTYPE_F16: return WeightType::kF16;
-    case COLIBRI_DTYPE_BF16: return WeightType::kBF16;
-  }
-  return WeightType::kF32;
+  const int v = static_cast<int>(dtype);
+  return v >= 0 && v < kWeightTypeCount ? static_cast<WeightType>(v) : WeightType::kF32;
 }
 
-uint64_t Manifest::matrix_bytes(int32_t rows, int32_t cols) const {
-  return static_cast<uint64_t>(rows) * weight_row_bytes(weight_type(), static_cast<size_t>(cols));
+uint64_t Manifest::matrix_bytes(WeightType t, int32_t rows, int32_t cols) {
+  return static_cast<uint64_t>(rows) * weight_row_bytes(t, static_cast<size_t>(cols));
 }
 
 // gate and up [F][D], then down [D][F].
 uint64_t Manifest::shared_file_bytes() const {
-  return 2 * matrix_bytes(shared_d_ff, d_model) + matrix_bytes(d_model, shared_d_ff);
+  return 2 * matrix_bytes(weight_type(), shared_d_ff, d_model) + matrix_bytes(down_weight_type(), d_model, shared_d_ff);
 }
 
 uint64_t Manifest::shared_gate_file_bytes() const { return 4ull * static_cast<uint64_t>(d_model); }
@@ -193,14 +189,43 @@ std::string Manifest::layer_file(int32_t layer, const char* name) const {
 }
 
 bool parse_dtype(const std::string& name, colibri_dtype_t* out) {
-  if (name == "f32") *out = COLIBRI_DTYPE_F32;
-  else if (name == "f16") *out = COLIBRI_DTYPE_F16;
-  else if (name == "bf16") *out = COLIBRI_DTYPE_BF16;
-  else return false;
+  WeightType t;
+  if (!parse_weight_type(name.c_str(), &t)) return false;
+  *out = static_cast<colibri_dtype_t>(t);
   return true;
 }
 
-uint64_t Manifest::expert_file_bytes() const { return 2 * matrix_bytes(d_ff, d_model) + matrix_bytes(d_model, d_ff); }
+std::string expert_types(const Manifest& m) {
+  std::string s = colibri_dtype_name(m.dtype);
+  if (m.down_dtype != m.dtype) s += std::string(" (down ") + colibri_dtype_name(m.down_dtype) + ")";
+  return s;
+}
+
+bool parse_dtype_mix(const std::string& name, colibri_dtype_t* out, colibri_dtype_t* down) {
+  if (name == "q4_k_m") {
+    *out = COLIBRI_DTYPE_Q4_K;
+    *down = COLIBRI_DTYPE_Q6_K;
+    return true;
+  }
+  if (!parse_dtype(name, out)) return false;
+  *down = *out;
+  return true;
+}
+
+const char* dtype_names() { return "f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k"; }
+
+std::string dtype_pair_problem(colibri_dtype_t dtype, colibri_dtype_t down_dtype) {
+  if (dtype == down_dtype) return "";
+  const bool q = weight_format(weight_type_of(dtype)).quantized;
+  const bool down_q = weight_format(weight_type_of(down_dtype)).quantized;
+  if (q && down_q) return "";
+  return std::string("down_dtype ") + colibri_dtype_name(down_dtype) + " cannot go with dtype " +
+         colibri_dtype_name(dtype) + " (a different down type is for block formats only)";
+}
+
+uint64_t Manifest::expert_file_bytes() const {
+  return 2 * matrix_bytes(weight_type(), d_ff, d_model) + matrix_bytes(down_weight_type(), d_model, d_ff);
+}
 
 std::string Manifest::expert_file(int32_t layer, int32_t expert) const {
   char buf[64];
@@ -234,8 +259,8 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
   Manifest m;
   const json& version = require(doc, source, "version");
   if (!version.is_number_integer()) bad_field(source, "version", "must be an integer");
-  if (version.get<int64_t>() != 1 && version.get<int64_t>() != 2) {
-    bad_field(source, "version", "unsupported version " + version.dump() + " (this build reads 1 and 2)");
+  if (version.get<int64_t>() < 1 || version.get<int64_t>() > kManifestVersion) {
+    bad_field(source, "version", "unsupported version " + version.dump() + " (this build reads 1 to 3)");
   }
   m.version = static_cast<int32_t>(version.get<int64_t>());
   m.n_layers = require_dim(doc, source, "n_layers", kMaxLayers);
@@ -245,7 +270,17 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
 
   const json& dtype = require(doc, source, "dtype");
   if (!dtype.is_string() || !parse_dtype(dtype.get<std::string>(), &m.dtype)) {
-    bad_field(source, "dtype", "unknown dtype " + dtype.dump() + " (expected \"f16\", \"bf16\" or \"f32\")");
+    bad_field(source, "dtype", "unknown dtype " + dtype.dump() + " (expected one of " + dtype_names() + ")");
+  }
+  m.down_dtype = m.dtype;
+  if (auto it = doc.find("down_dtype"); it != doc.end()) {
+    if (!it->is_string() || !parse_dtype(it->get<std::string>(), &m.down_dtype)) {
+      bad_field(source, "down_dtype", "unknown dtype " + it->dump() + " (expected one of " + dtype_names() + ")");
+    }
+  }
+  if (const std::string why = dtype_pair_problem(m.dtype, m.down_dtype); !why.empty()) bad_field(source, "down_dtype", why);
+  if (m.version < 3 && (m.quantized() || m.down_dtype != m.dtype)) {
+    bad_field(source, "dtype", "block-quantised weights need \"version\": 3");
   }
   const json& activation = require(doc, source, "activation");
   if (!activation.is_string() || activation.get<std::string>() != "swiglu") {
@@ -338,6 +373,7 @@ std::string manifest_to_json(const Manifest& m) {
   doc["d_model"] = m.d_model;
   doc["d_ff"] = m.d_ff;
   doc["dtype"] = colibri_dtype_name(m.dtype);
+  if (m.down_dtype != m.dtype) doc["down_dtype"] = colibri_dtype_name(m.down_dtype);
   doc["activation"] = m.activation;
   if (m.has_router()) {
     const colibri_router_desc_t& r = m.router;

@@ -18,7 +18,9 @@ inline constexpr const char* kManifestChecksumName = "colibri.json.xxh64";
 inline constexpr const char* kManifestFormat = "colibri-moe";
 // Written for models with a router or a shared expert; v1 otherwise, so
 // older readers still open plain expert models. Both are read.
-inline constexpr int kManifestVersion = 2;
+// v3: block-quantised weights (dtype q8_0 ... q6_k, down_dtype), which
+// older readers must refuse rather than misread.
+inline constexpr int kManifestVersion = 3;
 
 // Limits that keep every size computation in range; far above real models.
 inline constexpr int64_t kMaxLayers = 4096;
@@ -34,7 +36,8 @@ struct Manifest {
   int32_t n_experts = 0;
   int32_t d_model = 0;
   int32_t d_ff = 0;
-  colibri_dtype_t dtype = COLIBRI_DTYPE_F16;
+  colibri_dtype_t dtype = COLIBRI_DTYPE_F16;  // of gate and up (and down, unless down_dtype says otherwise)
+  colibri_dtype_t down_dtype = COLIBRI_DTYPE_F16;  // v3; equals dtype for the float types
   std::string activation = "swiglu";
   // v2: built-in router (family NONE = none) and shared expert (0 = none).
   colibri_router_desc_t router{};
@@ -47,13 +50,15 @@ struct Manifest {
   bool has_shared() const { return shared_d_ff > 0; }
   bool router_has_bias() const { return router.family == COLIBRI_ROUTER_DEEPSEEK_V3; }
   WeightType weight_type() const { return weight_type_of(dtype); }
-  // Bytes of a [rows][cols] weight matrix of the model's dtype, as stored in
-  // its files (rows unpadded).
-  uint64_t matrix_bytes(int32_t rows, int32_t cols) const;
+  WeightType down_weight_type() const { return weight_type_of(down_dtype); }
+  bool quantized() const { return weight_format(weight_type()).quantized; }
+  // Bytes of a [rows][cols] weight matrix of type t as stored in the
+  // model's files (rows of whole blocks, weight_row_bytes).
+  static uint64_t matrix_bytes(WeightType t, int32_t rows, int32_t cols);
   uint64_t expert_file_bytes() const;
   // f32 [E][D], then f32 [E] bias for DeepSeek-V3.
   uint64_t router_file_bytes() const;
-  uint64_t shared_file_bytes() const;       // 3 * D * shared_d_ff * dtype
+  uint64_t shared_file_bytes() const;       // gate, up, down of shared_d_ff
   uint64_t shared_gate_file_bytes() const;  // f32 [D]
   // "expert_03.bin" for one layer, "layer_01/expert_03.bin" for several;
   // likewise router.bin, shared_expert.bin, shared_gate.bin.
@@ -98,6 +103,19 @@ bool verify_manifest_checksum(const std::string& model_dir);
 void write_manifest(const std::string& model_dir, const Manifest& manifest);
 std::string manifest_to_json(const Manifest& manifest);
 
+// "bf16", or "q4_k (down q6_k)" for mixed block formats: for messages.
+std::string expert_types(const Manifest& m);
+// "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k".
 bool parse_dtype(const std::string& name, colibri_dtype_t* out);
+// As parse_dtype, plus the mixes: "q4_k_m" is q4_k gate and up with q6_k
+// down (the larger of the two types llama.cpp's Q4_K_M gives expert down
+// matrices, in every layer: a model holds one down type). *down = *out
+// for a plain type.
+bool parse_dtype_mix(const std::string& name, colibri_dtype_t* out, colibri_dtype_t* down);
+// The names parse_dtype accepts, for messages: "f32, f16, bf16, q8_0, ...".
+const char* dtype_names();
+// Empty when gate/up of type `dtype` may pair with down of `down_dtype`
+// (the same type, or two block formats); otherwise why not.
+std::string dtype_pair_problem(colibri_dtype_t dtype, colibri_dtype_t down_dtype);
 
 }  // namespace colibri

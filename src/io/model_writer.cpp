@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -35,7 +36,19 @@ float uniform_pm1(uint64_t& state) {
 std::vector<uint8_t> encode_weights(const float* w, size_t n, colibri_dtype_t dtype) {
   const WeightType t = weight_type_of(dtype);
   std::vector<uint8_t> out(weight_row_bytes(t, n));
-  weight_format(t).from_float(w, out.data(), n);
+  convert_rows_from_float(t, w, 1, n, out.data());
+  return out;
+}
+
+// An expert's gate, up [F][D] and down [D][F] in the manifest's types, rows
+// of whole blocks.
+std::vector<uint8_t> encode_expert(const float* w, const Manifest& m, int32_t d_ff) {
+  const size_t D = static_cast<size_t>(m.d_model);
+  const size_t F = static_cast<size_t>(d_ff);
+  const uint64_t gate_bytes = Manifest::matrix_bytes(m.weight_type(), d_ff, m.d_model);
+  std::vector<uint8_t> out(2 * gate_bytes + Manifest::matrix_bytes(m.down_weight_type(), m.d_model, d_ff));
+  convert_rows_from_float(m.weight_type(), w, 2 * F, D, out.data());
+  convert_rows_from_float(m.down_weight_type(), w + 2 * F * D, D, F, out.data() + 2 * gate_bytes);
   return out;
 }
 
@@ -65,6 +78,13 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
   m.d_model = spec.d_model;
   m.d_ff = spec.d_ff;
   m.dtype = spec.dtype;
+  m.down_dtype = spec.dtype;
+  if (m.quantized()) {
+    m.down_dtype = spec.down_dtype == COLIBRI_DTYPE_F16 ? spec.dtype : spec.down_dtype;
+    if (const std::string why = dtype_pair_problem(m.dtype, m.down_dtype); !why.empty()) {
+      fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: " + why);
+    }
+  }
   m.router = spec.router;
   m.shared_d_ff = spec.shared_d_ff;
   m.shared_gate = spec.shared_d_ff > 0 && spec.shared_gate;
@@ -76,6 +96,7 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
     if (m.version == 1) m.version = 2;
     m.source_json = spec.source_json;
   }
+  if (m.quantized()) m.version = 3;
   if (!fill.expert) fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: no expert fill function");
   if (m.has_router() && !fill.router) fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: no router fill function");
   if (m.has_shared() && !fill.shared) fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: no shared fill function");
@@ -113,14 +134,12 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
       write_one(m.router_file(l), encode_weights(router.data(), router.size(), COLIBRI_DTYPE_F32));
     }
     for (int32_t e = 0; e < spec.n_experts; ++e) {
-      const size_t n = 3 * D * static_cast<size_t>(spec.d_ff);
       fill.expert(l, e, w.data());
-      write_one(m.expert_file(l, e), encode_weights(w.data(), n, spec.dtype));
+      write_one(m.expert_file(l, e), encode_expert(w.data(), m, spec.d_ff));
     }
     if (m.has_shared()) {
-      const size_t n = 3 * D * static_cast<size_t>(m.shared_d_ff);
       fill.shared(l, w.data(), m.shared_gate ? gate.data() : nullptr);
-      write_one(m.shared_file(l), encode_weights(w.data(), n, spec.dtype));
+      write_one(m.shared_file(l), encode_expert(w.data(), m, m.shared_d_ff));
       if (m.shared_gate) write_one(m.shared_gate_file(l), encode_weights(gate.data(), D, COLIBRI_DTYPE_F32));
     }
   }
@@ -132,6 +151,67 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,
   ModelFill f;
   f.expert = fill;
   write_model_dir(dir, spec, f);
+}
+
+namespace {
+
+// A weight file of the model at `dir`, its size and checksum checked.
+MappedFile open_weight_file(const std::string& dir, const Manifest& m, const std::string& name, uint64_t bytes) {
+  MappedFile f(dir + "/" + name);
+  if (f.size() != bytes) {
+    fail(COLIBRI_ERR_FORMAT, f.path() + ": " + std::to_string(f.size()) + " bytes, expected " + std::to_string(bytes) +
+                                 " (" + expert_types(m) + ")");
+  }
+  if (auto it = m.checksums.find(name); it != m.checksums.end() && xxh64(f.data(), f.size()) != it->second) {
+    fail(COLIBRI_ERR_CHECKSUM, f.path() + ": checksum mismatch: manifest says " + format_checksum(it->second));
+  }
+  return f;
+}
+
+// An expert file (gate, up [F][D], down [D][F]) widened to floats.
+void widen_expert(const MappedFile& f, const Manifest& m, int32_t d_ff, float* w) {
+  const size_t D = static_cast<size_t>(m.d_model), F = static_cast<size_t>(d_ff);
+  const uint64_t gate_bytes = Manifest::matrix_bytes(m.weight_type(), d_ff, m.d_model);
+  convert_rows_to_float(m.weight_type(), f.data(), 2 * F, D, w);
+  convert_rows_to_float(m.down_weight_type(), f.data() + 2 * gate_bytes, D, F, w + 2 * F * D);
+}
+
+}  // namespace
+
+void requantize_model_dir(const std::string& in_dir, const std::string& out_dir, colibri_dtype_t dtype,
+                          colibri_dtype_t down_dtype) {
+  verify_manifest_checksum(in_dir);
+  const Manifest in = load_manifest(in_dir);
+  ModelWriteSpec spec;
+  spec.n_layers = in.n_layers;
+  spec.n_experts = in.n_experts;
+  spec.d_model = in.d_model;
+  spec.d_ff = in.d_ff;
+  spec.dtype = dtype;
+  spec.down_dtype = down_dtype;
+  spec.router = in.router;
+  spec.shared_d_ff = in.shared_d_ff;
+  spec.shared_gate = in.shared_gate;
+  spec.source_json = in.source_json;
+  const size_t D = static_cast<size_t>(in.d_model);
+  const size_t E = static_cast<size_t>(in.n_experts);
+  ModelFill fill;
+  fill.expert = [&](int32_t l, int32_t e, float* w) {
+    widen_expert(open_weight_file(in_dir, in, in.expert_file(l, e), in.expert_file_bytes()), in, in.d_ff, w);
+  };
+  fill.router = [&](int32_t l, float* router, float* bias) {
+    const MappedFile f = open_weight_file(in_dir, in, in.router_file(l), in.router_file_bytes());
+    std::memcpy(router, f.data(), E * D * sizeof(float));
+    if (bias != nullptr) std::memcpy(bias, f.data() + E * D * sizeof(float), E * sizeof(float));
+  };
+  fill.shared = [&](int32_t l, float* w, float* gate) {
+    widen_expert(open_weight_file(in_dir, in, in.shared_file(l), in.shared_file_bytes()), in, in.shared_d_ff, w);
+    if (gate != nullptr) {
+      const MappedFile g = open_weight_file(in_dir, in, in.shared_gate_file(l), in.shared_gate_file_bytes());
+      std::memcpy(gate, g.data(), D * sizeof(float));
+    }
+  };
+  write_model_dir(out_dir, spec, fill);
 }
 
 void random_expert_weights(const ModelWriteSpec& spec, uint64_t seed, int32_t layer,

@@ -17,6 +17,10 @@ struct ModelWriteSpec {
   int32_t d_model = 0;
   int32_t d_ff = 0;
   colibri_dtype_t dtype = COLIBRI_DTYPE_F16;
+  // Of the down matrices; used when dtype is a block format (the writer
+  // quantises with the format's reference quantiser), else ignored. The
+  // default, F16, means "the same as dtype".
+  colibri_dtype_t down_dtype = COLIBRI_DTYPE_F16;
   bool checksums = true;
   // Format v2 parts; a model with neither is written as v1.
   colibri_router_desc_t router{};  // family NONE = no built-in router
@@ -54,6 +58,14 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,
 // Random weights of realistic scale: uniform with variance 1/fan_in (gate and
 // up: d_model, down: d_ff), deterministic in (seed, layer, expert).
 void write_random_model(const std::string& dir, const ModelWriteSpec& spec, uint64_t seed);
+
+// Rewrites the model directory `in_dir` with its expert (and shared
+// expert) weights in `dtype` / `down_dtype` (down_dtype only for block
+// formats): each file read, its sizes and checksums checked, widened by its
+// format's reference dequantiser and quantised again; router, gates,
+// router rule and provenance copied. One expert in memory at a time.
+void requantize_model_dir(const std::string& in_dir, const std::string& out_dir, colibri_dtype_t dtype,
+                          colibri_dtype_t down_dtype);
 
 // The same values write_random_model writes, for one expert.
 void random_expert_weights(const ModelWriteSpec& spec, uint64_t seed, int32_t layer, int32_t expert,

@@ -32,6 +32,8 @@ inline __m512 load16(const void* row, size_t k, WeightType t) {
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + k)));
       return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
     }
+    default:  // block formats run the tables of ffn_quant.cpp
+      break;
   }
   return _mm512_setzero_ps();
 }

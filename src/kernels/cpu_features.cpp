@@ -19,6 +19,7 @@ namespace {
 struct CpuFeatures {
   Isa level = Isa::kScalar;
   bool avx512_bf16 = false;
+  bool avx512_vnni = false;
 };
 
 #if defined(COLIBRI_DETECT_X86)
@@ -58,6 +59,7 @@ CpuFeatures probe() {
   const bool avx512dq = bit(ebx, 17);
   const bool avx512bw = bit(ebx, 30);
   const bool avx512vl = bit(ebx, 31);
+  const bool avx512_vnni = bit(ecx, 11);
   bool avx512_bf16 = false;
   if (max_subleaf >= 1) {
     uint32_t a1 = 0, b1 = 0, c1 = 0, d1 = 0;
@@ -71,6 +73,7 @@ CpuFeatures probe() {
   if (os_avx512 && avx512f && avx512bw && avx512vl && avx512dq) {
     out.level = Isa::kAvx512;
     out.avx512_bf16 = avx512_bf16;
+    out.avx512_vnni = avx512_vnni;
   }
   return out;
 }
@@ -96,5 +99,7 @@ Isa detect_isa() {
 }
 
 bool cpu_has_avx512_bf16() { return features().avx512_bf16; }
+
+bool cpu_has_avx512_vnni() { return features().avx512_vnni; }
 
 }  // namespace colibri::kernels

@@ -227,6 +227,8 @@ void convert_panel(const void* rows, size_t stride, WeightType wt, int32_t valid
         }
         break;
       }
+      default:  // block formats run the tables of ffn_quant.cpp
+        break;
     }
   }
 }

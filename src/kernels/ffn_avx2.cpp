@@ -322,6 +322,8 @@ void gate_up_avx2(const ExpertShape& s, const void* gate_up, const float* x, siz
     case WeightType::kBF16:
       gate_up_impl<WeightType::kBF16>(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
       return;
+    default:  // block formats run the tables of ffn_quant.cpp
+      break;
   }
 }
 
@@ -338,6 +340,8 @@ void down_avx2(const ExpertShape& s, const void* down, const float* h, size_t ld
     case WeightType::kBF16:
       down_impl<WeightType::kBF16>(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
       return;
+    default:  // block formats run the tables of ffn_quant.cpp
+      break;
   }
 }
 

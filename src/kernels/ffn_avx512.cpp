@@ -319,6 +319,8 @@ void gate_up_avx512(const ExpertShape& s, const void* gate_up, const float* x, s
     case WeightType::kBF16:
       gate_up_impl<WeightType::kBF16>(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
       return;
+    default:  // block formats run the tables of ffn_quant.cpp
+      break;
   }
 }
 
@@ -335,6 +337,8 @@ void down_avx512(const ExpertShape& s, const void* down, const float* h, size_t 
     case WeightType::kBF16:
       down_impl<WeightType::kBF16>(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
       return;
+    default:  // block formats run the tables of ffn_quant.cpp
+      break;
   }
 }
 

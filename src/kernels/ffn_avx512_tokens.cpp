@@ -239,6 +239,8 @@ void block_products(const char* w, size_t row_bytes, WeightType t, int32_t row0,
       case WeightType::kF16: widen_rows<R, WeightType::kF16>(w, row_bytes, row0, kc, kn, next, wf); break;
       case WeightType::kBF16: widen_rows<R, WeightType::kBF16>(w, row_bytes, row0, kc, kn, next, wf); break;
       case WeightType::kF32: widen_rows<R, WeightType::kF32>(w, row_bytes, row0, kc, kn, next, wf); break;
+      default:  // block formats run the tables of ffn_quant.cpp
+        break;
     }
     micro_kernel<R, NV, P>(wf, xt + static_cast<size_t>((kc - k_begin) / P) * (16 * NV), kn, acc);
   }

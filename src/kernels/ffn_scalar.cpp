@@ -16,6 +16,8 @@ inline float load_weight(const void* base, size_t index, WeightType t) {
       return f16_to_float(static_cast<const uint16_t*>(base)[index]);
     case WeightType::kBF16:
       return bf16_to_float(static_cast<const uint16_t*>(base)[index]);
+    default:  // block formats run the tables of ffn_quant.cpp
+      break;
   }
   return 0.0f;
 }

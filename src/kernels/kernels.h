@@ -36,19 +36,26 @@ inline constexpr size_t kRowAlignBytes = 64;
 struct ExpertShape {
   int32_t d_model = 0;
   int32_t d_ff = 0;
-  WeightType weight_type = WeightType::kF32;
+  WeightType weight_type = WeightType::kF32;  // of gate and up
+  // Of down: the same for the float types; a block format may pair with
+  // another (GGUF's Q4_K_M stores gate and up in q4_k, down in q6_k).
+  WeightType down_type = WeightType::kF32;
   size_t gate_up_stride = 0;  // elements per gate/up row (>= d_model)
   size_t down_stride = 0;     // elements per down row (>= d_ff)
 };
 
-inline ExpertShape make_expert_shape(int32_t d_model, int32_t d_ff, WeightType t) {
+inline ExpertShape make_expert_shape(int32_t d_model, int32_t d_ff, WeightType t, WeightType down_t) {
   ExpertShape s;
   s.d_model = d_model;
   s.d_ff = d_ff;
   s.weight_type = t;
+  s.down_type = down_t;
   s.gate_up_stride = padded_row_elements(t, static_cast<size_t>(d_model), kRowAlignBytes);
-  s.down_stride = padded_row_elements(t, static_cast<size_t>(d_ff), kRowAlignBytes);
+  s.down_stride = padded_row_elements(down_t, static_cast<size_t>(d_ff), kRowAlignBytes);
   return s;
+}
+inline ExpertShape make_expert_shape(int32_t d_model, int32_t d_ff, WeightType t) {
+  return make_expert_shape(d_model, d_ff, t, t);
 }
 
 // Phase 1. For f in [f_begin, f_end) and i in [0, n):
@@ -167,6 +174,10 @@ Isa detect_isa();
 // AVX512_BF16 (CPUID.(7,1):EAX[5]) usable: only ever true when detect_isa()
 // is at least kAvx512, since the OS must also save the AVX-512 state.
 bool cpu_has_avx512_bf16();
+// AVX512_VNNI (CPUID.(7,0):ECX[11]) usable (vpdpbusd / vpdpwssd on zmm
+// and, with AVX512VL, ymm): likewise only true when detect_isa() is at
+// least kAvx512.
+bool cpu_has_avx512_vnni();
 // detect_isa(), lowered by the COLIBRI_ISA environment variable
 // ("scalar", "avx2", "avx512", "amx") when set. Never raised above detect_isa().
 Isa default_isa();
@@ -239,6 +250,13 @@ inline constexpr int32_t kBf16RoundingMinDim = 128;
 // with kBf16, the "amx-bf16" tiles where amx_available() and the expert is
 // at least kBf16RoundingMinDim in both dimensions; see PrefillPrecision.
 PrefillTiers prefill_tiers_for(Isa isa, const ExpertShape& shape, PrefillPrecision precision);
+
+// The tables for block-quantised weights (ffn_quant.cpp) at the highest
+// level <= isa: "int8-<isa>", activations quantised to int8 blocks and
+// integer dot products (docs/PRECISION.md), or with `exact`
+// "exact-dequant-<isa>": fp32 activations against the weights widened by
+// the format's reference dequantiser, and the fp32 kernels.
+const KernelTable& quant_kernels(Isa isa, bool exact);
 
 // Per-ISA tables (defined in ffn_<isa>.cpp).
 const KernelTable& scalar_kernels();

@@ -41,7 +41,7 @@ size_t packed_gate_up_bytes(const kernels::ExpertShape& s) {
 
 size_t packed_expert_bytes(const kernels::ExpertShape& s) {
   return packed_gate_up_bytes(s) +
-         static_cast<size_t>(s.d_model) * weight_row_bytes(s.weight_type, s.down_stride);
+         static_cast<size_t>(s.d_model) * weight_row_bytes(s.down_type, s.down_stride);
 }
 
 void pack_expert_parts(const uint8_t* gate, const uint8_t* up, const uint8_t* down, const kernels::ExpertShape& s,
@@ -51,7 +51,7 @@ void pack_expert_parts(const uint8_t* gate, const uint8_t* up, const uint8_t* do
   // Gate row f -> packed row 2f, up row f -> packed row 2f+1.
   copy_rows(gate, F, D, s.gate_up_stride, 2, s.weight_type, dst);
   copy_rows(up, F, D, s.gate_up_stride, 2, s.weight_type, dst + weight_row_bytes(s.weight_type, s.gate_up_stride));
-  copy_rows(down, D, F, s.down_stride, 1, s.weight_type, dst + packed_gate_up_bytes(s));
+  copy_rows(down, D, F, s.down_stride, 1, s.down_type, dst + packed_gate_up_bytes(s));
 }
 
 void pack_expert(const uint8_t* file_bytes, const kernels::ExpertShape& s, uint8_t* dst) {
@@ -74,11 +74,14 @@ void read_floats(const uint8_t* src, size_t n, float* dst) { std::memcpy(dst, sr
 
 void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
   const kernels::WeightType wt = m.weight_type();
-  shape_ = kernels::make_expert_shape(m.d_model, m.d_ff, wt);
+  const kernels::WeightType down_t = m.down_weight_type();
+  shape_ = kernels::make_expert_shape(m.d_model, m.d_ff, wt, down_t);
   n_layers_ = m.n_layers;
   n_experts_ = m.n_experts;
   gate_up_bytes_ = packed_gate_up_bytes(shape_);
-  expert_bytes_ = packed_expert_bytes(shape_);
+  // Every expert on a cache line (block-format rows are not multiples of one).
+  expert_bytes_ = (packed_expert_bytes(shape_) + kernels::kRowAlignBytes - 1) / kernels::kRowAlignBytes *
+                  kernels::kRowAlignBytes;
   has_router_ = m.has_router();
   if (has_router_) {
     // d_model = E output rows, d_ff = D inputs: only the down block is used.
@@ -87,8 +90,9 @@ void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
     if (m.router_has_bias()) router_bias_.assign(static_cast<size_t>(m.n_layers) * m.n_experts, 0.0f);
   }
   if (m.has_shared()) {
-    shared_shape_ = kernels::make_expert_shape(m.d_model, m.shared_d_ff, wt);
-    shared_bytes_ = packed_expert_bytes(shared_shape_);
+    shared_shape_ = kernels::make_expert_shape(m.d_model, m.shared_d_ff, wt, down_t);
+    shared_bytes_ = (packed_expert_bytes(shared_shape_) + kernels::kRowAlignBytes - 1) / kernels::kRowAlignBytes *
+                    kernels::kRowAlignBytes;
     if (m.shared_gate) shared_gate_.assign(static_cast<size_t>(m.n_layers) * m.d_model, 0.0f);
   }
   const uint64_t total = static_cast<uint64_t>(expert_bytes_) * static_cast<uint64_t>(m.n_experts) *
@@ -190,7 +194,7 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
                " weight file: " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(part.bytes) +
                (part.bytes == m.expert_file_bytes()
                     ? " (gate, up [d_ff " + std::to_string(m.d_ff) + "][d_model " + std::to_string(m.d_model) +
-                          "] and down, " + weight_format(m.weight_type()).name + ")"
+                          "] and down, " + expert_types(m) + ")"
                     : std::string()));
     }
   }

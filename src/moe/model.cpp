@@ -54,8 +54,16 @@ void require_expert(const colibri_expert_weights_t& w, const std::string& name) 
 Manifest manifest_of(const colibri_model_desc_t& d) {
   if (d.layers == nullptr) bad_desc("desc->layers is NULL");
   const int dtype = raw_enum(d.dtype);
-  if (dtype != COLIBRI_DTYPE_F32 && dtype != COLIBRI_DTYPE_F16 && dtype != COLIBRI_DTYPE_BF16) {
-    bad_desc("dtype " + std::to_string(dtype) + " is not F32, F16 or BF16");
+  if (dtype < COLIBRI_DTYPE_F32 || dtype > COLIBRI_DTYPE_Q6_K) {
+    bad_desc("dtype " + std::to_string(dtype) + " is not a known dtype (" + dtype_names() + ")");
+  }
+  const bool quantized = weight_format(weight_type_of(d.dtype)).quantized;
+  const int down_dtype = quantized ? raw_enum(d.down_dtype) : dtype;
+  if (down_dtype < COLIBRI_DTYPE_F32 || down_dtype > COLIBRI_DTYPE_Q6_K) {
+    bad_desc("down_dtype " + std::to_string(down_dtype) + " is not a known dtype (" + dtype_names() + ")");
+  }
+  if (const std::string why = dtype_pair_problem(d.dtype, static_cast<colibri_dtype_t>(down_dtype)); !why.empty()) {
+    bad_desc(why);
   }
   const int family = raw_enum(d.router.family);
   if (family < COLIBRI_ROUTER_NONE || family > COLIBRI_ROUTER_DEEPSEEK_V3) {
@@ -68,9 +76,10 @@ Manifest manifest_of(const colibri_model_desc_t& d) {
   m.d_model = d.d_model;
   m.d_ff = d.d_ff;
   m.dtype = d.dtype;
+  m.down_dtype = static_cast<colibri_dtype_t>(down_dtype);
   m.router = d.router;
   m.shared_d_ff = d.shared_d_ff;
-  m.version = 2;
+  m.version = quantized ? 3 : 2;
   // Dimension and size limits first (the manifest parser holds them), so
   // the loops below never walk past what the caller could have allocated.
   try {
@@ -131,8 +140,7 @@ void Model::swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, siz
   if (size != want) {
     fail(COLIBRI_ERR_FORMAT, what + ": " + std::to_string(size) + " bytes, expected " + std::to_string(want) +
                                  " (gate, up [d_ff " + std::to_string(manifest_.d_ff) + "][d_model " +
-                                 std::to_string(manifest_.d_model) + "] and down, " +
-                                 weight_format(manifest_.weight_type()).name + ")");
+                                 std::to_string(manifest_.d_model) + "] and down, " + expert_types(manifest_) + ")");
   }
   if (checksum != nullptr) {
     const uint64_t actual = xxh64(bytes, size);
@@ -163,12 +171,17 @@ void Model::start(const colibri_open_options_t& o) {
   // Decode is fp32-grade for every weight type; prefill precision follows the
   // options (docs/PRECISION.md). model_kernels() says which tables run.
   const kernels::Isa isa = kernels::default_isa();
+  // Block formats run their own tables at every token count: int8
+  // activations by default, dequantised weights with exact_prefill.
+  const bool quantized = manifest_.quantized();
   engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_,
-                                     kernels::decode_table_for(isa, store_->shape().weight_type));
+                                     quantized ? kernels::quant_kernels(isa, o.exact_prefill != 0)
+                                               : kernels::decode_table_for(isa, store_->shape().weight_type));
   const kernels::PrefillPrecision precision = o.exact_prefill != 0  ? kernels::PrefillPrecision::kExact
                                               : o.bf16_compute != 0 ? kernels::PrefillPrecision::kBf16
                                                                     : kernels::PrefillPrecision::kDefault;
-  const kernels::PrefillTiers prefill = kernels::prefill_tiers_for(isa, store_->shape(), precision);
+  const kernels::PrefillTiers prefill =
+      quantized ? kernels::PrefillTiers{} : kernels::prefill_tiers_for(isa, store_->shape(), precision);
   engine_->set_prefill_kernels(prefill);
   if (manifest_.has_router()) engine_->set_router(manifest_.router);
   kernels_description_ = std::string("decode ") + engine_->kernels().name;

@@ -10,18 +10,14 @@ namespace colibri {
 
 ReferenceExpert load_reference_expert(const std::string& dir, const Manifest& m, int32_t layer, int32_t expert) {
   MappedFile f(dir + "/" + m.expert_file(layer, expert));
-  const size_t n = static_cast<size_t>(m.d_model) * static_cast<size_t>(m.d_ff);
-  std::vector<double> all(3 * n);
-  for (size_t i = 0; i < 3 * n; ++i) {
-    if (m.dtype == COLIBRI_DTYPE_F32) {
-      float v;
-      std::memcpy(&v, f.data() + 4 * i, 4);
-      all[i] = v;
-    } else {
-      const uint16_t h = static_cast<uint16_t>(f.data()[2 * i] | (f.data()[2 * i + 1] << 8));
-      all[i] = m.dtype == COLIBRI_DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
-    }
-  }
+  const size_t D = static_cast<size_t>(m.d_model), F = static_cast<size_t>(m.d_ff);
+  const size_t n = D * F;
+  // Every format through its reference dequantiser (weight_format.h).
+  std::vector<float> widened(3 * n);
+  const size_t gate_bytes = Manifest::matrix_bytes(m.weight_type(), m.d_ff, m.d_model);
+  convert_rows_to_float(m.weight_type(), f.data(), 2 * F, D, widened.data());
+  convert_rows_to_float(m.down_weight_type(), f.data() + 2 * gate_bytes, D, F, widened.data() + 2 * n);
+  std::vector<double> all(widened.begin(), widened.end());
   ReferenceExpert e;
   e.gate.assign(all.begin(), all.begin() + static_cast<ptrdiff_t>(n));
   e.up.assign(all.begin() + static_cast<ptrdiff_t>(n), all.begin() + static_cast<ptrdiff_t>(2 * n));

@@ -1,6 +1,7 @@
 #include "util/weight_format.h"
 
 #include <cstring>
+#include <vector>
 
 #include "util/half.h"
 #include "util/quant_blocks.h"
@@ -63,7 +64,36 @@ bool parse_weight_type(const char* name, WeightType* out) {
 
 size_t weight_row_bytes(WeightType t, size_t n) {
   const WeightFormat& f = weight_format(t);
-  return n / f.block_elements * f.block_bytes;
+  return (n + f.block_elements - 1) / f.block_elements * f.block_bytes;
+}
+
+void convert_rows_from_float(WeightType t, const float* src, size_t rows, size_t n, void* dst) {
+  const WeightFormat& f = weight_format(t);
+  const size_t padded = (n + f.block_elements - 1) / f.block_elements * f.block_elements;
+  const size_t row_bytes = weight_row_bytes(t, n);
+  std::vector<float> row(padded == n ? 0 : padded, 0.0f);
+  auto* out = static_cast<uint8_t*>(dst);
+  for (size_t r = 0; r < rows; ++r) {
+    const float* in = src + r * n;
+    if (padded != n) {
+      std::memcpy(row.data(), in, n * sizeof(float));
+      in = row.data();
+    }
+    f.from_float(in, out + r * row_bytes, padded);
+  }
+}
+
+void convert_rows_to_float(WeightType t, const void* src, size_t rows, size_t n, float* dst) {
+  const WeightFormat& f = weight_format(t);
+  const size_t padded = (n + f.block_elements - 1) / f.block_elements * f.block_elements;
+  const size_t row_bytes = weight_row_bytes(t, n);
+  std::vector<float> row(padded == n ? 0 : padded);
+  const auto* in = static_cast<const uint8_t*>(src);
+  for (size_t r = 0; r < rows; ++r) {
+    float* out = padded == n ? dst + r * n : row.data();
+    f.to_float(in + r * row_bytes, out, padded);
+    if (padded != n) std::memcpy(dst + r * n, row.data(), n * sizeof(float));
+  }
 }
 
 size_t padded_row_elements(WeightType t, size_t n, size_t align_bytes) {

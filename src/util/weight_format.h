@@ -47,8 +47,15 @@ const WeightFormat& weight_format(WeightType t);
 // The type named `name` ("q4_k"); false if none.
 bool parse_weight_type(const char* name, WeightType* out);
 
-// Bytes of n elements of a row; n must be a multiple of block_elements.
+// Bytes of a row of n elements: whole blocks, the last one zero-padded
+// when n is not a multiple of block_elements (the float types: n * size).
 size_t weight_row_bytes(WeightType t, size_t n);
+
+// rows x n floats to rows of type t (weight_row_bytes(t, n) each; the
+// last block of a row padded with zeros), and back (the padding dropped).
+// May allocate one row of scratch.
+void convert_rows_from_float(WeightType t, const float* src, size_t rows, size_t n, void* dst);
+void convert_rows_to_float(WeightType t, const void* src, size_t rows, size_t n, float* dst);
 
 // n rounded up to whole blocks, and for the float types on to whole
 // `align_bytes` lines of them (quantised rows are not aligned: their

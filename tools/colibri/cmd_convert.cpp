@@ -1,4 +1,6 @@
-// colibri convert: Hugging Face MoE checkpoint -> Colibri model directory.
+// colibri convert: Hugging Face MoE checkpoint -> Colibri model directory;
+// colibri quantize: a model directory -> the same in another weight type.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -10,6 +12,7 @@
 #include "common.h"
 #include "io/hf_convert.h"
 #include "io/manifest.h"
+#include "io/model_writer.h"
 #include "util/error.h"
 
 namespace colibri_cli {
@@ -84,11 +87,12 @@ void run_convert(const ConvertArgs& a) {
   o.hf_dir = a.hf;
   o.out_dir = a.out;
   if (!a.dtype.empty()) {
-    colibri_dtype_t d;
-    if (!colibri::parse_dtype(a.dtype, &d)) {
-      throw CliError("convert: --dtype: unknown dtype \"" + a.dtype + "\" (expected f16, bf16 or f32)");
+    colibri_dtype_t d, down;
+    if (!colibri::parse_dtype_mix(a.dtype, &d, &down)) {
+      throw CliError("convert: --dtype: unknown dtype \"" + a.dtype + "\" (expected " + kDtypeChoices + ")");
     }
     o.dtype = d;
+    o.down_dtype = down;
   }
   if (!a.layers.empty()) parse_layer_range(a.layers, &o);
   ProgressBar bar;
@@ -116,20 +120,62 @@ void run_convert(const ConvertArgs& a) {
               "router %s top-%d, %s from %s, %s in %.1f s\n",
               a.hf.c_str(), c.model_type.c_str(), a.out.c_str(), r.layers.size(), layer_list(r.layers).c_str(),
               c.n_experts, c.d_model, c.d_ff, shared.c_str(), colibri_router_family_name(c.router.family),
-              c.router.top_k, colibri_dtype_name(r.dtype), colibri_dtype_name(r.source_dtype),
+              c.router.top_k, dtype_label(r.dtype, r.down_dtype).c_str(), colibri_dtype_name(r.source_dtype),
               human_bytes(r.bytes_written).c_str(), seconds);
+}
+
+struct QuantizeArgs {
+  std::string model, out, dtype;
+};
+
+void run_quantize(const QuantizeArgs& a) {
+  colibri_dtype_t dtype, down;
+  if (!colibri::parse_dtype_mix(a.dtype, &dtype, &down)) {
+    throw CliError("quantize: --dtype: unknown dtype \"" + a.dtype + "\" (expected " + kDtypeChoices + ")");
+  }
+  // Never over the input, nor over another model: the output is written
+  // file by file and its manifest last.
+  struct stat st {};
+  if (::stat((a.out + "/" + colibri::kManifestName).c_str(), &st) == 0) {
+    throw CliError("quantize: --out: " + a.out + " already holds a model (" + colibri::kManifestName + ")");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    colibri::requantize_model_dir(a.model, a.out, dtype, down);
+  } catch (const std::exception& e) {
+    throw CliError(std::string("quantize: ") + e.what());
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const colibri::Manifest in = colibri::load_manifest(a.model);
+  const colibri::Manifest out = colibri::load_manifest(a.out);
+  const double before = static_cast<double>(in.expert_file_bytes()) * in.n_experts * in.n_layers;
+  const double after = static_cast<double>(out.expert_file_bytes()) * out.n_experts * out.n_layers;
+  std::printf("quantized %s (%s) to %s (%s): experts %s -> %s (%.2f bits per weight) in %.1f s\n", a.model.c_str(),
+              colibri::expert_types(in).c_str(), a.out.c_str(), colibri::expert_types(out).c_str(),
+              human_bytes(static_cast<uint64_t>(before)).c_str(), human_bytes(static_cast<uint64_t>(after)).c_str(),
+              after * 8.0 / (3.0 * in.d_model * static_cast<double>(in.d_ff) * in.n_experts * in.n_layers), seconds);
 }
 
 }  // namespace
 
 void add_convert_commands(CLI::App& app) {
+  auto qa = std::make_shared<QuantizeArgs>();
+  CLI::App* q = app.add_subcommand("quantize", "Rewrite a model directory's experts in another weight type");
+  q->add_option("--model", qa->model, "Input model directory")->required();
+  q->add_option("--out", qa->out, "Output model directory (must not hold a model)")->required();
+  q->add_option("--dtype", qa->dtype, std::string("Weight type: ") + kDtypeChoices + "; q4_k_m is q4_k with q6_k down")
+      ->required()
+      ->check(CLI::IsMember(dtype_choices()));
+  q->callback([qa] { run_quantize(*qa); });
+
   auto ca = std::make_shared<ConvertArgs>();
   CLI::App* c = app.add_subcommand(
       "convert", "Convert a Hugging Face MoE checkpoint (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)");
   c->add_option("--hf", ca->hf, "Checkpoint directory: config.json and model*.safetensors")->required();
   c->add_option("--out", ca->out, "Output model directory (must not exist or be empty)")->required();
-  c->add_option("--dtype", ca->dtype, "Weight type: f16, bf16 or f32 (default: the checkpoint's)")
-      ->check(CLI::IsMember({"f16", "bf16", "f32"}));
+  c->add_option("--dtype", ca->dtype,
+                std::string("Weight type: ") + kDtypeChoices + " (default: the checkpoint's); q4_k_m is q4_k with q6_k down")
+      ->check(CLI::IsMember(dtype_choices()));
   c->add_option("--layers", ca->layers, "HF decoder layers a-b (inclusive); the MoE layers among them");
   c->add_flag("--progress", ca->progress, "Progress bar on stderr even when it is not a terminal");
   c->callback([ca] { run_convert(*ca); });

@@ -91,7 +91,11 @@ void run_loadtest(const LoadArgs& a) {
   if (info.shared_d_ff > 0) {
     throw CliError("loadtest: the float64 reference covers routed experts only; this model has a shared expert");
   }
-  const double tol = info.dtype == COLIBRI_DTYPE_F32 ? 1e-5 : 5e-3;
+  // The precision contracts (docs/PRECISION.md): fp32-grade for f32
+  // weights, bf16 rounding of activations for 16-bit ones in prefill, int8
+  // activations for the block formats.
+  const bool quantized = info.dtype >= COLIBRI_DTYPE_Q8_0;
+  const double tol = quantized ? 2e-2 : info.dtype == COLIBRI_DTYPE_F32 ? 1e-5 : 5e-3;
 
   // A pool of routings and inputs with their float64 references; requests
   // cycle through it, so consecutive calls read different experts.

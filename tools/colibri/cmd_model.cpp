@@ -32,8 +32,8 @@ void run_gen(const GenArgs& a) {
   spec.n_experts = a.experts;
   spec.d_model = a.d_model;
   spec.d_ff = a.d_ff;
-  if (!colibri::parse_dtype(a.dtype, &spec.dtype)) {
-    throw CliError("gen: --dtype: unknown dtype \"" + a.dtype + "\" (expected f16, bf16 or f32)");
+  if (!colibri::parse_dtype_mix(a.dtype, &spec.dtype, &spec.down_dtype)) {
+    throw CliError("gen: --dtype: unknown dtype \"" + a.dtype + "\" (expected " + kDtypeChoices + ")");
   }
   colibri_router_desc_default(&spec.router);
   if (!a.router.empty()) {
@@ -101,7 +101,13 @@ void run_info(const std::string& dir, int threads) {
   std::printf("experts      %d\n", info.n_experts);
   std::printf("d_model      %d\n", info.d_model);
   std::printf("d_ff         %d\n", info.d_ff);
-  std::printf("dtype        %s\n", colibri_dtype_name(info.dtype));
+  std::printf("dtype        %s\n", dtype_label(info.dtype, info.down_dtype).c_str());
+  const double expert_bytes =
+      2.0 * info.d_ff * static_cast<double>(colibri_dtype_row_bytes(info.dtype, static_cast<size_t>(info.d_model))) +
+      static_cast<double>(info.d_model) *
+          static_cast<double>(colibri_dtype_row_bytes(info.down_dtype, static_cast<size_t>(info.d_ff)));
+  std::printf("expert bytes %s (%.2f bits per weight)\n", human_bytes(static_cast<uint64_t>(expert_bytes)).c_str(),
+              expert_bytes * 8.0 / (3.0 * info.d_model * static_cast<double>(info.d_ff)));
   if (info.router_family != COLIBRI_ROUTER_NONE) {
     std::printf("router       %s, top-%d\n", colibri_router_family_name(info.router_family), info.router_top_k);
   } else {
@@ -127,7 +133,7 @@ void add_model_commands(CLI::App& app) {
   g->add_option("--d-model", gen->d_model, "Hidden size")->required()->check(CLI::Range(1, 1 << 20));
   g->add_option("--d-ff", gen->d_ff, "Expert FFN size")->required()->check(CLI::Range(1, 1 << 20));
   g->add_option("--layers", gen->layers, "Number of MoE layers")->check(CLI::Range(1, 4096));
-  g->add_option("--dtype", gen->dtype, "Weight type: f16, bf16 or f32")->check(CLI::IsMember({"f16", "bf16", "f32"}));
+  g->add_option("--dtype", gen->dtype, std::string("Weight type: ") + kDtypeChoices)->check(CLI::IsMember(dtype_choices()));
   g->add_option("--seed", gen->seed, "Random seed");
   g->add_option("--router", gen->router,
                 "Add a random built-in router with this family's rule: mixtral, qwen2_moe, qwen3_moe, olmoe, "

@@ -9,7 +9,7 @@ namespace colibri_cli {
 void add_model_commands(CLI::App& app);  // gen, verify, info
 void add_route_commands(CLI::App& app);  // route compile, route dump
 void add_run_commands(CLI::App& app);    // infer, bench, demo
-void add_convert_commands(CLI::App& app);  // convert (Hugging Face checkpoints)
+void add_convert_commands(CLI::App& app);  // convert (Hugging Face checkpoints), quantize
 void add_load_commands(CLI::App& app);     // loadtest
 
 }  // namespace colibri_cli

@@ -128,6 +128,12 @@ colibri_model_info_t model_info(const ModelHandle& h) {
   return info;
 }
 
+std::string dtype_label(colibri_dtype_t dtype, colibri_dtype_t down_dtype) {
+  std::string s = colibri_dtype_name(dtype);
+  if (down_dtype != dtype) s += std::string(" (down ") + colibri_dtype_name(down_dtype) + ")";
+  return s;
+}
+
 RoutingWork routing_work(const colibri_model_info_t& info, int32_t T, int32_t k, const int32_t* ids) {
   std::set<int32_t> active;
   size_t slots = 0;
@@ -136,9 +142,13 @@ RoutingWork routing_work(const colibri_model_info_t& info, int32_t T, int32_t k,
     active.insert(ids[i]);
     ++slots;
   }
-  const double weight_bytes = info.dtype == COLIBRI_DTYPE_F32 ? 4 : 2;
+  // Bytes of one expert as the kernels read them (rows of whole blocks).
+  const double expert_bytes =
+      2.0 * info.d_ff * static_cast<double>(colibri_dtype_row_bytes(info.dtype, static_cast<size_t>(info.d_model))) +
+      static_cast<double>(info.d_model) *
+          static_cast<double>(colibri_dtype_row_bytes(info.down_dtype, static_cast<size_t>(info.d_ff)));
   RoutingWork w;
-  w.bytes = static_cast<double>(active.size()) * 3.0 * info.d_model * info.d_ff * weight_bytes;
+  w.bytes = static_cast<double>(active.size()) * expert_bytes;
   w.flop = static_cast<double>(slots) * 2.0 * 3.0 * info.d_model * info.d_ff;
   return w;
 }

@@ -58,12 +58,22 @@ struct RoutingHandle {
 // The open options' precision choice, as the --precision flag names it:
 // "default", "exact" (exact_prefill) or "bf16" (bf16_compute).
 inline constexpr const char* kPrecisionHelp =
-    "Prefill precision: default (bf16 models round activations on AMX tiles), exact (fp32-grade "
-    "everywhere), bf16 (any weights through bf16 products); docs/PRECISION.md";
+    "Precision: default (bf16 models round activations on AMX tiles; block-quantised models quantise "
+    "activations to int8), exact (fp32-grade everywhere; fp32 activations against dequantised weights), "
+    "bf16 (any float weights through bf16 products); docs/PRECISION.md";
 inline const std::vector<std::string>& precision_names() {
   static const std::vector<std::string> names{"default", "exact", "bf16"};
   return names;
 }
+
+// The weight types --dtype takes (gen, convert, quantize), and a label
+// such as "q4_k (down q6_k)".
+inline constexpr const char* kDtypeChoices = "f16, bf16, f32, q8_0, q4_0, q4_k, q5_k, q6_k, q4_k_m";
+inline const std::vector<std::string>& dtype_choices() {
+  static const std::vector<std::string> names{"f16", "bf16", "f32", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m"};
+  return names;
+}
+std::string dtype_label(colibri_dtype_t dtype, colibri_dtype_t down_dtype);
 
 // Opens a model; prints the loader's warning (if any) to stderr.
 void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out,

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Builds the llama.cpp peer benchmark: ggml's CPU backend from the llama.cpp
+# that PyPI's llama-cpp-python source distribution vendors, and our harness
+# bench/llamacpp_moe.cpp against it. Nothing of llama.cpp/ggml is committed;
+# everything lands in the work directory.
+#
+#   bench/llamacpp_peer.sh [WORK_DIR]      # default build/llamacpp-peer (git-ignored)
+#
+# Re-runnable: a finished step (download, extraction, ggml build) is skipped;
+# the harness is recompiled when its source is newer than the binary.
+# Environment:
+#   LLAMACPP_PY_VERSION  llama-cpp-python version to download (default 0.3.36,
+#                        the one this was tested with; "latest": the newest on
+#                        PyPI, or the newest already in WORK_DIR/dl once there)
+#   PIP                  pip to use (default .venv/bin/pip, else pip3)
+#   JOBS                 parallel build jobs (default 2)
+#   GGML_OPENMP          ON (default, as llama.cpp builds) or OFF
+# Needs network access for the first step only; fails clearly without it.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WORK="${1:-$ROOT/build/llamacpp-peer}"
+VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
+JOBS="${JOBS:-2}"
+OPENMP="${GGML_OPENMP:-ON}"
+if [[ -z "${PIP:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/pip" ]]; then PIP="$ROOT/.venv/bin/pip"; else PIP="pip3"; fi
+fi
+
+die() { echo "llamacpp_peer.sh: error: $*" >&2; exit 1; }
+say() { echo "llamacpp_peer.sh: $*" >&2; }
+
+mkdir -p "$WORK/dl"
+WORK="$(cd "$WORK" && pwd)"
+
+# ---------------------------------------------------------------- 1. download
+spec="llama-cpp-python"
+[[ "$VERSION" != "latest" ]] && spec="llama-cpp-python==$VERSION"
+if [[ "$VERSION" == "latest" ]]; then
+    sdist="$(ls -1 "$WORK"/dl/llama_cpp_python-*.tar.gz 2>/dev/null | sort -V | tail -1 || true)"
+else
+    sdist="$WORK/dl/llama_cpp_python-$VERSION.tar.gz"
+    [[ -f "$sdist" ]] || sdist=""
+fi
+if [[ -z "$sdist" ]]; then
+    say "downloading the $spec source distribution from PyPI"
+    t0=$SECONDS
+    # --no-build-isolation: pip would otherwise install the build backend
+    # just to read the metadata; we only want the archive.
+    if ! "$PIP" download --no-binary :all: --no-deps --no-build-isolation -d "$WORK/dl.tmp" "$spec" >&2 \
+        && ! "$PIP" download --no-binary :all: --no-deps -d "$WORK/dl.tmp" "$spec" >&2; then
+        rm -rf "$WORK/dl.tmp"
+        die "could not download $spec (no network, or PyPI unreachable?). This benchmark needs the sdist once; put llama_cpp_python-<version>.tar.gz into $WORK/dl/ by hand to build offline."
+    fi
+    f="$(ls -1 "$WORK"/dl.tmp/llama_cpp_python-*.tar.gz 2>/dev/null | head -1 || true)"
+    [[ -n "$f" ]] || die "pip did not leave a llama_cpp_python-*.tar.gz in $WORK/dl.tmp"
+    mv "$f" "$WORK/dl/"
+    rm -rf "$WORK/dl.tmp"
+    sdist="$WORK/dl/$(basename "$f")"
+    say "downloaded $(basename "$sdist") in $((SECONDS - t0)) s"
+fi
+name="$(basename "$sdist" .tar.gz)"            # llama_cpp_python-X.Y.Z
+SRC="$WORK/$name"
+GGML="$SRC/vendor/llama.cpp/ggml"
+
+# ---------------------------------------------------------------- 2. extract
+if [[ ! -f "$SRC/.extracted" ]]; then
+    say "extracting $(basename "$sdist")"
+    rm -rf "$SRC"
+    tar -xzf "$sdist" -C "$WORK"
+    [[ -f "$GGML/CMakeLists.txt" ]] || die "$sdist has no vendor/llama.cpp/ggml/CMakeLists.txt"
+    touch "$SRC/.extracted"
+fi
+# The sdist leaves out ggml/ggml.pc.in, which ggml's standalone configure
+# copies for `make install` only; an empty one lets the configure finish.
+[[ -f "$GGML/ggml.pc.in" ]] || : > "$GGML/ggml.pc.in"
+ggml_version="$(sed -n 's/^set(GGML_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)).*/\2/p' "$GGML/CMakeLists.txt" | paste -sd. -)"
+
+# ---------------------------------------------------------------- 3. ggml (CPU backend only)
+BUILD="$WORK/ggml-build"
+libs=("$BUILD/src/libggml.a" "$BUILD/src/libggml-cpu.a" "$BUILD/src/libggml-base.a")
+if [[ ! -f "$BUILD/.built" ]] || [[ "$(cat "$BUILD/.built")" != "$name openmp=$OPENMP" ]]; then
+    say "configuring ggml $ggml_version ($name) in $BUILD"
+    t0=$SECONDS
+    # GGML_NATIVE: -march=native (AVX-512, VNNI, BF16, AMX where the CPU has them).
+    # GGML_CPU_REPACK: the "CPU_REPACK" extra buffer type, which repacks
+    # q4_0/q4_K/iq4_nl/q8_0 weights into interleaved layouts for the AVX-512/AVX2
+    # GEMV/GEMM kernels (on by default; spelled out here).
+    # Only the CPU backend; no tests, examples or tools.
+    cmake -S "$GGML" -B "$BUILD" \
+        -DCMAKE_BUILD_TYPE=Release \
+        -DBUILD_SHARED_LIBS=OFF \
+        -DGGML_NATIVE=ON \
+        -DGGML_CPU=ON \
+        -DGGML_CPU_REPACK=ON \
+        -DGGML_OPENMP="$OPENMP" \
+        -DGGML_BACKEND_DL=OFF \
+        -DGGML_BUILD_TESTS=OFF \
+        -DGGML_BUILD_EXAMPLES=OFF \
+        -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF >&2 \
+        || die "cmake configure of ggml failed"
+    say "building ggml (-j$JOBS)"
+    cmake --build "$BUILD" -j"$JOBS" --target ggml ggml-cpu ggml-base >&2 || die "ggml build failed"
+    for l in "${libs[@]}"; do [[ -f "$l" ]] || die "expected $l after the ggml build"; done
+    echo "$name openmp=$OPENMP" > "$BUILD/.built"
+    say "ggml built in $((SECONDS - t0)) s"
+fi
+
+# ---------------------------------------------------------------- 4. harness
+HARNESS_SRC="$ROOT/bench/llamacpp_moe.cpp"
+EXE="$WORK/llamacpp_moe"
+if [[ ! -x "$EXE" || "$HARNESS_SRC" -nt "$EXE" || "$BUILD/.built" -nt "$EXE" ]]; then
+    say "compiling $HARNESS_SRC"
+    omp=()
+    [[ "$OPENMP" == "ON" ]] && omp=(-fopenmp)
+    ${CXX:-g++} -O2 -std=c++17 -Wall -Wextra \
+        -DLLAMACPP_PEER_PACKAGE="\"$name\"" -DLLAMACPP_PEER_GGML_VERSION="\"$ggml_version\"" \
+        -I"$GGML/include" "$HARNESS_SRC" -o "$EXE.tmp" \
+        -Wl,--start-group "${libs[@]}" -Wl,--end-group "${omp[@]}" -lpthread -ldl -lm \
+        || die "harness compilation failed"
+    mv "$EXE.tmp" "$EXE"
+fi
+say "ready: $EXE (package $name, ggml $ggml_version)"
+echo "$EXE"

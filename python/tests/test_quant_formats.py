@@ -1,0 +1,154 @@
+"""colibri.quantize / colibri.dequantize (the reference block quantisers of
+src/util/quant_ref.cpp) against the gguf package's gguf.quants, the NumPy
+port of ggml's reference code that writes and reads GGUF files:
+
+- what colibri.quantize writes, gguf dequantises to the same float32 bits
+  as colibri.dequantize, for every format;
+- for Q8_0 and Q4_0, the only block formats gguf can quantise, colibri's
+  bytes are gguf's bytes;
+- random blocks (every f16 scale finite) dequantise bit for bit alike.
+
+The K quantisers' agreement with ggml itself is pinned in
+tests/test_quant_ref.cpp (byte hashes from ggml's quantize_row_*_ref)."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+import colibri
+from helpers import rel_err
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType  # noqa: E402  (after the skip)
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize  # noqa: E402
+
+# dtype: (gguf type, elements per block, bytes per block, byte offsets of
+# the f16 scale fields in a block)
+FORMATS = {
+    "q8_0": (GGMLQuantizationType.Q8_0, 32, 34, (0,)),
+    "q4_0": (GGMLQuantizationType.Q4_0, 32, 18, (0,)),
+    "q4_k": (GGMLQuantizationType.Q4_K, 256, 144, (0, 2)),
+    "q5_k": (GGMLQuantizationType.Q5_K, 256, 176, (0, 2)),
+    "q6_k": (GGMLQuantizationType.Q6_K, 256, 210, (208,)),
+}
+GGUF_QUANTIZES = ("q8_0", "q4_0")
+# Loose round-trip bounds on normal data, a sanity check on the bindings
+# (test_quant_ref.cpp holds the tight ones).
+ROUND_TRIP_BOUND = {"q8_0": 0.01, "q4_0": 0.15, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03}
+
+KINDS = ("normal", "uniform", "heavy", "negative", "outliers", "small", "large", "sparse", "zeros")
+
+
+def sample(kind, rows, n, seed):
+    """rows x n float32 of one distribution. "sparse" keeps the -0.0s that
+    multiplying by a mask leaves (gguf's Q4_0 takes the sign of its zero
+    scale from the first element), and has all-zero blocks."""
+    rng = np.random.default_rng(seed)
+    shape = (rows, n)
+    if kind == "normal":
+        x = rng.standard_normal(shape)
+    elif kind == "uniform":
+        x = rng.uniform(-1, 1, shape)
+    elif kind == "heavy":
+        x = rng.standard_t(3, shape)
+    elif kind == "negative":
+        x = -np.abs(rng.standard_normal(shape)) - 0.1
+    elif kind == "outliers":
+        x = 0.02 * rng.standard_normal(shape)
+        x[:, 77::256] = 1.0
+        x[:, 5::97] = -3.0
+    elif kind == "small":
+        x = 1e-3 * rng.standard_normal(shape)
+    elif kind == "large":
+        x = 1e3 * rng.standard_normal(shape)
+    elif kind == "sparse":
+        x = rng.standard_normal(shape) * (rng.random(shape) < 0.05)
+    else:
+        x = np.zeros(shape)
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def seed_of(*parts):
+    """A seed that is the same in every run (str hashes are salted)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def f32_bits(a):
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def assert_same_floats(ours, theirs, what):
+    assert ours.shape == theirs.shape, what
+    diff = f32_bits(ours) != f32_bits(theirs)
+    if diff.any():
+        i = tuple(int(v) for v in np.argwhere(diff)[0])
+        pytest.fail("%s: %d values differ, first at %s: %r (colibri) vs %r (gguf)"
+                    % (what, int(diff.sum()), i, ours[i], theirs[i]))
+
+
+def row_sizes(dtype):
+    """Row lengths to test: a few blocks, and for the 32-element formats a
+    length that is not a multiple of 256."""
+    block = FORMATS[dtype][1]
+    return (512, 96) if block == 32 else (512,)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", list(FORMATS))
+def test_dequantize_matches_gguf(dtype, kind):
+    qtype, block, block_bytes, _ = FORMATS[dtype]
+    for n in row_sizes(dtype):
+        x = sample(kind, 6, n, seed=seed_of(dtype, kind, n))
+        q = colibri.quantize(x, dtype)
+        assert q.dtype == np.uint8
+        assert q.shape == (6, n // block * block_bytes)
+        ours = colibri.dequantize(q, dtype, n)
+        assert ours.dtype == np.float32
+        assert ours.shape == (6, n)
+        assert_same_floats(ours, gguf_dequantize(q, qtype), "%s %s n=%d" % (dtype, kind, n))
+        assert np.isfinite(ours).all()
+        if kind == "zeros":
+            assert (ours == 0).all()
+        elif kind == "normal":
+            assert rel_err(ours, x) < ROUND_TRIP_BOUND[dtype]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", GGUF_QUANTIZES)
+def test_quantize_matches_gguf(dtype, kind):
+    qtype, _, block_bytes, _ = FORMATS[dtype]
+    for n in row_sizes(dtype):
+        x = sample(kind, 6, n, seed=seed_of(dtype, kind, n, "quantize"))
+        ours = colibri.quantize(x, dtype)
+        theirs = gguf_quantize(x, qtype)
+        assert ours.shape == theirs.shape
+        if not np.array_equal(ours, theirs):
+            blocks = (ours.reshape(-1, block_bytes) != theirs.reshape(-1, block_bytes)).any(axis=1)
+            b = int(np.argmax(blocks))
+            pytest.fail("%s %s n=%d: %d blocks differ, first block %d: %s (colibri) vs %s (gguf)"
+                        % (dtype, kind, n, int(blocks.sum()), b, ours.reshape(-1, block_bytes)[b].tolist(),
+                           theirs.reshape(-1, block_bytes)[b].tolist()))
+
+
+def random_blocks(dtype, rows, blocks_per_row, seed):
+    """Random bytes, every f16 scale field a random finite value (subnormals,
+    zeros and negatives included: an all-ones exponent loses its top bit)."""
+    _, _, block_bytes, fields = FORMATS[dtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * blocks_per_row, block_bytes), dtype=np.uint8)
+    for off in fields:
+        h = rng.integers(0, 1 << 16, rows * blocks_per_row, dtype=np.uint16)
+        h = np.where((h & 0x7C00) == 0x7C00, h ^ 0x4000, h).astype("<u2")
+        raw[:, off:off + 2] = h.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, blocks_per_row * block_bytes)
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS))
+def test_random_blocks_dequantize_like_gguf(dtype):
+    qtype, block, _, _ = FORMATS[dtype]
+    for seed in range(3):
+        raw = random_blocks(dtype, 4, 4096 // block, seed)
+        ours = colibri.dequantize(raw, dtype, 4096)
+        assert_same_floats(ours, gguf_dequantize(raw, qtype), "%s random blocks, seed %d" % (dtype, seed))
+        assert np.isfinite(ours).all()

@@ -1,0 +1,235 @@
+// Scalar reference of the integer dot-product kernels (quant_dot.h): the
+// activation quantiser every instruction set must match bit for bit, and
+// dot products written plainly from the block semantics of quant_blocks.h
+// (decode each weight's integer code, integer products per (sub-)block,
+// then the float scales), which the SIMD versions are checked against.
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/quant_dot.h"
+#include "util/half.h"
+#include "util/quant_blocks.h"
+
+namespace colibri::kernels {
+namespace {
+
+// ---------------------------------------------------------------- activations
+
+// The quantisation rule (the SIMD versions compute exactly these float
+// operations): amax = max |x|, d = amax / 127, q = nearbyint(x / d) clamped
+// to [-127, 127] (a NaN quotient gives -127), all q = 0 when d == 0.
+// Elements at or past n_valid are zero.
+void quantize_block(const float* x, size_t base, size_t n_valid, int len, float* d_out, int8_t* qs) {
+  float v[kQKK];
+  float amax = 0.0f;
+  for (int i = 0; i < len; ++i) {
+    v[i] = base + static_cast<size_t>(i) < n_valid ? x[base + static_cast<size_t>(i)] : 0.0f;
+    const float a = std::fabs(v[i]);
+    amax = a > amax ? a : amax;
+  }
+  const float d = amax / 127.0f;
+  *d_out = d;
+  for (int i = 0; i < len; ++i) {
+    if (d == 0.0f) {
+      qs[i] = 0;
+      continue;
+    }
+    float r = std::nearbyint(v[i] / d);
+    r = r > -127.0f ? r : -127.0f;
+    r = r < 127.0f ? r : 127.0f;
+    qs[i] = static_cast<int8_t>(static_cast<int>(r));
+  }
+}
+
+void quantize_act32(const float* x, size_t n_valid, size_t n, void* out) {
+  auto* blocks = static_cast<ActBlock32*>(out);
+  for (size_t b = 0; b < n / kQK32; ++b) {
+    ActBlock32& a = blocks[b];
+    quantize_block(x, b * kQK32, n_valid, kQK32, &a.d, a.qs);
+    int32_t sum = 0;
+    for (int i = 0; i < kQK32; ++i) sum += a.qs[i];
+    a.sum = sum;
+  }
+}
+
+void quantize_actk(const float* x, size_t n_valid, size_t n, void* out) {
+  auto* blocks = static_cast<ActBlockK*>(out);
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    ActBlockK& a = blocks[b];
+    quantize_block(x, b * kQKK, n_valid, kQKK, &a.d, a.qs);
+    for (int j = 0; j < 16; ++j) {
+      int32_t s = 0;
+      for (int i = 0; i < 16; ++i) s += a.qs[16 * j + i];
+      a.bsums[j] = static_cast<int16_t>(s);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- dot products
+
+// One weight row against one token's activation blocks.
+
+float dot_q8_0(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockQ8_0*>(row);
+  const auto* a = static_cast<const ActBlock32*>(act);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQK32; ++b) {
+    int32_t isum = 0;
+    for (int i = 0; i < kQK32; ++i) isum += static_cast<int32_t>(w[b].qs[i]) * a[b].qs[i];
+    acc += f16_to_float(w[b].d) * a[b].d * static_cast<float>(isum);
+  }
+  return acc;
+}
+
+float dot_q4_0(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockQ4_0*>(row);
+  const auto* a = static_cast<const ActBlock32*>(act);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQK32; ++b) {
+    int32_t isum = 0;
+    for (int i = 0; i < kQK32 / 2; ++i) {
+      const int lo = (w[b].qs[i] & 15) - 8;
+      const int hi = (w[b].qs[i] >> 4) - 8;
+      isum += lo * a[b].qs[i] + hi * a[b].qs[i + 16];
+    }
+    acc += f16_to_float(w[b].d) * a[b].d * static_cast<float>(isum);
+  }
+  return acc;
+}
+
+// ggml's get_scale_min_k4.
+void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// q4_K and q5_K: x = d * sc_j * q - dmin * m_j, so a super-block's product
+// is d * da * sum_j sc_j * (q . a)_j - dmin * da * sum_j m_j * (sum a)_j.
+template <bool kFive>
+float dot_qk45(const void* row, const void* act, size_t n) {
+  const auto* a = static_cast<const ActBlockK*>(act);
+  const auto* base = static_cast<const uint8_t*>(row);
+  const size_t block_bytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    const uint8_t* blk = base + b * block_bytes;
+    uint16_t d16 = 0, dmin16 = 0;
+    const uint8_t* scales;
+    const uint8_t* qs;
+    const uint8_t* qh = nullptr;
+    if (kFive) {
+      const auto* w = reinterpret_cast<const BlockQ5K*>(blk);
+      d16 = w->d;
+      dmin16 = w->dmin;
+      scales = w->scales;
+      qs = w->qs;
+      qh = w->qh;
+    } else {
+      const auto* w = reinterpret_cast<const BlockQ4K*>(blk);
+      d16 = w->d;
+      dmin16 = w->dmin;
+      scales = w->scales;
+      qs = w->qs;
+    }
+    int32_t isum = 0;
+    int32_t msum = 0;
+    for (int j = 0; j < 8; ++j) {
+      int sc = 0, m = 0;
+      scale_min_k4(j, scales, &sc, &m);
+      const uint8_t* chunk = qs + 32 * (j / 2);
+      int32_t dot = 0;
+      int32_t asum = 0;
+      for (int l = 0; l < 32; ++l) {
+        int q = (j % 2 == 0) ? (chunk[l] & 15) : (chunk[l] >> 4);
+        if (kFive) q += ((qh[l] >> j) & 1) << 4;
+        const int av = a[b].qs[32 * j + l];
+        dot += q * av;
+        asum += av;
+      }
+      isum += sc * dot;
+      msum += m * asum;
+    }
+    const float d = f16_to_float(d16);
+    const float dmin = f16_to_float(dmin16);
+    acc += d * a[b].d * static_cast<float>(isum) - dmin * a[b].d * static_cast<float>(msum);
+  }
+  return acc;
+}
+
+// q6_K: x = d * sc * (q - 32), in ggml's dequantize_row_q6_K order.
+float dot_q6_k(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockQ6K*>(row);
+  const auto* a = static_cast<const ActBlockK*>(act);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    int q[kQKK];
+    const uint8_t* ql = w[b].ql;
+    const uint8_t* qh = w[b].qh;
+    for (int half = 0; half < 2; ++half) {
+      int* y = q + 128 * half;
+      for (int l = 0; l < 32; ++l) {
+        y[l + 0] = ((ql[l + 0] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        y[l + 32] = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        y[l + 64] = ((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        y[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      }
+      ql += 64;
+      qh += 32;
+    }
+    int32_t isum = 0;
+    for (int s = 0; s < 16; ++s) {
+      int32_t dot = 0;
+      for (int l = 0; l < 16; ++l) dot += q[16 * s + l] * a[b].qs[16 * s + l];
+      isum += w[b].scales[s] * dot;
+    }
+    acc += f16_to_float(w[b].d) * a[b].d * static_cast<float>(isum);
+  }
+  return acc;
+}
+
+template <float (*Dot)(const void*, const void*, size_t)>
+void dot_rows(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
+              size_t n, float* out, size_t ld_out) {
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* ab = static_cast<const uint8_t*>(act);
+  for (int32_t t = 0; t < tokens; ++t) {
+    for (int32_t r = 0; r < rows; ++r) {
+      out[static_cast<size_t>(t) * ld_out + static_cast<size_t>(r)] =
+          Dot(wb + static_cast<size_t>(r) * row_bytes, ab + static_cast<size_t>(t) * act_bytes, n);
+    }
+  }
+}
+
+constexpr QuantDotKernels kQ8_0 = {"q8_0-scalar", quantize_act32, dot_rows<dot_q8_0>};
+constexpr QuantDotKernels kQ4_0 = {"q4_0-scalar", quantize_act32, dot_rows<dot_q4_0>};
+constexpr QuantDotKernels kQ4_K = {"q4_k-scalar", quantize_actk, dot_rows<dot_qk45<false>>};
+constexpr QuantDotKernels kQ5_K = {"q5_k-scalar", quantize_actk, dot_rows<dot_qk45<true>>};
+constexpr QuantDotKernels kQ6_K = {"q6_k-scalar", quantize_actk, dot_rows<dot_q6_k>};
+
+}  // namespace
+
+const QuantDotKernels* quant_dot_scalar(WeightType t) {
+  switch (t) {
+    case WeightType::kQ8_0:
+      return &kQ8_0;
+    case WeightType::kQ4_0:
+      return &kQ4_0;
+    case WeightType::kQ4_K:
+      return &kQ4_K;
+    case WeightType::kQ5_K:
+      return &kQ5_K;
+    case WeightType::kQ6_K:
+      return &kQ6_K;
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace colibri::kernels

@@ -1,0 +1,53 @@
+// The block formats' integer dot-product tables: which activation blocks a
+// format takes, and which instruction set's kernels run. Compiled without
+// ISA flags (it decides what may run).
+#include "kernels/quant_dot.h"
+
+#include "util/quant_blocks.h"
+#include "util/weight_format.h"
+
+namespace colibri::kernels {
+
+bool is_quantized(WeightType t) {
+  switch (t) {
+    case WeightType::kQ8_0:
+    case WeightType::kQ4_0:
+    case WeightType::kQ4_K:
+    case WeightType::kQ5_K:
+    case WeightType::kQ6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+size_t act_row_bytes(WeightType t, size_t n) {
+  switch (t) {
+    case WeightType::kQ8_0:
+    case WeightType::kQ4_0:
+      return n / kQK32 * sizeof(ActBlock32);
+    case WeightType::kQ4_K:
+    case WeightType::kQ5_K:
+    case WeightType::kQ6_K:
+      return n / kQKK * sizeof(ActBlockK);
+    default:
+      return 0;
+  }
+}
+
+const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa) {
+  if (!is_quantized(t)) return nullptr;
+  const Isa detected = detect_isa();
+  const Isa level = isa < detected ? isa : detected;
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  // kAmx decodes with the AVX-512 kernels; without VNNI the AVX-512 level
+  // takes the AVX2 ones.
+  if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) return quant_dot_avx512(t);
+  if (level >= Isa::kAvx2) return quant_dot_avx2(t);
+#else
+  (void)level;
+#endif
+  return quant_dot_scalar(t);
+}
+
+}  // namespace colibri::kernels

@@ -1,0 +1,539 @@
+// Bit-exactness with ggml and the gguf package depends on every product and
+// sum being rounded on its own: a fused multiply-add (which GCC forms even
+// across statements once FMA is enabled, as with COLIBRI_NATIVE) changes
+// the last bit of dequantised values and can flip a rounding decision in
+// the quantisers. CMakeLists.txt compiles this file with -ffp-contract=off.
+#include "util/quant_ref.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "util/half.h"
+#include "util/quant_blocks.h"
+
+namespace colibri {
+
+namespace {
+
+constexpr int kSub32 = kQKK / 32;  // 32-element sub-blocks of a q4_K / q5_K super-block
+constexpr int kSub16 = kQKK / 16;  // 16-element sub-blocks of a q6_K super-block
+
+// ggml treats a group whose largest magnitude is below this as all zero.
+constexpr float kGroupMaxEps = 1e-15f;
+
+// Inputs of the K quantisers are clamped to this magnitude first. Beyond
+// about 7e7 (q4_K) to 3e8 (q6_K) nothing is representable with an f16
+// scale, so this loses nothing, while it keeps ggml's sums of squares and
+// cubes finite (they overflow past ~1e12 and the scale search turns to NaN).
+constexpr float kKInputLimit = 4294967296.0f;  // 2^32
+
+// Round to nearest, ties to even, as ggml's nearest_int: adding 1.5 * 2^23
+// leaves the rounded integer in the low mantissa bits. ggml asserts
+// |v| <= 2^22 - 1; here larger values saturate there and NaN gives 0, so
+// degenerate inputs cannot produce out-of-range integers.
+int nearest_int(float v) {
+  constexpr float kLimit = 4194303.0f;
+  if (!(std::fabs(v) <= kLimit)) v = std::isnan(v) ? 0.0f : std::copysign(kLimit, v);
+  const float biased = v + 12582912.0f;
+  int32_t bits;
+  std::memcpy(&bits, &biased, sizeof bits);
+  return (bits & 0x007fffff) - 0x00400000;
+}
+
+int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// The smallest float that rounds to an infinite f16.
+constexpr float kF16Overflow = 65520.0f;
+
+// f16 scale fields saturate at the largest finite f16 instead of becoming
+// infinite (ggml writes inf there, which dequantises to inf and, times a
+// zero quant, NaN). Finite, non-NaN inputs only reach this.
+uint16_t f16_scale(float f) {
+  const uint16_t h = float_to_f16(f);
+  if ((h & 0x7c00u) != 0x7c00u) return h;
+  if ((h & 0x03ffu) != 0) return 0;  // NaN: no usable scale
+  return static_cast<uint16_t>((h & 0x8000u) | 0x7bffu);
+}
+
+// ggml's get_scale_min_k4: sub-blocks 0-3 keep their 6-bit scale and min in
+// the low bits of bytes j and j + 4; sub-blocks 4-7 split theirs into a low
+// nibble in byte j + 4 and two high bits in the spare top bits of bytes
+// j - 4 (scale) and j (min).
+void unpack_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = static_cast<uint8_t>((s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4));
+    *m = static_cast<uint8_t>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+// Inverse of unpack_scale_min for all eight sub-blocks at once.
+void pack_scales_mins(const uint8_t* ls, const uint8_t* lm, uint8_t* s) {
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>((ls[j] & 63) | ((ls[j + 4] >> 4) << 6));
+    s[j + 4] = static_cast<uint8_t>((lm[j] & 63) | ((lm[j + 4] >> 4) << 6));
+    s[j + 8] = static_cast<uint8_t>((ls[j + 4] & 0xf) | ((lm[j + 4] & 0xf) << 4));
+  }
+}
+
+// ggml's make_qkx2_quants (without the mean-absolute-deviation option, which
+// no reference quantiser uses): fits x ~ scale * L - neg_min with L in
+// [0, nmax] and a min no greater than 0, minimising the weighted squared
+// error. It starts from the plain min/max mapping, then tries nstep + 1
+// stretched grids (rmin + rdelta * k steps wider), solving the weighted
+// least-squares scale and min for each grid's assignment. The float
+// expressions keep ggml's operand order so the chosen grid is the same.
+float fit_scale_min(const float* x, const float* w, int n, int nmax, float rmin, float rdelta, int nstep,
+                    uint8_t* L, float* neg_min) {
+  float min = x[0];
+  float max = x[0];
+  float sum_w = w[0];
+  float sum_x = sum_w * x[0];
+  for (int i = 1; i < n; ++i) {
+    if (x[i] < min) min = x[i];
+    if (x[i] > max) max = x[i];
+    sum_w += w[i];
+    const float wx = w[i] * x[i];
+    sum_x += wx;
+  }
+  if (min > 0) min = 0;
+  float iscale = static_cast<float>(nmax) / (max - min);
+  // A range so narrow that its inverse overflows gives ggml L = 0 and a zero
+  // scale by way of NaN arithmetic; take that result directly.
+  if (max == min || !std::isfinite(iscale)) {
+    std::memset(L, 0, static_cast<size_t>(n));
+    *neg_min = -min;
+    return 0.0f;
+  }
+  float scale = 1 / iscale;
+  float best_error = 0;
+  for (int i = 0; i < n; ++i) {
+    const float t = x[i] - min;
+    L[i] = static_cast<uint8_t>(clamp_int(nearest_int(iscale * t), 0, nmax));
+    const float fit = scale * L[i];
+    const float diff = fit + min - x[i];
+    const float e = diff * diff;
+    best_error += w[i] * e;
+  }
+  uint8_t trial[32];
+  for (int is = 0; is <= nstep; ++is) {
+    const float step = rdelta * static_cast<float>(is);
+    const float widened = rmin + step;
+    iscale = (widened + static_cast<float>(nmax)) / (max - min);
+    float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+    for (int i = 0; i < n; ++i) {
+      const float t = x[i] - min;
+      const int l = clamp_int(nearest_int(iscale * t), 0, nmax);
+      trial[i] = static_cast<uint8_t>(l);
+      const float wl = w[i] * static_cast<float>(l);
+      sum_l += wl;
+      const float wl2 = wl * static_cast<float>(l);
+      sum_l2 += wl2;
+      const float wlx = wl * x[i];
+      sum_xl += wlx;
+    }
+    const float a = sum_w * sum_l2;
+    const float b = sum_l * sum_l;
+    const float D = a - b;
+    if (!(D > 0)) continue;
+    const float p = sum_w * sum_xl;
+    const float q = sum_x * sum_l;
+    float this_scale = (p - q) / D;
+    const float r = sum_l2 * sum_x;
+    const float s = sum_l * sum_xl;
+    float this_min = (r - s) / D;
+    if (this_min > 0) {
+      this_min = 0;
+      this_scale = sum_xl / sum_l2;
+    }
+    float error = 0;
+    for (int i = 0; i < n; ++i) {
+      const float fit = this_scale * trial[i];
+      const float diff = fit + this_min - x[i];
+      const float e = diff * diff;
+      error += w[i] * e;
+    }
+    if (error < best_error) {
+      std::memcpy(L, trial, static_cast<size_t>(n));
+      best_error = error;
+      scale = this_scale;
+      min = this_min;
+    }
+  }
+  *neg_min = -min;
+  return scale;
+}
+
+// Sums of one symmetric grid's assignment, weighted by x^2 (ggml's
+// make_qx_quants with rmse_type 1).
+struct SymmetricFit {
+  float sumlx = 0;
+  float suml2 = 0;
+};
+
+SymmetricFit symmetric_sums(const float* x, int n, int nmax, float iscale, int8_t* L) {
+  SymmetricFit f;
+  for (int i = 0; i < n; ++i) {
+    const int l = clamp_int(nearest_int(iscale * x[i]), -nmax, nmax - 1);
+    if (L != nullptr) L[i] = static_cast<int8_t>(l + nmax);
+    const float w = x[i] * x[i];
+    const float wx = w * x[i];
+    const float wxl = wx * static_cast<float>(l);
+    f.sumlx += wxl;
+    const float wl = w * static_cast<float>(l);
+    const float wl2 = wl * static_cast<float>(l);
+    f.suml2 += wl2;
+  }
+  return f;
+}
+
+// ggml's make_qx_quants(rmse_type = 1, no importance weights): a signed
+// scale with L in [0, 2 * nmax) (q = L - nmax), anchored so the largest
+// magnitude maps to -nmax, then 18 slightly stretched or shrunk grids, each
+// kept if its least-squares scale lowers the x^2-weighted error.
+float fit_symmetric_scale(const float* x, int n, int nmax, int8_t* L) {
+  float max = 0;
+  float amax = 0;
+  for (int i = 0; i < n; ++i) {
+    const float ax = std::fabs(x[i]);
+    if (ax > amax) {
+      amax = ax;
+      max = x[i];
+    }
+  }
+  if (amax < kGroupMaxEps) {
+    std::memset(L, 0, static_cast<size_t>(n));
+    return 0.0f;
+  }
+  float iscale = static_cast<float>(-nmax) / max;
+  SymmetricFit f = symmetric_sums(x, n, nmax, iscale, L);
+  float scale = f.suml2 != 0 ? f.sumlx / f.suml2 : 0.0f;
+  float best = scale * f.sumlx;
+  for (int is = -9; is <= 9; ++is) {
+    if (is == 0) continue;
+    const float stretch = 0.1f * static_cast<float>(is);
+    iscale = -(static_cast<float>(nmax) + stretch) / max;
+    f = symmetric_sums(x, n, nmax, iscale, nullptr);
+    const float gain = f.sumlx * f.sumlx;
+    const float bar = best * f.suml2;
+    if (f.suml2 > 0 && gain > bar) {
+      symmetric_sums(x, n, nmax, iscale, L);
+      scale = f.sumlx / f.suml2;
+      best = scale * f.sumlx;
+    }
+  }
+  return scale;
+}
+
+// Clamped copy of one super-block (see kKInputLimit).
+void load_clamped(const float* src, float* x) {
+  for (int i = 0; i < kQKK; ++i) {
+    const float v = src[i];
+    x[i] = v > kKInputLimit ? kKInputLimit : (v < -kKInputLimit ? -kKInputLimit : v);
+  }
+}
+
+// The shared first half of q4_K and q5_K: per-sub-block scales and mins
+// from fit_scale_min, quantised to 6 bits against the largest of each, then
+// every weight re-quantised against the scales as stored (so L matches what
+// the dequantiser will compute). Writes d, dmin and scales; L gets 0..nmax.
+void quantize_k_scales(const float* x, int nmax, float rmin, float rdelta, int nstep, uint16_t* d_out,
+                       uint16_t* dmin_out, uint8_t* scales_out, uint8_t* L) {
+  float scales[kSub32];
+  float mins[kSub32];
+  float weights[32];
+  float max_scale = 0;
+  float max_min = 0;
+  for (int j = 0; j < kSub32; ++j) {
+    const float* xs = x + 32 * j;
+    float sum_x2 = 0;
+    for (int l = 0; l < 32; ++l) {
+      const float sq = xs[l] * xs[l];
+      sum_x2 += sq;
+    }
+    // Weighting by magnitude plus the sub-block's RMS favours large weights
+    // without ignoring the small ones.
+    const float av_x = std::sqrt(sum_x2 / 32);
+    for (int l = 0; l < 32; ++l) weights[l] = av_x + std::fabs(xs[l]);
+    scales[j] = fit_scale_min(xs, weights, 32, nmax, rmin, rdelta, nstep, L + 32 * j, &mins[j]);
+    if (scales[j] > max_scale) max_scale = scales[j];
+    if (mins[j] > max_min) max_min = mins[j];
+  }
+
+  const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
+  const float inv_min = max_min > 0 ? 63.f / max_min : 0.f;
+  uint8_t ls[kSub32];
+  uint8_t lm[kSub32];
+  for (int j = 0; j < kSub32; ++j) {
+    // The uint8_t conversion before the clamp is ggml's (a negative scale,
+    // which its fit does not produce, would wrap and clamp to 63).
+    const auto s = static_cast<uint8_t>(nearest_int(inv_scale * scales[j]));
+    const auto m = static_cast<uint8_t>(nearest_int(inv_min * mins[j]));
+    ls[j] = s < 63 ? s : 63;
+    lm[j] = m < 63 ? m : 63;
+  }
+  *d_out = f16_scale(max_scale / 63.f);
+  *dmin_out = f16_scale(max_min / 63.f);
+
+  const float d_all = f16_to_float(*d_out);
+  const float dmin_all = f16_to_float(*dmin_out);
+  for (int j = 0; j < kSub32; ++j) {
+    const float* xs = x + 32 * j;
+    uint8_t* Ls = L + 32 * j;
+    const float d = d_all * ls[j];
+    const float dm = dmin_all * lm[j];
+    // A zero scale keeps fit_scale_min's levels, as ggml does (they do not
+    // matter to the values, only to the bytes).
+    if (d != 0) {
+      for (int i = 0; i < 32; ++i) {
+        const float shifted = xs[i] + dm;
+        Ls[i] = static_cast<uint8_t>(clamp_int(nearest_int(shifted / d), 0, nmax));
+      }
+    }
+    // When d underflows in f16 (magnitudes around 1e-5 and below) while
+    // dmin still rounds up to a step, every value of the sub-block becomes
+    // -dmin * m, which for data around zero is far worse than nothing
+    // (ggml's output has 2-3x the data's own norm as error there). Such a
+    // sub-block is stored as zeros instead. Limited to d == 0, so every
+    // super-block with a representable d keeps ggml's bytes.
+    if (d_all == 0 && dm != 0) {
+      double err = 0, energy = 0;
+      for (int i = 0; i < 32; ++i) {
+        const double e = static_cast<double>(-dm) - xs[i];
+        err += e * e;
+        energy += static_cast<double>(xs[i]) * xs[i];
+      }
+      if (err > energy) {
+        ls[j] = 0;
+        lm[j] = 0;
+        std::memset(Ls, 0, 32);
+      }
+    }
+  }
+  pack_scales_mins(ls, lm, scales_out);
+}
+
+}  // namespace
+
+void dequantize_q8_0(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ8_0*>(src);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int j = 0; j < kQK32; ++j) *dst++ = static_cast<float>(b->qs[j]) * d;
+  }
+}
+
+void dequantize_q4_0(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ4_0*>(src);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int j = 0; j < kQK32 / 2; ++j) {
+      dst[j] = d * static_cast<float>((b->qs[j] & 0xf) - 8);
+      dst[j + kQK32 / 2] = d * static_cast<float>((b->qs[j] >> 4) - 8);
+    }
+    dst += kQK32;
+  }
+}
+
+void dequantize_q4_k(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ4K*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    const float dmin = f16_to_float(b->dmin);
+    for (int j = 0; j < kSub32; ++j) {
+      uint8_t sc, m;
+      unpack_scale_min(b->scales, j, &sc, &m);
+      const float d1 = d * sc;
+      const float m1 = dmin * m;
+      const uint8_t* q = b->qs + 32 * (j / 2);
+      const int shift = (j & 1) * 4;
+      for (int l = 0; l < 32; ++l) {
+        const float scaled = d1 * static_cast<float>((q[l] >> shift) & 0xf);
+        *dst++ = scaled - m1;
+      }
+    }
+  }
+}
+
+void dequantize_q5_k(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ5K*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    const float dmin = f16_to_float(b->dmin);
+    for (int j = 0; j < kSub32; ++j) {
+      uint8_t sc, m;
+      unpack_scale_min(b->scales, j, &sc, &m);
+      const float d1 = d * sc;
+      const float m1 = dmin * m;
+      const uint8_t* q = b->qs + 32 * (j / 2);
+      const int shift = (j & 1) * 4;
+      for (int l = 0; l < 32; ++l) {
+        const int v = ((q[l] >> shift) & 0xf) | (((b->qh[l] >> j) & 1) << 4);
+        const float scaled = d1 * static_cast<float>(v);
+        *dst++ = scaled - m1;
+      }
+    }
+  }
+}
+
+void dequantize_q6_k(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ6K*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    // Element e = 128 * h + 32 * k + l (half h, quarter k): low nibble in
+    // ql[64 * h + 32 * (k & 1) + l], the low one for k < 2; high two bits
+    // at bit 2 * k of qh[32 * h + l].
+    for (int e = 0; e < kQKK; ++e) {
+      const int h = e / 128, k = (e / 32) % 4, l = e % 32;
+      const int lo = (b->ql[64 * h + 32 * (k & 1) + l] >> (4 * (k >> 1))) & 0xf;
+      const int hi = (b->qh[32 * h + l] >> (2 * k)) & 3;
+      const float ds = d * static_cast<float>(b->scales[e / 16]);
+      dst[e] = ds * static_cast<float>((lo | (hi << 4)) - 32);
+    }
+    dst += kQKK;
+  }
+}
+
+void quantize_q8_0(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ8_0*>(dst);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, src += kQK32) {
+    float amax = 0;
+    for (int j = 0; j < kQK32; ++j) {
+      const float a = std::fabs(src[j]);
+      if (a > amax) amax = a;
+    }
+    float d = amax / 127;
+    b->d = f16_scale(d);
+    // Past the f16 range the stored scale saturates; quantise against it so
+    // the largest weights clip instead of every weight shrinking.
+    if (std::fabs(d) >= kF16Overflow) d = f16_to_float(b->d);
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    for (int j = 0; j < kQK32; ++j) {
+      // roundf rounds half away from zero, as ggml and gguf's np_roundf.
+      // The clamp and NaN test only matter when 1 / d overflows (amax below
+      // ~4e-37, stored d is 0 anyway) or d saturated.
+      const float r = std::round(src[j] * id);
+      b->qs[j] = static_cast<int8_t>(r != r ? 0 : (r > 127 ? 127 : (r < -127 ? -127 : r)));
+    }
+  }
+}
+
+void quantize_q4_0(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ4_0*>(dst);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, src += kQK32) {
+    // The signed value of largest magnitude, the first if tied. Starting
+    // from src[0] rather than ggml's 0.0f is gguf's argmax: the two differ
+    // only in the sign of a zero scale when src[0] is -0.0 and the block is
+    // all zeros.
+    float max = src[0];
+    float amax = std::fabs(src[0]);
+    for (int j = 1; j < kQK32; ++j) {
+      if (std::fabs(src[j]) > amax) {
+        amax = std::fabs(src[j]);
+        max = src[j];
+      }
+    }
+    // Negative d maps the extreme to level 0 (-8), leaving 15 levels (+7)
+    // for the other side: one more level where the largest weight is.
+    float d = max / -8;
+    b->d = f16_scale(d);
+    if (std::fabs(d) >= kF16Overflow) d = f16_to_float(b->d);
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    auto level = [id](float x) {
+      const float shifted = x * id;
+      const float v = shifted + 8.5f;
+      // Truncation of v >= 0 is rounding to nearest of the level.
+      return static_cast<uint8_t>(!(v >= 0) ? 0 : (v >= 15 ? 15 : static_cast<int>(v)));
+    };
+    for (int j = 0; j < kQK32 / 2; ++j) {
+      b->qs[j] = static_cast<uint8_t>(level(src[j]) | (level(src[j + kQK32 / 2]) << 4));
+    }
+  }
+}
+
+void quantize_q4_k(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ4K*>(dst);
+  float x[kQKK];
+  uint8_t L[kQKK];
+  for (size_t i = 0; i < n / kQKK; ++i, ++b, src += kQKK) {
+    load_clamped(src, x);
+    quantize_k_scales(x, 15, -1.0f, 0.1f, 20, &b->d, &b->dmin, b->scales, L);
+    for (int c = 0; c < kSub32 / 2; ++c) {
+      for (int l = 0; l < 32; ++l) {
+        b->qs[32 * c + l] = static_cast<uint8_t>(L[64 * c + l] | (L[64 * c + 32 + l] << 4));
+      }
+    }
+  }
+}
+
+void quantize_q5_k(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ5K*>(dst);
+  float x[kQKK];
+  uint8_t L[kQKK];
+  for (size_t i = 0; i < n / kQKK; ++i, ++b, src += kQKK) {
+    load_clamped(src, x);
+    quantize_k_scales(x, 31, -0.5f, 0.1f, 15, &b->d, &b->dmin, b->scales, L);
+    std::memset(b->qh, 0, sizeof b->qh);
+    for (int c = 0; c < kSub32 / 2; ++c) {
+      for (int l = 0; l < 32; ++l) {
+        const int lo = L[64 * c + l];
+        const int hi = L[64 * c + 32 + l];
+        b->qs[32 * c + l] = static_cast<uint8_t>((lo & 0xf) | ((hi & 0xf) << 4));
+        b->qh[l] = static_cast<uint8_t>(b->qh[l] | ((lo >> 4) << (2 * c)) | ((hi >> 4) << (2 * c + 1)));
+      }
+    }
+  }
+}
+
+void quantize_q6_k(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ6K*>(dst);
+  float x[kQKK];
+  int8_t L[kQKK];
+  float scales[kSub16];
+  for (size_t i = 0; i < n / kQKK; ++i, ++b, src += kQKK) {
+    load_clamped(src, x);
+    float max_scale = 0;
+    float max_abs_scale = 0;
+    for (int j = 0; j < kSub16; ++j) {
+      scales[j] = fit_symmetric_scale(x + 16 * j, 16, 32, L + 16 * j);
+      const float a = std::fabs(scales[j]);
+      if (a > max_abs_scale) {
+        max_abs_scale = a;
+        max_scale = scales[j];
+      }
+    }
+    if (max_abs_scale < kGroupMaxEps) {
+      std::memset(b, 0, sizeof *b);
+      continue;
+    }
+    // The sub-block scales are signed 8-bit: the largest maps to -128, the
+    // one extra level on the negative side.
+    const float iscale = -128.f / max_scale;
+    b->d = f16_scale(1 / iscale);
+    for (int j = 0; j < kSub16; ++j) {
+      b->scales[j] = static_cast<int8_t>(clamp_int(nearest_int(iscale * scales[j]), -128, 127));
+    }
+    const float d_all = f16_to_float(b->d);
+    for (int j = 0; j < kSub16; ++j) {
+      const float d = d_all * static_cast<float>(b->scales[j]);
+      if (d == 0) continue;  // keeps fit_symmetric_scale's levels, as ggml
+      for (int l = 0; l < 16; ++l) {
+        L[16 * j + l] = static_cast<int8_t>(clamp_int(nearest_int(x[16 * j + l] / d), -32, 31) + 32);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int8_t* q = L + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        b->ql[64 * h + l] = static_cast<uint8_t>((q[l] & 0xf) | ((q[l + 64] & 0xf) << 4));
+        b->ql[64 * h + 32 + l] = static_cast<uint8_t>((q[l + 32] & 0xf) | ((q[l + 96] & 0xf) << 4));
+        b->qh[32 * h + l] = static_cast<uint8_t>((q[l] >> 4) | ((q[l + 32] >> 4) << 2) | ((q[l + 64] >> 4) << 4) |
+                                                 ((q[l + 96] >> 4) << 6));
+      }
+    }
+  }
+}
+
+}  // namespace colibri

@@ -1,0 +1,521 @@
+// The integer dot-product kernels of the block formats (quant_dot.h): the
+// scalar activation quantiser against its definition, every instruction
+// set's quantiser bit for bit against the scalar one, the scalar dot
+// products against float64 dots of independently decoded weights and
+// dequantised activations, and every instruction set's dot products against
+// the scalar ones; strides, zero padding and the output entries written.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "kernels/quant_dot.h"
+#include "util/half.h"
+#include "util/quant_blocks.h"
+#include "util/weight_format.h"
+
+namespace colibri {
+// Test names and failure messages show the format's name.
+void PrintTo(WeightType t, std::ostream* os) { *os << weight_format(t).name; }
+}  // namespace colibri
+
+namespace {
+
+using colibri::WeightType;
+using colibri::kernels::ActBlock32;
+using colibri::kernels::ActBlockK;
+using colibri::kernels::QuantDotKernels;
+
+constexpr WeightType kTypes[] = {WeightType::kQ8_0, WeightType::kQ4_0, WeightType::kQ4_K, WeightType::kQ5_K,
+                                 WeightType::kQ6_K};
+
+const char* type_name(WeightType t) { return colibri::weight_format(t).name; }
+
+bool k_format(WeightType t) { return t == WeightType::kQ4_K || t == WeightType::kQ5_K || t == WeightType::kQ6_K; }
+size_t block_elements(WeightType t) { return k_format(t) ? colibri::kQKK : colibri::kQK32; }
+size_t block_bytes(WeightType t) {
+  switch (t) {
+    case WeightType::kQ8_0:
+      return sizeof(colibri::BlockQ8_0);
+    case WeightType::kQ4_0:
+      return sizeof(colibri::BlockQ4_0);
+    case WeightType::kQ4_K:
+      return sizeof(colibri::BlockQ4K);
+    case WeightType::kQ5_K:
+      return sizeof(colibri::BlockQ5K);
+    default:
+      return sizeof(colibri::BlockQ6K);
+  }
+}
+
+struct IsaKernels {
+  std::string name;
+  const QuantDotKernels* (*get)(WeightType);
+};
+
+// The scalar reference first, then each instruction set this CPU runs.
+std::vector<IsaKernels> isa_kernels() {
+  std::vector<IsaKernels> v = {{"scalar", colibri::kernels::quant_dot_scalar}};
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  const colibri::kernels::Isa isa = colibri::kernels::detect_isa();
+  if (isa >= colibri::kernels::Isa::kAvx2) v.push_back({"avx2", colibri::kernels::quant_dot_avx2});
+  if (isa >= colibri::kernels::Isa::kAvx512 && colibri::kernels::cpu_has_avx512_vnni()) {
+    v.push_back({"avx512-vnni", colibri::kernels::quant_dot_avx512});
+  }
+#endif
+  return v;
+}
+
+// ---------------------------------------------------------------- inputs
+
+uint16_t random_scale(std::mt19937& rng, float lo, float hi, bool allow_negative) {
+  std::uniform_real_distribution<float> mag(lo, hi);
+  float v = mag(rng);
+  if (allow_negative && (rng() & 1u)) v = -v;
+  return colibri::float_to_f16(v);
+}
+
+// `rows` rows of n elements at `row_bytes` apart: random code bytes, finite
+// random f16 scales; the padding past each row is random too.
+std::vector<uint8_t> random_weights(WeightType t, size_t n, int rows, size_t row_bytes, std::mt19937& rng) {
+  std::vector<uint8_t> w(row_bytes * static_cast<size_t>(rows));
+  for (auto& b : w) b = static_cast<uint8_t>(rng());
+  const size_t nb = n / block_elements(t);
+  for (int r = 0; r < rows; ++r) {
+    for (size_t b = 0; b < nb; ++b) {
+      uint8_t* blk = w.data() + static_cast<size_t>(r) * row_bytes + b * block_bytes(t);
+      uint16_t h[2];
+      switch (t) {
+        case WeightType::kQ8_0:
+        case WeightType::kQ4_0:
+          h[0] = random_scale(rng, 1e-3f, 2e-2f, true);
+          std::memcpy(blk, h, 2);
+          break;
+        case WeightType::kQ4_K:
+        case WeightType::kQ5_K:
+          h[0] = random_scale(rng, 1e-4f, 4e-3f, false);
+          h[1] = random_scale(rng, 1e-4f, 4e-3f, (rng() & 7u) == 0);
+          std::memcpy(blk, h, 4);
+          break;
+        case WeightType::kQ6_K:
+          h[0] = random_scale(rng, 1e-4f, 1e-3f, true);
+          std::memcpy(blk + offsetof(colibri::BlockQ6K, d), h, 2);
+          break;
+        default:
+          break;
+      }
+    }
+  }
+  return w;
+}
+
+// Normal activations with outliers and a zero stretch (an all-zero block).
+std::vector<float> random_acts(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) {
+    x[i] = normal(rng);
+    if (rng() % 61 == 0) x[i] *= 40.0f;
+  }
+  if (n >= 512) std::fill(x.begin() + 256, x.begin() + 256 + 256, 0.0f);
+  return x;
+}
+
+// ---------------------------------------------------------------- independent decoding
+
+void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One row's weights (ggml's dequantize_row_* loops, in double), and each
+// weight's magnitude for the error bound: |w| for the one-scale formats,
+// |d sc q| + |dmin m| for q4_K / q5_K, whose kernels round both parts.
+void decode_row(WeightType t, const uint8_t* row, size_t n, double* w, double* mag) {
+  const size_t nb = n / block_elements(t);
+  for (size_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * block_bytes(t);
+    double* y = w + b * block_elements(t);
+    double* g = mag + b * block_elements(t);
+    switch (t) {
+      case WeightType::kQ8_0: {
+        const auto* q = reinterpret_cast<const colibri::BlockQ8_0*>(blk);
+        const double d = colibri::f16_to_float(q->d);
+        for (int i = 0; i < 32; ++i) y[i] = d * q->qs[i];
+        for (int i = 0; i < 32; ++i) g[i] = std::fabs(y[i]);
+        break;
+      }
+      case WeightType::kQ4_0: {
+        const auto* q = reinterpret_cast<const colibri::BlockQ4_0*>(blk);
+        const double d = colibri::f16_to_float(q->d);
+        for (int i = 0; i < 16; ++i) {
+          y[i] = d * ((q->qs[i] & 0x0F) - 8);
+          y[i + 16] = d * ((q->qs[i] >> 4) - 8);
+        }
+        for (int i = 0; i < 32; ++i) g[i] = std::fabs(y[i]);
+        break;
+      }
+      case WeightType::kQ4_K:
+      case WeightType::kQ5_K: {
+        const bool five = t == WeightType::kQ5_K;
+        uint16_t d16, dmin16;
+        const uint8_t* scales;
+        const uint8_t* ql;
+        const uint8_t* qh = nullptr;
+        if (five) {
+          const auto* q = reinterpret_cast<const colibri::BlockQ5K*>(blk);
+          d16 = q->d, dmin16 = q->dmin, scales = q->scales, ql = q->qs, qh = q->qh;
+        } else {
+          const auto* q = reinterpret_cast<const colibri::BlockQ4K*>(blk);
+          d16 = q->d, dmin16 = q->dmin, scales = q->scales, ql = q->qs;
+        }
+        const double d = colibri::f16_to_float(d16);
+        const double dmin = colibri::f16_to_float(dmin16);
+        int is = 0;
+        uint8_t u1 = 1, u2 = 2;
+        for (int j = 0; j < 256; j += 64) {
+          int sc, m;
+          scale_min_k4(is + 0, scales, &sc, &m);
+          const double d1 = d * sc, m1 = dmin * m;
+          scale_min_k4(is + 1, scales, &sc, &m);
+          const double d2 = d * sc, m2 = dmin * m;
+          for (int l = 0; l < 32; ++l) {
+            const int q1 = (ql[l] & 0xF) + (five && (qh[l] & u1) ? 16 : 0);
+            const int q2 = (ql[l] >> 4) + (five && (qh[l] & u2) ? 16 : 0);
+            y[j + l] = d1 * q1 - m1;
+            y[j + l + 32] = d2 * q2 - m2;
+            g[j + l] = std::fabs(d1 * q1) + std::fabs(m1);
+            g[j + l + 32] = std::fabs(d2 * q2) + std::fabs(m2);
+          }
+          ql += 32;
+          is += 2;
+          u1 = static_cast<uint8_t>(u1 << 2);
+          u2 = static_cast<uint8_t>(u2 << 2);
+        }
+        break;
+      }
+      case WeightType::kQ6_K: {
+        const auto* q = reinterpret_cast<const colibri::BlockQ6K*>(blk);
+        const double d = colibri::f16_to_float(q->d);
+        const uint8_t* ql = q->ql;
+        const uint8_t* qh = q->qh;
+        const int8_t* sc = q->scales;
+        for (int h = 0; h < 256; h += 128) {
+          for (int l = 0; l < 32; ++l) {
+            const int is = l / 16;
+            const int q1 = ((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = ((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[h + l + 0] = d * sc[is + 0] * q1;
+            y[h + l + 32] = d * sc[is + 2] * q2;
+            y[h + l + 64] = d * sc[is + 4] * q3;
+            y[h + l + 96] = d * sc[is + 6] * q4;
+          }
+          ql += 64;
+          qh += 32;
+          sc += 8;
+        }
+        for (int i = 0; i < 256; ++i) g[i] = std::fabs(y[i]);
+        break;
+      }
+      default:
+        break;
+    }
+  }
+}
+
+// One token's dequantised activations (d * q) from its blocks.
+void decode_act(WeightType t, const uint8_t* act, size_t n, double* x) {
+  if (k_format(t)) {
+    const auto* a = reinterpret_cast<const ActBlockK*>(act);
+    for (size_t i = 0; i < n; ++i) x[i] = static_cast<double>(a[i / 256].d) * a[i / 256].qs[i % 256];
+  } else {
+    const auto* a = reinterpret_cast<const ActBlock32*>(act);
+    for (size_t i = 0; i < n; ++i) x[i] = static_cast<double>(a[i / 32].d) * a[i / 32].qs[i % 32];
+  }
+}
+
+// ---------------------------------------------------------------- activation quantiser
+
+// The definition (quant_dot.h): per block d = max|x| / 127, q =
+// round-to-nearest-even(x / d) clamped to [-127, 127], q = 0 when d == 0,
+// elements past n_valid zero; the sums of the quants.
+void check_quantized_act(WeightType t, const std::vector<float>& x, size_t n_valid, size_t n, const uint8_t* got,
+                         const std::string& what) {
+  const size_t be = block_elements(t);
+  for (size_t b = 0; b < n / be; ++b) {
+    float amax = 0.0f;
+    for (size_t i = 0; i < be; ++i) {
+      const size_t k = b * be + i;
+      const float v = k < n_valid ? x[k] : 0.0f;
+      amax = std::max(amax, std::fabs(v));
+    }
+    const float d = amax / 127.0f;
+    std::vector<int> q(be);
+    for (size_t i = 0; i < be; ++i) {
+      const size_t k = b * be + i;
+      const float v = k < n_valid ? x[k] : 0.0f;
+      q[i] = d == 0.0f ? 0 : static_cast<int>(std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint(v / d))));
+    }
+    const int8_t* qs;
+    float got_d;
+    if (k_format(t)) {
+      const auto* a = reinterpret_cast<const ActBlockK*>(got) + b;
+      got_d = a->d;
+      qs = a->qs;
+      for (int j = 0; j < 16; ++j) {
+        int s = 0;
+        for (int i = 0; i < 16; ++i) s += q[16 * j + i];
+        ASSERT_EQ(a->bsums[j], s) << what << " block " << b << " bsums[" << j << "]";
+      }
+    } else {
+      const auto* a = reinterpret_cast<const ActBlock32*>(got) + b;
+      got_d = a->d;
+      qs = a->qs;
+      int s = 0;
+      for (int i = 0; i < 32; ++i) s += q[i];
+      ASSERT_EQ(a->sum, s) << what << " block " << b << " sum";
+    }
+    ASSERT_EQ(colibri::float_bits(got_d), colibri::float_bits(d)) << what << " block " << b << " d";
+    for (size_t i = 0; i < be; ++i) ASSERT_EQ(qs[i], q[i]) << what << " block " << b << " q[" << i << "]";
+  }
+}
+
+TEST(QuantDot, TablesAndSizes) {
+  using colibri::kernels::Isa;
+  for (WeightType t : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
+    EXPECT_FALSE(colibri::kernels::is_quantized(t));
+    EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAmx), nullptr);
+    EXPECT_EQ(colibri::kernels::quant_dot_scalar(t), nullptr);
+    EXPECT_EQ(colibri::kernels::act_row_bytes(t, 256), 0u);
+  }
+  for (WeightType t : kTypes) {
+    EXPECT_TRUE(colibri::kernels::is_quantized(t));
+    const size_t blocks = 2048 / block_elements(t);
+    EXPECT_EQ(colibri::kernels::act_row_bytes(t, 2048), blocks * (k_format(t) ? sizeof(ActBlockK) : sizeof(ActBlock32)));
+    EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kScalar), colibri::kernels::quant_dot_scalar(t));
+    for (const IsaKernels& k : isa_kernels()) {
+      const QuantDotKernels* q = k.get(t);
+      ASSERT_NE(q, nullptr) << k.name;
+      EXPECT_EQ(std::string(q->name), std::string(type_name(t)) + "-" + k.name);
+    }
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+    const Isa isa = colibri::kernels::detect_isa();
+    const bool vnni = isa >= Isa::kAvx512 && colibri::kernels::cpu_has_avx512_vnni();
+    const QuantDotKernels* top = colibri::kernels::quant_dot_kernels(t, Isa::kAmx);
+    if (vnni) {
+      EXPECT_EQ(top, colibri::kernels::quant_dot_avx512(t));
+      EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAvx512), colibri::kernels::quant_dot_avx512(t));
+    } else if (isa >= Isa::kAvx2) {
+      EXPECT_EQ(top, colibri::kernels::quant_dot_avx2(t));
+    } else {
+      EXPECT_EQ(top, colibri::kernels::quant_dot_scalar(t));
+    }
+    if (isa >= Isa::kAvx2) {
+      EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAvx2), colibri::kernels::quant_dot_avx2(t));
+    }
+#endif
+  }
+}
+
+TEST(QuantDot, QuantizeActivations) {
+  std::mt19937 rng(1234);
+  const auto isas = isa_kernels();
+  for (WeightType t : kTypes) {
+    const size_t be = block_elements(t);
+    for (size_t n : {be, 2 * be, 4096 + be, size_t{512} * 7}) {
+      if (n % be != 0) continue;
+      for (size_t n_valid : {n, n - 1, n - 37, n - be / 2 - 3, size_t{0}}) {
+        if (n_valid > n) continue;
+        std::vector<float> x = random_acts(n_valid, rng);
+        const size_t bytes = colibri::kernels::act_row_bytes(t, n);
+        std::vector<uint8_t> ref(bytes, 0xa5);
+        isas[0].get(t)->quantize_act(x.data(), n_valid, n, ref.data());
+        const std::string what = std::string(type_name(t)) + " n=" + std::to_string(n) +
+                                 " n_valid=" + std::to_string(n_valid);
+        check_quantized_act(t, x, n_valid, n, ref.data(), "scalar " + what);
+        for (size_t i = 1; i < isas.size(); ++i) {
+          std::vector<uint8_t> got(bytes, 0x5a);
+          isas[i].get(t)->quantize_act(x.data(), n_valid, n, got.data());
+          ASSERT_EQ(0, std::memcmp(got.data(), ref.data(), bytes)) << isas[i].name << " " << what;
+        }
+      }
+    }
+  }
+}
+
+// Rounding edge cases: exact halves, values just past the scale, tiny and
+// huge magnitudes.
+TEST(QuantDot, QuantizeActivationsEdgeCases) {
+  const auto isas = isa_kernels();
+  std::mt19937 rng(99);
+  for (WeightType t : kTypes) {
+    const size_t n = 512;
+    std::vector<std::vector<float>> cases;
+    std::vector<float> halves(n);
+    for (size_t i = 0; i < n; ++i) halves[i] = (static_cast<float>(i % 255) - 127.0f) + 0.5f;
+    halves[0] = 127.0f;
+    cases.push_back(halves);
+    std::vector<float> tiny(n);
+    for (size_t i = 0; i < n; ++i) tiny[i] = std::ldexp(static_cast<float>(static_cast<int>(rng() % 2001) - 1000), -140);
+    cases.push_back(tiny);
+    std::vector<float> huge(n);
+    for (size_t i = 0; i < n; ++i) huge[i] = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) * 1e34f;
+    cases.push_back(huge);
+    std::vector<float> ints(n);
+    for (size_t i = 0; i < n; ++i) ints[i] = static_cast<float>(static_cast<int>(rng() % 255) - 127);
+    cases.push_back(ints);
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const size_t bytes = colibri::kernels::act_row_bytes(t, n);
+      std::vector<uint8_t> ref(bytes);
+      isas[0].get(t)->quantize_act(cases[c].data(), n, n, ref.data());
+      const std::string what = std::string(type_name(t)) + " case " + std::to_string(c);
+      check_quantized_act(t, cases[c], n, n, ref.data(), "scalar " + what);
+      for (size_t i = 1; i < isas.size(); ++i) {
+        std::vector<uint8_t> got(bytes);
+        isas[i].get(t)->quantize_act(cases[c].data(), n, n, got.data());
+        ASSERT_EQ(0, std::memcmp(got.data(), ref.data(), bytes)) << isas[i].name << " " << what;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- dot products
+
+constexpr uint32_t kPoison = 0x7fc0deadu;  // a quiet NaN
+
+struct DotCase {
+  size_t n;
+  std::vector<int> rows;
+  std::vector<int> tokens;
+};
+
+void run_dot_cases(WeightType t, const DotCase& c, std::mt19937& rng) {
+  const auto isas = isa_kernels();
+  const int max_rows = *std::max_element(c.rows.begin(), c.rows.end());
+  const int max_tokens = *std::max_element(c.tokens.begin(), c.tokens.end());
+  const size_t n = c.n;
+  const size_t row_bytes = colibri::weight_row_bytes(t, n) + 6;  // padded: strides honoured
+  const size_t act_bytes = colibri::kernels::act_row_bytes(t, n) + 20;
+  const std::vector<uint8_t> w = random_weights(t, n, max_rows, row_bytes, rng);
+
+  // Every token quantised by the scalar reference (the instruction sets'
+  // quantisers are bit-identical, checked above); some with n_valid < n.
+  std::vector<uint8_t> act(act_bytes * static_cast<size_t>(max_tokens), 0xcc);
+  for (int i = 0; i < max_tokens; ++i) {
+    const size_t n_valid = (i % 3 == 2) ? n - 19 : n;
+    std::vector<float> x = random_acts(n_valid, rng);
+    colibri::kernels::quant_dot_scalar(t)->quantize_act(x.data(), n_valid, n,
+                                                        act.data() + static_cast<size_t>(i) * act_bytes);
+  }
+
+  // float64 references and error scales for every (row, token).
+  std::vector<double> ref(static_cast<size_t>(max_rows * max_tokens));
+  std::vector<double> scale(ref.size());
+  {
+    std::vector<double> wd(n), mag(n), xd(n);
+    std::vector<std::vector<double>> xs(static_cast<size_t>(max_tokens));
+    for (int i = 0; i < max_tokens; ++i) {
+      xs[static_cast<size_t>(i)].resize(n);
+      decode_act(t, act.data() + static_cast<size_t>(i) * act_bytes, n, xs[static_cast<size_t>(i)].data());
+    }
+    for (int r = 0; r < max_rows; ++r) {
+      decode_row(t, w.data() + static_cast<size_t>(r) * row_bytes, n, wd.data(), mag.data());
+      for (int i = 0; i < max_tokens; ++i) {
+        double s = 0.0, m = 0.0;
+        const std::vector<double>& x = xs[static_cast<size_t>(i)];
+        for (size_t k = 0; k < n; ++k) {
+          s += wd[k] * x[k];
+          m += mag[k] * std::fabs(x[k]);
+        }
+        ref[static_cast<size_t>(i * max_rows + r)] = s;
+        scale[static_cast<size_t>(i * max_rows + r)] = m;
+      }
+    }
+  }
+
+  for (int rows : c.rows) {
+    for (int tokens : c.tokens) {
+      const size_t ld_out = static_cast<size_t>(rows) + 3;
+      std::vector<float> scalar_out;
+      for (size_t k = 0; k < isas.size(); ++k) {
+        const QuantDotKernels* q = isas[k].get(t);
+        std::vector<float> out(ld_out * static_cast<size_t>(tokens));
+        for (float& o : out) o = colibri::bits_float(kPoison);
+        q->dot_rows(w.data(), row_bytes, rows, act.data(), act_bytes, tokens, n, out.data(), ld_out);
+        const std::string what = std::string(q->name) + " n=" + std::to_string(n) + " rows=" + std::to_string(rows) +
+                                 " tokens=" + std::to_string(tokens);
+        for (int i = 0; i < tokens; ++i) {
+          for (size_t r = 0; r < ld_out; ++r) {
+            const float got = out[static_cast<size_t>(i) * ld_out + r];
+            if (r >= static_cast<size_t>(rows)) {
+              ASSERT_EQ(colibri::float_bits(got), kPoison) << what << ": wrote out[" << i << "][" << r << "]";
+              continue;
+            }
+            const size_t idx = static_cast<size_t>(i * max_rows) + r;
+            const double tol = 1e-5 * scale[idx] + 1e-30;
+            ASSERT_TRUE(std::isfinite(got)) << what << " token " << i << " row " << r;
+            if (k == 0) {
+              ASSERT_LE(std::fabs(got - ref[idx]), tol)
+                  << what << " token " << i << " row " << r << ": " << got << " vs float64 " << ref[idx];
+            } else {
+              const float s = scalar_out[static_cast<size_t>(i) * ld_out + r];
+              ASSERT_LE(std::fabs(static_cast<double>(got) - s), tol)
+                  << what << " token " << i << " row " << r << ": " << got << " vs scalar " << s;
+            }
+          }
+        }
+        if (k == 0) scalar_out = out;
+      }
+    }
+  }
+}
+
+class QuantDotFormat : public testing::TestWithParam<WeightType> {};
+
+TEST_P(QuantDotFormat, DotRows) {
+  const WeightType t = GetParam();
+  std::mt19937 rng(77 + static_cast<unsigned>(t));
+  const std::vector<int> rows = {1, 2, 3, 5, 16, 37};
+  const std::vector<int> tokens = {1, 2, 3, 4, 5, 17};
+  std::vector<DotCase> cases = {
+      {256, rows, tokens},
+      {512, rows, tokens},
+      {2048 + 256, rows, tokens},
+      {4096, {1, 7}, {1, 4, 5}},
+      // Several column chunks of the q8_0 / q4_0 kernels' activation buffer.
+      {12544, {3}, {1, 4, 5}},
+  };
+  if (!k_format(t)) {
+    // Partial groups of blocks: 1, 3, 17, 25 blocks.
+    cases.push_back({32, rows, {1, 3, 5}});
+    cases.push_back({96, rows, {1, 2, 4}});
+    cases.push_back({544, rows, {1, 4, 17}});
+    cases.push_back({800, {2, 37}, {1, 3}});
+  }
+  for (const DotCase& c : cases) {
+    SCOPED_TRACE("n=" + std::to_string(c.n));
+    run_dot_cases(t, c, rng);
+    if (testing::Test::HasFatalFailure()) return;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, QuantDotFormat, testing::ValuesIn(kTypes),
+                         [](const testing::TestParamInfo<WeightType>& info) {
+                           return std::string(type_name(info.param));
+                         });
+
+}  // namespace

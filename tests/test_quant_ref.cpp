@@ -1,0 +1,623 @@
+// Reference quantisers and dequantisers of the block formats (util/quant_ref):
+// dequantisation of hand-built blocks (the field layouts), byte-exact
+// agreement with ggml on fixed inputs (hashes taken from ggml's
+// quantize_row_*_ref and dequantize_row_* built from its source), round-trip
+// error bounds on several distributions, idempotence where the algorithm
+// guarantees it, and degenerate inputs (zeros, underflow, values past the
+// f16 range, infinities). Every call writes into poisoned buffers with guard
+// bytes, so an unwritten or overrun byte fails. python/tests/
+// test_quant_formats.py checks the same functions against the gguf package.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "util/half.h"
+#include "util/quant_blocks.h"
+#include "util/quant_ref.h"
+#include "util/weight_format.h"
+
+namespace colibri {
+namespace {
+
+struct Format {
+  const char* name;
+  WeightType type;
+  size_t block;  // elements per block
+  size_t bytes;  // bytes per block
+  void (*quantize)(const float*, void*, size_t);
+  void (*dequantize)(const void*, float*, size_t);
+};
+
+constexpr Format kQ8_0{"q8_0", WeightType::kQ8_0, kQK32, sizeof(BlockQ8_0), quantize_q8_0, dequantize_q8_0};
+constexpr Format kQ4_0{"q4_0", WeightType::kQ4_0, kQK32, sizeof(BlockQ4_0), quantize_q4_0, dequantize_q4_0};
+constexpr Format kQ4K{"q4_k", WeightType::kQ4_K, kQKK, sizeof(BlockQ4K), quantize_q4_k, dequantize_q4_k};
+constexpr Format kQ5K{"q5_k", WeightType::kQ5_K, kQKK, sizeof(BlockQ5K), quantize_q5_k, dequantize_q5_k};
+constexpr Format kQ6K{"q6_k", WeightType::kQ6_K, kQKK, sizeof(BlockQ6K), quantize_q6_k, dequantize_q6_k};
+const Format kFormats[] = {kQ8_0, kQ4_0, kQ4K, kQ5K, kQ6K};
+
+constexpr size_t kGuard = 64;
+
+// Quantises into two buffers poisoned differently (0xAB, 0x54), each with
+// guard bytes behind it: both must come out equal (no byte left unwritten)
+// and the guards intact (nothing written past n / block blocks).
+std::vector<uint8_t> quantize(const Format& f, const std::vector<float>& x) {
+  const size_t bytes = x.size() / f.block * f.bytes;
+  std::vector<uint8_t> a(bytes + kGuard, 0xAB), b(bytes + kGuard, 0x54);
+  f.quantize(x.data(), a.data(), x.size());
+  f.quantize(x.data(), b.data(), x.size());
+  for (size_t i = bytes; i < bytes + kGuard; ++i) {
+    if (a[i] != 0xAB || b[i] != 0x54) {
+      ADD_FAILURE() << f.name << ": quantize wrote past its " << bytes << " bytes (offset " << i << ")";
+      break;
+    }
+  }
+  a.resize(bytes);
+  b.resize(bytes);
+  EXPECT_EQ(a, b) << f.name << ": quantize left bytes unwritten";
+  return a;
+}
+
+// As quantize: poisons are a quiet NaN and 0xABABABAB.
+std::vector<float> dequantize(const Format& f, const std::vector<uint8_t>& q) {
+  const size_t n = q.size() / f.bytes * f.block;
+  const float poison_b = bits_float(0xABABABABu);
+  std::vector<float> a(n + kGuard, std::numeric_limits<float>::quiet_NaN()), b(n + kGuard, poison_b);
+  f.dequantize(q.data(), a.data(), n);
+  f.dequantize(q.data(), b.data(), n);
+  for (size_t i = n; i < n + kGuard; ++i) {
+    if (!std::isnan(a[i]) || float_bits(b[i]) != 0xABABABABu) {
+      ADD_FAILURE() << f.name << ": dequantize wrote past its " << n << " values (index " << i << ")";
+      break;
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (float_bits(a[i]) != float_bits(b[i])) {
+      ADD_FAILURE() << f.name << ": dequantize left value " << i << " unwritten";
+      break;
+    }
+  }
+  a.resize(n);
+  return a;
+}
+
+std::vector<float> round_trip(const Format& f, const std::vector<float>& x) { return dequantize(f, quantize(f, x)); }
+
+double rel_l2(const std::vector<float>& y, const std::vector<float>& x) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double e = static_cast<double>(y[i]) - x[i];
+    num += e * e;
+    den += static_cast<double>(x[i]) * x[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+bool all_finite(const std::vector<float>& y) {
+  for (float v : y) {
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
+
+uint64_t fnv1a(const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
+}
+
+// A 64-bit LCG with exact float conversion: the same inputs on every
+// platform and standard library (the golden hashes depend on them), unlike
+// std:: distributions.
+class Lcg {
+ public:
+  explicit Lcg(uint64_t seed) : s_(seed) {}
+  uint64_t next() {
+    s_ = s_ * 6364136223846793005ull + 1442695040888963407ull;
+    return s_;
+  }
+  // Uniform on [-1, 1) in steps of 2^-23.
+  float uniform() { return static_cast<float>(static_cast<int32_t>(next() >> 40) - (1 << 23)) * 0x1p-23f; }
+
+ private:
+  uint64_t s_;
+};
+
+// ---------------------------------------------------------------------------
+// The format table points at these functions.
+
+TEST(QuantRef, WeightFormatTableUsesThem) {
+  for (const Format& f : kFormats) {
+    const WeightFormat& w = weight_format(f.type);
+    EXPECT_EQ(w.block_elements, f.block) << f.name;
+    EXPECT_EQ(w.block_bytes, f.bytes) << f.name;
+    EXPECT_EQ(w.to_float, f.dequantize) << f.name;
+    EXPECT_EQ(w.from_float, f.quantize) << f.name;
+    EXPECT_STREQ(w.name, f.name);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Dequantisation of hand-built blocks. Every expected value is a small
+// integer times a power of two, exact in float whatever the operation order.
+
+TEST(QuantRefLayout, Q8_0) {
+  std::vector<uint8_t> raw(2 * sizeof(BlockQ8_0));
+  auto* b = reinterpret_cast<BlockQ8_0*>(raw.data());
+  b[0].d = float_to_f16(0.5f);
+  b[1].d = float_to_f16(-2.0f);
+  for (int j = 0; j < kQK32; ++j) {
+    b[0].qs[j] = static_cast<int8_t>(8 * j - 128);
+    b[1].qs[j] = static_cast<int8_t>(127 - j);
+  }
+  const std::vector<float> y = dequantize(kQ8_0, raw);
+  for (int j = 0; j < kQK32; ++j) {
+    EXPECT_EQ(y[j], 0.5f * static_cast<float>(8 * j - 128)) << j;
+    EXPECT_EQ(y[kQK32 + j], -2.0f * static_cast<float>(127 - j)) << j;
+  }
+}
+
+TEST(QuantRefLayout, Q4_0) {
+  std::vector<uint8_t> raw(sizeof(BlockQ4_0));
+  auto* b = reinterpret_cast<BlockQ4_0*>(raw.data());
+  b->d = float_to_f16(2.0f);
+  // Low nibbles are elements 0-15, high nibbles elements 16-31.
+  for (int j = 0; j < 16; ++j) b->qs[j] = static_cast<uint8_t>(j | ((15 - j) << 4));
+  const std::vector<float> y = dequantize(kQ4_0, raw);
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_EQ(y[j], 2.0f * static_cast<float>(j - 8)) << j;
+    EXPECT_EQ(y[16 + j], 2.0f * static_cast<float>(7 - j)) << j;
+  }
+}
+
+// Scales and mins with high bits set both in sub-blocks 0-3 (6-bit fields
+// of bytes 0-7) and 4-7 (split between bytes 8-11 and the top bits of 0-7).
+constexpr uint8_t kSc[8] = {1, 23, 45, 63, 17, 33, 50, 62};
+constexpr uint8_t kMin[8] = {63, 5, 40, 16, 48, 3, 31, 60};
+
+// The 12-byte scales field as quant_blocks.h describes it, written out by
+// hand: byte j < 4 = sc_j | (sc_{j+4} >> 4) << 6, byte j + 4 = m_j |
+// (m_{j+4} >> 4) << 6, byte j + 8 = (sc_{j+4} & 15) | (m_{j+4} & 15) << 4.
+void pack_k_scales(uint8_t* s) {
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>(kSc[j] | ((kSc[j + 4] >> 4) << 6));
+    s[j + 4] = static_cast<uint8_t>(kMin[j] | ((kMin[j + 4] >> 4) << 6));
+    s[j + 8] = static_cast<uint8_t>((kSc[j + 4] & 15) | ((kMin[j + 4] & 15) << 4));
+  }
+}
+
+int k_nibble(int s, int l) { return (3 * l + 5 * s) & 15; }
+int k_high_bit(int s, int l) { return (l + 2 * s) % 3 == 0 ? 1 : 0; }
+
+TEST(QuantRefLayout, Q4K) {
+  std::vector<uint8_t> raw(sizeof(BlockQ4K));
+  auto* b = reinterpret_cast<BlockQ4K*>(raw.data());
+  b->d = float_to_f16(0.25f);
+  b->dmin = float_to_f16(0.5f);
+  pack_k_scales(b->scales);
+  // Chunk c of 32 bytes: low nibbles sub-block 2c, high nibbles 2c + 1.
+  for (int s = 0; s < 8; ++s) {
+    for (int l = 0; l < 32; ++l) b->qs[32 * (s / 2) + l] |= static_cast<uint8_t>(k_nibble(s, l) << (4 * (s % 2)));
+  }
+  const std::vector<float> y = dequantize(kQ4K, raw);
+  for (int s = 0; s < 8; ++s) {
+    for (int l = 0; l < 32; ++l) {
+      const float expect = 0.25f * kSc[s] * static_cast<float>(k_nibble(s, l)) - 0.5f * kMin[s];
+      ASSERT_EQ(y[32 * s + l], expect) << "sub-block " << s << " element " << l;
+    }
+  }
+}
+
+TEST(QuantRefLayout, Q5K) {
+  std::vector<uint8_t> raw(sizeof(BlockQ5K));
+  auto* b = reinterpret_cast<BlockQ5K*>(raw.data());
+  b->d = float_to_f16(0.25f);
+  b->dmin = float_to_f16(0.5f);
+  pack_k_scales(b->scales);
+  for (int s = 0; s < 8; ++s) {
+    for (int l = 0; l < 32; ++l) {
+      b->qs[32 * (s / 2) + l] |= static_cast<uint8_t>(k_nibble(s, l) << (4 * (s % 2)));
+      b->qh[l] |= static_cast<uint8_t>(k_high_bit(s, l) << s);  // bit s: sub-block s
+    }
+  }
+  const std::vector<float> y = dequantize(kQ5K, raw);
+  for (int s = 0; s < 8; ++s) {
+    for (int l = 0; l < 32; ++l) {
+      const int q = k_nibble(s, l) + 16 * k_high_bit(s, l);
+      const float expect = 0.25f * kSc[s] * static_cast<float>(q) - 0.5f * kMin[s];
+      ASSERT_EQ(y[32 * s + l], expect) << "sub-block " << s << " element " << l;
+    }
+  }
+}
+
+TEST(QuantRefLayout, Q6K) {
+  constexpr int8_t kScales[16] = {-128, -77, -1, 0, 1, 5, 33, 127, -64, 2, 3, -3, 100, -100, 64, 7};
+  auto q6 = [](int e) { return (7 * e + e / 16) % 64; };
+  std::vector<uint8_t> raw(sizeof(BlockQ6K));
+  auto* b = reinterpret_cast<BlockQ6K*>(raw.data());
+  b->d = float_to_f16(0.5f);
+  std::memcpy(b->scales, kScales, sizeof kScales);
+  // Element e = 128 h + 32 k + l: low nibble in ql[64 h + 32 (k % 2) + l]
+  // (the high nibble for k >= 2), top two bits at bit 2 k of qh[32 h + l].
+  for (int e = 0; e < kQKK; ++e) {
+    const int h = e / 128, k = (e / 32) % 4, l = e % 32;
+    b->ql[64 * h + 32 * (k % 2) + l] |= static_cast<uint8_t>((q6(e) & 15) << (4 * (k / 2)));
+    b->qh[32 * h + l] |= static_cast<uint8_t>((q6(e) >> 4) << (2 * k));
+  }
+  const std::vector<float> y = dequantize(kQ6K, raw);
+  for (int e = 0; e < kQKK; ++e) {
+    const float expect = 0.5f * kScales[e / 16] * static_cast<float>(q6(e) - 32);
+    ASSERT_EQ(y[e], expect) << "element " << e;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Agreement with ggml. The hashes are FNV-1a of the bytes ggml's
+// quantize_row_*_ref wrote for these inputs, and of the floats its
+// dequantize_row_* produced from random blocks (ggml-org/ggml d99724f,
+// ggml-quants.c built with -O2 -ffp-contract=off; the q8_0 / q4_0 bytes are
+// also gguf 0.19.0's).
+
+std::vector<float> golden_input(int which, size_t n) {
+  Lcg g(static_cast<uint64_t>(which) + 1);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float v = g.uniform();
+    switch (which) {
+      case 0:
+        x[i] = v;
+        break;
+      case 1:
+        x[i] = v * v * v * 4.0f;  // heavy tails
+        break;
+      case 2:
+        x[i] = -(std::fabs(v) + 0.25f);  // all negative
+        break;
+      default:
+        x[i] = i % 61 == 0 ? (v < 0 ? -3.0f : 3.0f) : v * 0.05f;  // outliers
+        break;
+    }
+  }
+  return x;
+}
+
+TEST(QuantRefGgml, QuantizeBytes) {
+  struct Golden {
+    const Format* f;
+    uint64_t hash[4];  // uniform, cubed, negative, outliers
+  };
+  const Golden kGolden[] = {
+      {&kQ8_0, {0x062db304a5249ff2ull, 0xece172825d71b762ull, 0x6ba1d60b5179941bull, 0xcd7e4233a58df5b8ull}},
+      {&kQ4_0, {0x4c635189703adebbull, 0xfc7a1002caee7c23ull, 0x892b3480bc4bf620ull, 0x79d0660268bc7030ull}},
+      {&kQ4K, {0x95d2c8780eeb019bull, 0x77925fb0d4865a65ull, 0x2fddac47a330b141ull, 0xe5fb57991dbb6cd7ull}},
+      {&kQ5K, {0x212a4d5a994a647aull, 0x8a5a54be531abd85ull, 0xbf062d66eba1ca3cull, 0xc99d4f5052d760b6ull}},
+      {&kQ6K, {0xa21d51ab78932b75ull, 0x641c459e44c53beaull, 0xe6c3d84d79288ab9ull, 0x2b9561f7059a3d16ull}},
+  };
+  for (const Golden& g : kGolden) {
+    for (int which = 0; which < 4; ++which) {
+      const std::vector<uint8_t> q = quantize(*g.f, golden_input(which, 32 * kQKK));
+      EXPECT_EQ(fnv1a(q.data(), q.size()), g.hash[which]) << g.f->name << " input " << which;
+    }
+  }
+}
+
+// Random bytes, with every f16 scale field made finite (an all-ones
+// exponent loses its top bit).
+std::vector<uint8_t> random_blocks(const Format& f, size_t blocks, uint64_t seed) {
+  Lcg g(seed);
+  std::vector<uint8_t> raw(blocks * f.bytes);
+  for (uint8_t& byte : raw) byte = static_cast<uint8_t>(g.next() >> 56);
+  std::vector<size_t> fields;
+  if (f.bytes == sizeof(BlockQ6K)) {
+    fields = {offsetof(BlockQ6K, d)};
+  } else if (f.block == kQKK) {
+    fields = {0, 2};  // d, dmin
+  } else {
+    fields = {0};
+  }
+  for (size_t b = 0; b < blocks; ++b) {
+    for (size_t off : fields) {
+      auto h = static_cast<uint16_t>(g.next() >> 48);
+      if ((h & 0x7c00u) == 0x7c00u) h ^= 0x4000u;
+      raw[b * f.bytes + off] = static_cast<uint8_t>(h & 0xff);
+      raw[b * f.bytes + off + 1] = static_cast<uint8_t>(h >> 8);
+    }
+  }
+  return raw;
+}
+
+TEST(QuantRefGgml, DequantizeRandomBlocks) {
+  struct Golden {
+    const Format* f;
+    uint64_t hash;
+  };
+  const Golden kGolden[] = {
+      {&kQ8_0, 0xeb272a8693422c7eull}, {&kQ4_0, 0x8fa679c27d5c9561ull}, {&kQ4K, 0xf6d99785bb4c638eull},
+      {&kQ5K, 0xc3dbcc0c40c4f726ull},  {&kQ6K, 0x8287abfcfa62b2d3ull},
+  };
+  for (const Golden& g : kGolden) {
+    const std::vector<float> y = dequantize(*g.f, random_blocks(*g.f, 2048 / g.f->block, 11));
+    EXPECT_EQ(fnv1a(y.data(), y.size() * sizeof(float)), g.hash) << g.f->name;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Round trips on random data. Bounds are about 1.5x the relative L2 errors
+// measured with these seeds (libstdc++'s distributions).
+
+enum class Dist { kNormal, kUniform, kHeavy, kNegative, kOutlier, kSmall, kLarge };
+constexpr Dist kDists[] = {Dist::kNormal, Dist::kUniform,  Dist::kHeavy, Dist::kNegative,
+                           Dist::kOutlier, Dist::kSmall, Dist::kLarge};
+const char* dist_name(Dist d) {
+  switch (d) {
+    case Dist::kNormal:
+      return "normal";
+    case Dist::kUniform:
+      return "uniform";
+    case Dist::kHeavy:
+      return "student-t3";
+    case Dist::kNegative:
+      return "negative";
+    case Dist::kOutlier:
+      return "outlier";
+    case Dist::kSmall:
+      return "small(1e-3)";
+    case Dist::kLarge:
+      return "large(1e3)";
+  }
+  return "?";
+}
+
+std::vector<float> random_data(Dist d, size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::student_t_distribution<float> heavy(3.0f);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (d) {
+      case Dist::kNormal:
+        x[i] = normal(rng);
+        break;
+      case Dist::kUniform:
+        x[i] = uniform(rng);
+        break;
+      case Dist::kHeavy:
+        x[i] = heavy(rng);
+        break;
+      case Dist::kNegative:
+        x[i] = -std::fabs(normal(rng)) - 0.1f;
+        break;
+      case Dist::kOutlier:
+        // One weight per 256 fifty times the spread of the others.
+        x[i] = i % kQKK == 77 ? 1.0f : 0.02f * normal(rng);
+        break;
+      case Dist::kSmall:
+        x[i] = 1e-3f * normal(rng);
+        break;
+      case Dist::kLarge:
+        x[i] = 1e3f * normal(rng);
+        break;
+    }
+  }
+  return x;
+}
+
+// Indexed by format (kFormats order), then Dist.
+constexpr double kRoundTripBound[5][7] = {
+    // normal uniform heavy  negative outlier small  large
+    {0.008, 0.0057, 0.017, 0.0078, 0.018, 0.0083, 0.008},  // q8_0
+    {0.13, 0.098, 0.17, 0.126, 0.165, 0.13, 0.13},         // q4_0
+    {0.107, 0.083, 0.118, 0.056, 0.147, 0.108, 0.107},     // q4_k
+    {0.054, 0.042, 0.069, 0.029, 0.073, 0.056, 0.054},     // q5_k
+    {0.0265, 0.02, 0.043, 0.0256, 0.05, 0.031, 0.0265},    // q6_k
+};
+
+TEST(QuantRefRoundTrip, RandomData) {
+  constexpr size_t kN = 64 * kQKK;
+  for (size_t fi = 0; fi < std::size(kFormats); ++fi) {
+    const Format& f = kFormats[fi];
+    for (size_t di = 0; di < std::size(kDists); ++di) {
+      const std::vector<float> x = random_data(kDists[di], kN, 1234 + static_cast<uint32_t>(di));
+      const std::vector<float> y = round_trip(f, x);
+      ASSERT_TRUE(all_finite(y)) << f.name << " " << dist_name(kDists[di]);
+      const double err = rel_l2(y, x);
+      EXPECT_LT(err, kRoundTripBound[fi][di]) << f.name << " " << dist_name(kDists[di]);
+    }
+  }
+}
+
+// Zero blocks, and zero sub-blocks inside non-zero blocks, come back as
+// exact zeros, the rest within the normal-data bound.
+TEST(QuantRefRoundTrip, ZeroBlocks) {
+  for (const Format& f : kFormats) {
+    std::vector<float> x = random_data(Dist::kNormal, 4 * kQKK, 99);
+    std::fill(x.begin(), x.begin() + kQKK, 0.0f);                           // a whole super-block
+    std::fill(x.begin() + kQKK + 32, x.begin() + kQKK + 64, 0.0f);          // a 32-element sub-block
+    std::fill(x.begin() + 2 * kQKK + 16, x.begin() + 2 * kQKK + 32, 0.0f);  // a 16-element one
+    const std::vector<float> y = round_trip(f, x);
+    // Exact where the format's whole sub-block (the unit of a scale and
+    // min) is zero; q4_K and q5_K have 32-element ones, a min shared by
+    // the 16 zeros and 16 non-zeros.
+    const size_t sub = f.type == WeightType::kQ4_K || f.type == WeightType::kQ5_K ? 32 : 16;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const size_t start = i / sub * sub;
+      if (std::all_of(x.begin() + start, x.begin() + start + sub, [](float v) { return v == 0.0f; })) {
+        ASSERT_EQ(y[i], 0.0f) << f.name << " element " << i;
+      }
+    }
+    EXPECT_LT(rel_l2(y, x), kRoundTripBound[&f - kFormats][0]) << f.name;
+    // An all-zero input: every K format stores all-zero bytes; q8_0 a zero
+    // scale and zero quants; q4_0 the level 8 (zero) and d = -0 (0 / -8).
+    const std::vector<uint8_t> q = quantize(f, std::vector<float>(kQKK, 0.0f));
+    for (size_t b = 0; b < q.size() / f.bytes; ++b) {
+      for (size_t i = 0; i < f.bytes; ++i) {
+        uint8_t expect = 0;
+        if (f.type == WeightType::kQ4_0) expect = i == 0 ? 0x00 : (i == 1 ? 0x80 : 0x88);
+        ASSERT_EQ(q[b * f.bytes + i], expect) << f.name << " block " << b << " byte " << i;
+      }
+    }
+  }
+}
+
+// Values already on a q8_0 / q4_0 grid (the extreme level present, so the
+// scale is recovered exactly) quantise to exactly those levels.
+TEST(QuantRefRoundTrip, OnGridValuesAreExact) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> q8(-127, 127), q4(0, 15);
+  std::vector<float> x8(8 * kQK32), x4(8 * kQK32);
+  for (size_t b = 0; b < 8; ++b) {
+    const float d = std::ldexp(1.0f, static_cast<int>(b) - 4);
+    for (int j = 0; j < kQK32; ++j) {
+      x8[b * kQK32 + j] = d * static_cast<float>(j == 3 ? (b % 2 ? -127 : 127) : q8(rng));
+      // q4_0 stores d = max / -8: the largest magnitude is level 0 (-8).
+      x4[b * kQK32 + j] = -d * static_cast<float>(j == 5 ? -8 : q4(rng) - 8);
+    }
+  }
+  EXPECT_EQ(round_trip(kQ8_0, x8), x8);
+  EXPECT_EQ(round_trip(kQ4_0, x4), x4);
+  const std::vector<uint8_t> q = quantize(kQ8_0, x8);
+  const auto* b8 = reinterpret_cast<const BlockQ8_0*>(q.data());
+  EXPECT_EQ(b8[0].d, float_to_f16(0.0625f));
+  EXPECT_EQ(b8[0].qs[3], 127);
+  EXPECT_EQ(b8[1].qs[3], -127);
+}
+
+// Ties: q8_0 rounds half away from zero (roundf, gguf's np_roundf); q4_0
+// truncates x / d + 8.5, i.e. rounds half up. With the extreme at 127
+// (q8_0) or -8 (q4_0) the scale is exactly 1, so x / d is x.
+TEST(QuantRefRoundTrip, Ties) {
+  std::vector<float> x(kQK32, 0.0f);
+  const float ties[] = {2.5f, -2.5f, 0.5f, -0.5f, 1.5f, -1.5f, 6.5f, -6.5f};
+  x[0] = 127.0f;
+  std::copy(std::begin(ties), std::end(ties), x.begin() + 1);
+  const std::vector<uint8_t> q8 = quantize(kQ8_0, x);
+  const auto* b8 = reinterpret_cast<const BlockQ8_0*>(q8.data());
+  EXPECT_EQ(b8->d, float_to_f16(1.0f));
+  const int8_t expect8[] = {127, 3, -3, 1, -1, 2, -2, 7, -7};
+  for (int j = 0; j < 9; ++j) EXPECT_EQ(b8->qs[j], expect8[j]) << j;
+
+  x[0] = -8.0f;
+  const std::vector<uint8_t> q4 = quantize(kQ4_0, x);
+  const auto* b4 = reinterpret_cast<const BlockQ4_0*>(q4.data());
+  EXPECT_EQ(b4->d, float_to_f16(1.0f));
+  const int expect4[] = {-8, 3, -2, 1, 0, 2, -1, 7, -6};  // level - 8
+  for (int j = 0; j < 9; ++j) EXPECT_EQ((b4->qs[j] & 15) - 8, expect4[j]) << j;
+}
+
+// quantise(dequantise(quantise(x))) == quantise(x) for q8_0 and q4_0: the
+// dequantised block's largest magnitude is exactly 127 d (resp. -8 d) with
+// d an f16, so the same d and levels come back. The K formats re-fit their
+// scales on the dequantised values and need not reproduce the bytes (up to
+// half the q5_K blocks change); what holds is that the second pass is
+// within the format's round-trip error of its input.
+TEST(QuantRefRoundTrip, Idempotence) {
+  for (size_t fi = 0; fi < std::size(kFormats); ++fi) {
+    const Format& f = kFormats[fi];
+    for (size_t di = 0; di < std::size(kDists); ++di) {
+      const std::vector<float> x = random_data(kDists[di], 16 * kQKK, 77 + static_cast<uint32_t>(di));
+      const std::vector<uint8_t> q1 = quantize(f, x);
+      const std::vector<float> y1 = dequantize(f, q1);
+      const std::vector<uint8_t> q2 = quantize(f, y1);
+      if (f.block == kQK32) {
+        EXPECT_EQ(q2, q1) << f.name << " " << dist_name(kDists[di]);
+      } else {
+        EXPECT_LT(rel_l2(dequantize(f, q2), y1), kRoundTripBound[fi][di]) << f.name << " " << dist_name(kDists[di]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Degenerate magnitudes: whatever the input (finite or infinite, no NaN),
+// every stored scale is finite and so is every dequantised value.
+
+bool scales_finite(const Format& f, const std::vector<uint8_t>& q) {
+  for (size_t b = 0; b < q.size() / f.bytes; ++b) {
+    const uint8_t* p = q.data() + b * f.bytes;
+    uint16_t h[2];
+    int count = 1;
+    if (f.type == WeightType::kQ6_K) {
+      std::memcpy(&h[0], p + offsetof(BlockQ6K, d), 2);
+    } else {
+      std::memcpy(&h[0], p, 2);
+      if (f.block == kQKK) {
+        std::memcpy(&h[1], p + 2, 2);
+        count = 2;
+      }
+    }
+    for (int i = 0; i < count; ++i) {
+      if ((h[i] & 0x7c00u) == 0x7c00u) return false;
+    }
+  }
+  return true;
+}
+
+TEST(QuantRefDegenerate, HugeValuesSaturate) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  for (const Format& f : kFormats) {
+    for (float scale : {1e6f, 1e9f, 1e20f, 1e38f}) {
+      std::vector<float> x = random_data(Dist::kNormal, 4 * kQKK, 3);
+      for (float& v : x) v *= scale;
+      x[10] = std::numeric_limits<float>::max();
+      x[300] = -kInf;
+      x[700] = kInf;
+      const std::vector<uint8_t> q = quantize(f, x);
+      EXPECT_TRUE(scales_finite(f, q)) << f.name << " scale " << scale;
+      const std::vector<float> y = dequantize(f, q);
+      ASSERT_TRUE(all_finite(y)) << f.name << " scale " << scale;
+    }
+  }
+  // Past the f16 range q8_0 and q4_0 keep the largest scale and clip the
+  // largest weights, keeping their signs.
+  std::vector<float> x(kQK32);
+  for (int j = 0; j < kQK32; ++j) x[j] = (j % 2 ? -1.0f : 1.0f) * 1e9f * static_cast<float>(j + 1) / kQK32;
+  for (const Format* f : {&kQ8_0, &kQ4_0}) {
+    const std::vector<uint8_t> q = quantize(*f, x);
+    uint16_t d;
+    std::memcpy(&d, q.data(), 2);
+    EXPECT_EQ(d & 0x7fffu, 0x7bffu) << f->name;
+    const std::vector<float> y = dequantize(*f, q);
+    for (int j = 8; j < kQK32; ++j) EXPECT_GT(y[j] * x[j], 0.0f) << f->name << " " << j;
+  }
+}
+
+TEST(QuantRefDegenerate, TinyValuesNeverWorseThanZero) {
+  for (const Format& f : kFormats) {
+    for (float scale : {1e-5f, 3e-6f, 1e-6f, 1e-8f, 1e-20f, 1e-38f, 1e-42f}) {
+      std::vector<float> x = random_data(Dist::kNormal, 8 * kQKK, 21);
+      for (float& v : x) v *= scale;
+      const std::vector<float> y = round_trip(f, x);
+      ASSERT_TRUE(all_finite(y)) << f.name << " scale " << scale;
+      // At these magnitudes the f16 scales underflow: the result may lose
+      // everything, but never adds error beyond the data's own norm.
+      EXPECT_LE(rel_l2(y, x), 1.0) << f.name << " scale " << scale;
+    }
+  }
+}
+
+// The constant-block cases of the K formats' min/max fit: a positive
+// constant (min clipped to 0), a negative one (scale 0, all in the min).
+// Near 1e-3 the K formats' f16 super-scale is subnormal (q6_K's d about
+// 2.4e-7, steps of 6e-8), which is what limits them there.
+TEST(QuantRefDegenerate, ConstantBlocks) {
+  for (const Format& f : kFormats) {
+    for (float c : {0.7f, -0.7f, -250.0f, 1e-3f, -1e-3f}) {
+      const std::vector<float> x(2 * kQKK, c);
+      const double bound = std::fabs(c) > 0.5f ? 5e-4 : 0.035;
+      EXPECT_LT(rel_l2(round_trip(f, x), x), bound) << f.name << " " << c;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace colibri
