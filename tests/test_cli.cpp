@@ -122,9 +122,13 @@ TEST_F(CliTest, GenCompileInferMatchesReference) {
     int E, k, D, F, T, layers;
     double tol;
   };
+  // Block formats: against the reference on the dequantised weights, with
+  // int8 activations (docs/PRECISION.md).
   const Case cases[] = {{"f16", 8, 2, 64, 96, 37, 1, 5e-3},
                         {"bf16", 5, 3, 33, 17, 9, 2, 5e-3},
-                        {"f32", 3, 1, 100, 129, 3, 1, 1e-5}};
+                        {"f32", 3, 1, 100, 129, 3, 1, 1e-5},
+                        {"q8_0", 4, 2, 64, 96, 5, 1, 2e-2},
+                        {"q4_k_m", 4, 2, 256, 96, 7, 2, 2e-2}};
   int n = 0;
   for (const Case& c : cases) {
     SCOPED_TRACE(c.dtype);
@@ -302,6 +306,45 @@ TEST_F(CliTest, EverySubcommandHasHelp) {
   }
   RunResult bad = run("frobnicate");
   EXPECT_NE(bad.exit_code, 0);
+}
+
+TEST_F(CliTest, QuantizeInfoVerifyAndExact) {
+  const std::string f16 = path("f16"), q = path("q"), again = path("again");
+  ASSERT_EQ(run("gen --out " + f16 + " --experts 4 --d-model 256 --d-ff 64 --dtype f16 --seed 3").exit_code, 0);
+  RunResult r = run("quantize --model " + f16 + " --out " + q + " --dtype q4_k_m");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("q4_k (down q6_k)"), std::string::npos) << r.out;
+  RunResult i = run("info --model " + q);
+  ASSERT_EQ(i.exit_code, 0) << i.err;
+  EXPECT_NE(i.out.find("dtype        q4_k (down q6_k)"), std::string::npos) << i.out;
+  EXPECT_NE(i.out.find("colibri-moe v3"), std::string::npos) << i.out;
+  EXPECT_NE(i.out.find("bits per weight"), std::string::npos) << i.out;
+  EXPECT_EQ(run("verify --model " + q).exit_code, 0);
+  // Never over an existing model.
+  RunResult over = run("quantize --model " + f16 + " --out " + q + " --dtype q8_0");
+  EXPECT_NE(over.exit_code, 0);
+  EXPECT_NE(over.err.find("already holds a model"), std::string::npos) << over.err;
+  RunResult bad = run("quantize --model " + f16 + " --out " + again + " --dtype q3_k");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_FALSE(exists(again + "/colibri.json"));
+
+  // infer --precision exact: fp32 activations against the dequantised weights.
+  const RandomRouting rt = make_routing(3, 2, 4, 5);
+  spit(path("r.route"), rt.text);
+  const std::vector<float> x = random_input(3, 256, 6);
+  spit(path("x.bin"), as_bytes(x));
+  const std::vector<double> ref = colibri_test::reference_layer(q, 0, 3, x.data(), 2, rt.ids.data(), rt.weights.data());
+  for (const char* precision : {"default", "exact"}) {
+    std::remove(path("y.bin").c_str());
+    RunResult ri = run("infer --model " + q + " --routing " + path("r.route") + " --input " + path("x.bin") +
+                       " --output " + path("y.bin") + " --precision " + precision);
+    ASSERT_EQ(ri.exit_code, 0) << ri.err;
+    const std::string y = slurp(path("y.bin"));
+    ASSERT_EQ(y.size(), x.size() * sizeof(float));
+    EXPECT_LE(colibri_test::relative_l2(reinterpret_cast<const float*>(y.data()), ref),
+              std::string(precision) == "exact" ? 1e-5 : 2e-2)
+        << precision;
+  }
 }
 
 TEST_F(CliTest, BenchAndInfoSmoke) {

@@ -29,8 +29,8 @@ namespace {
 
 // Bytes ahead of the current block that each row prefetches into L2 and
 // into L1 (measured: a single-core stream from DRAM needs both).
-constexpr size_t kPrefetchFar = 3072;
-constexpr size_t kPrefetchNear = 512;
+constexpr size_t kPrefetchFar = 4096;
+constexpr size_t kPrefetchNear = 1024;
 constexpr int kMaxTokens = 4;
 constexpr size_t kChunkBytes = 128 * 1024;
 
@@ -45,6 +45,13 @@ inline void prefetch_block(const uint8_t* p) {
 }
 
 inline size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
+
+// The results for n == 0 (no blocks): zeros.
+inline void zero_out(int32_t rows, int32_t tokens, float* out, size_t ld_out) {
+  for (int32_t t = 0; t < tokens; ++t) {
+    for (int32_t r = 0; r < rows; ++r) out[static_cast<size_t>(t) * ld_out + static_cast<size_t>(r)] = 0.0f;
+  }
+}
 
 inline float hsum_ps(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -153,18 +160,7 @@ inline __m128i unpack_scales_k4(const uint8_t* s) {
   return _mm_or_si128(low, high);
 }
 
-// pshufb controls broadcasting byte j (zero-extended) over all words.
-inline __m256i word_bcast_ctrl(int lane0_byte, int lane1_byte) {
-  alignas(32) int8_t c[32];
-  for (int i = 0; i < 32; ++i) {
-    const int byte = i < 16 ? lane0_byte : lane1_byte;
-    c[i] = (i % 2 == 0) ? static_cast<int8_t>(byte) : static_cast<int8_t>(-128);
-  }
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(c));
-}
-
 struct KConsts {
-  __m256i sc[8];   // q4_K / q5_K: sub-block j's scale over all words
   __m256i mins;    // [m0, m0, m1, m1, ...]
   __m256i q6[4];   // q6_K: words 2i | 2i+1 of 8 words over the two lanes
 };
@@ -172,7 +168,6 @@ struct KConsts {
 const KConsts& kconsts() {
   static const KConsts consts = [] {
     KConsts k;
-    for (int j = 0; j < 8; ++j) k.sc[j] = word_bcast_ctrl(j, j);
     alignas(32) int8_t m[32];
     for (int i = 0; i < 32; ++i) m[i] = (i % 2 == 0) ? static_cast<int8_t>(8 + i / 4) : static_cast<int8_t>(-128);
     k.mins = _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
@@ -204,13 +199,14 @@ inline __m256i q5_high(__m256i qh) {
 
 // Sub-block J (32 elements) of a q4_K / q5_K super-block against NT tokens.
 template <bool kFive, int J, int NT>
-inline void qk45_sub(const uint8_t* qs, __m256i qh, __m256i scb, const KConsts& k, const uint8_t* const* aq,
+inline void qk45_sub(const uint8_t* qs, __m256i qh, const uint32_t* sc_pairs, const uint8_t* const* aq,
                      __m256i* acc) {
   const __m256i m4 = _mm256_set1_epi8(0x0f);
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (J / 2)));
   __m256i w = (J % 2 == 0) ? _mm256_and_si256(raw, m4) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
   if constexpr (kFive) w = _mm256_or_si256(w, q5_high<J>(qh));
-  const __m256i sc = _mm256_shuffle_epi8(scb, k.sc[J]);
+  // [sc, sc] from memory: vpbroadcastd, a plain load.
+  const __m256i sc = _mm256_set1_epi32(static_cast<int>(sc_pairs[J]));
   for (int t = 0; t < NT; ++t) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[t] + 32 * J));
     acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), sc));
@@ -237,19 +233,26 @@ void qk45_row(const uint8_t* row, const uint8_t* const* act, size_t nsb, const K
       const auto* b = reinterpret_cast<const BlockQ4K*>(blk);
       d16 = b->d, dmin16 = b->dmin, scales = b->scales, qs = b->qs;
     }
-    const __m256i scb = _mm256_broadcastsi128_si256(unpack_scales_k4(scales));
+    const __m128i scm = unpack_scales_k4(scales);
+    const __m256i scb = _mm256_broadcastsi128_si256(scm);
+    // The scales as dwords [sc_j, sc_j], through memory for the broadcasts.
+    const __m128i sw = _mm_cvtepu8_epi16(scm);
+    alignas(32) uint32_t sc_pairs[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(sc_pairs), _mm_unpacklo_epi16(sw, sw));
+    _mm_store_si128(reinterpret_cast<__m128i*>(sc_pairs + 4), _mm_unpackhi_epi16(sw, sw));
+    asm("" : "+m"(sc_pairs));
     const uint8_t* aq[NT];
     for (int t = 0; t < NT; ++t) aq[t] = reinterpret_cast<const uint8_t*>((reinterpret_cast<const ActBlockK*>(act[t]) + s)->qs);
     __m256i acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_si256();
-    qk45_sub<kFive, 0, NT>(qs, qh, scb, k, aq, acc);
-    qk45_sub<kFive, 1, NT>(qs, qh, scb, k, aq, acc);
-    qk45_sub<kFive, 2, NT>(qs, qh, scb, k, aq, acc);
-    qk45_sub<kFive, 3, NT>(qs, qh, scb, k, aq, acc);
-    qk45_sub<kFive, 4, NT>(qs, qh, scb, k, aq, acc);
-    qk45_sub<kFive, 5, NT>(qs, qh, scb, k, aq, acc);
-    qk45_sub<kFive, 6, NT>(qs, qh, scb, k, aq, acc);
-    qk45_sub<kFive, 7, NT>(qs, qh, scb, k, aq, acc);
+    qk45_sub<kFive, 0, NT>(qs, qh, sc_pairs, aq, acc);
+    qk45_sub<kFive, 1, NT>(qs, qh, sc_pairs, aq, acc);
+    qk45_sub<kFive, 2, NT>(qs, qh, sc_pairs, aq, acc);
+    qk45_sub<kFive, 3, NT>(qs, qh, sc_pairs, aq, acc);
+    qk45_sub<kFive, 4, NT>(qs, qh, sc_pairs, aq, acc);
+    qk45_sub<kFive, 5, NT>(qs, qh, sc_pairs, aq, acc);
+    qk45_sub<kFive, 6, NT>(qs, qh, sc_pairs, aq, acc);
+    qk45_sub<kFive, 7, NT>(qs, qh, sc_pairs, aq, acc);
     const __m256i mins = _mm256_shuffle_epi8(scb, k.mins);
     const __m256 vd = _mm256_set1_ps(h2f(d16));
     const __m256 vdmin = _mm256_set1_ps(h2f(dmin16));
@@ -500,6 +503,7 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* ab = static_cast<const uint8_t*>(act);
   const size_t nb = n / kQK32;
+  if (nb == 0) return zero_out(rows, tokens, out, ld_out);
   const size_t ng_total = (nb + 7) / 8;
   Group8 buf[kGroupBuffer];
   for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {

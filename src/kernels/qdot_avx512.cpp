@@ -2,14 +2,17 @@
 // -mavx512f/bw/vl/dq -mavx512vnni -mavx2 -mfma -mf16c; qdot_scalar.cpp is
 // the reference. Only called when cpu_has_avx512_vnni().
 //
-// K formats (q4_k, q5_k, q6_k): per super-block the weight codes are
-// unpacked into four zmm of unsigned bytes whose 32-byte halves line up
-// with 32 consecutive activations; vpmaddubsw multiplies them by the signed
-// activations into int16 pairs and vpdpwssd multiplies those by the integer
-// sub-block scales (spread over the matching lanes) and sums into int32, so
-// a super-block costs one int32 -> float conversion and one FMA per token.
-// The offsets are subtracted through the activations' bsums: q4_k / q5_k's
-// mins with vpmaddwd, q6_k's -32 as one more vpdpwssd.
+// K formats (q4_k, q5_k, q6_k): a super-block's codes are unpacked into
+// four zmm of unsigned bytes; vpdpbusd multiplies them by the signed int8
+// activations into dwords of four products (each dword within one
+// sub-block, sums below 2^15), vpackssdw packs two such vectors into words
+// and vpdpwssd multiplies the words by the integer sub-block scales and
+// sums into int32, so a super-block costs one int32 -> float conversion and
+// one FMA per token. The offsets go through the activations' sums: q4_k /
+// q5_k's mins with vpmaddwd / vpdpwssd (four super-blocks in one vector),
+// q6_k's -32 as one more vpdpwssd. q4_k / q5_k run four super-blocks per
+// step (their scales unpacked together) against activations rearranged
+// once per call (a stack buffer) into the order of the code vectors.
 //
 // q8_0 / q4_0 (a float scale per 32 weights): 16 blocks at a time are
 // transposed so that dword j of each zmm holds four codes of block j; eight
@@ -19,6 +22,10 @@
 // signed weights are made unsigned by adding 128 (xor 0x80), q4_0's codes
 // are 0..15; the offsets (128, 8) times the blocks' activation sums are
 // subtracted in the same lanes.
+//
+// Weight rows are prefetched far ahead into L2 and nearer into L1: with
+// one token the kernels stream weights from DRAM at close to a plain read
+// loop's rate (about 90% on the machine measured).
 //
 // Everything lives in an anonymous namespace and no inline function of a
 // shared header is called: this object must not emit symbols with vague
@@ -38,8 +45,8 @@ namespace {
 
 // Bytes ahead of the current block that each row prefetches into L2 and
 // into L1 (measured: a single-core stream from DRAM needs both).
-constexpr size_t kPrefetchFar = 3072;
-constexpr size_t kPrefetchNear = 512;
+constexpr size_t kPrefetchFar = 4096;
+constexpr size_t kPrefetchNear = 1024;
 // Tokens per pass over the weights.
 constexpr int kMaxTokens = 4;
 // Rows per chunk when several token blocks pass over it (kept in L2).
@@ -47,8 +54,14 @@ constexpr size_t kChunkBytes = 128 * 1024;
 
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
-
 inline size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
+
+// The results for n == 0 (no blocks): zeros.
+inline void zero_out(int32_t rows, int32_t tokens, float* out, size_t ld_out) {
+  for (int32_t t = 0; t < tokens; ++t) {
+    for (int32_t r = 0; r < rows; ++r) out[static_cast<size_t>(t) * ld_out + static_cast<size_t>(r)] = 0.0f;
+  }
+}
 
 // ---------------------------------------------------------------- activations
 
@@ -113,63 +126,65 @@ void quantize(const float* x, size_t n_valid, size_t n, void* out) {
 
 // ---------------------------------------------------------------- K formats
 
-// The 8 six-bit scales (bytes 0-7) and mins (bytes 8-15) of two q4_K / q5_K
-// super-blocks, one per 128-bit lane (ggml's get_scale_min_k4 for all j at
-// once); `raw` holds each one's 12 scale bytes and 4 ignored ones.
-inline __m256i unpack_scales_k4(__m256i raw) {
-  // Low parts: sc0-3 = s[0-3] & 63, sc4-7 = s[8-11] & 15, m0-3 = s[4-7] & 63, m4-7 = s[8-11] >> 4.
-  const __m256i a = _mm256_shuffle_epi8(raw, _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11, 0, 1,
-                                                              2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-  const __m256i low = _mm256_blend_epi32(a, _mm256_srli_epi16(a, 4), 0x88);
-  // High parts of sc4-7 and m4-7: the top two bits of s[0-3] and s[4-7].
-  const __m256i b = _mm256_shuffle_epi8(
-      raw, _mm256_setr_epi8(-128, -128, -128, -128, 0, 1, 2, 3, -128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128,
-                            -128, 0, 1, 2, 3, -128, -128, -128, -128, 4, 5, 6, 7));
-  const __m256i high = _mm256_and_si256(_mm256_srli_epi16(b, 2), _mm256_set1_epi8(0x30));
-  const __m256i lowmask = _mm256_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63,
-                                           63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
-  return _mm256_ternarylogic_epi32(low, high, lowmask, 0xec);  // (low & mask) | high
-}
-
-// Word w of the result is word first + w / per_group of the source.
-inline __m512i word_index(int first, int per_group) {
-  alignas(64) int16_t idx[32];
-  for (int w = 0; w < 32; ++w) idx[w] = static_cast<int16_t>(first + w / per_group);
-  return _mm512_load_si512(idx);
+// A pshufb control or mask: lanes 0-1 from std_lane, lanes 2-3 from swp_lane.
+inline __m512i lanes4(const int8_t (&std_lane)[16], const int8_t (&swp_lane)[16]) {
+  alignas(64) int8_t c[64];
+  for (int i = 0; i < 64; ++i) c[i] = i < 32 ? std_lane[i % 16] : swp_lane[i % 16];
+  return _mm512_load_si512(c);
 }
 
 struct KConsts {
-  // q4_K / q5_K: pshufb controls spreading a super-block's scales (bytes
-  // 0-7, broadcast to every 128-bit lane) as words over the packed products
-  // of code vectors 0|1 and 2|3 (see qk45_pairs).
-  __m512i scw01, scw23;
-  __m512i sh42, sh31, sh02;  // per-half shift counts
+  // q4_K / q5_K scale unpacking (unpack_scales_k4).
+  __m512i unpack_a, unpack_b, unpack_mask;
+  // pshufb controls spreading a super-block's scales (broadcast to every
+  // 128-bit lane) as words over the packed products of code vectors 0|1 and
+  // 2|3 (see qk45_quads); [0]: scales in bytes 0-7, [1]: in bytes 8-15.
+  __m512i scw01[2], scw23[2];
+  __m512i q5bits[4];         // q5_K: the qh bit of each code vector, per 256-bit half
+  __m512i sh42, sh02;        // q6_K: per-half shift counts
   // q6_K: vpermw indices spreading the 16 scale words over the packed
   // products of half 0 and half 1.
   __m512i q6[2];
-  __m512i bcast_mins;  // lanes of [d da, dmin da, d' da', dmin' da'] against the mins
+  __m512i mins_factor;       // lanes of [d da, dmin da] x 4 super-blocks against the mins
 };
 
 const KConsts& kconsts() {
   static const KConsts consts = [] {
     KConsts k;
-    alignas(64) int8_t c[64];
+    // Super-blocks 0 and 1 of a quad unpack to [sc0-7, m0-7], 2 and 3 to
+    // [m0-7, sc0-7] (so that the mins of all four meet the activation sums
+    // in distinct dwords, qk45_quads).
+    constexpr int8_t kZ = -128;
+    const int8_t a_std[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11};
+    const int8_t a_swp[16] = {4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 8, 9, 10, 11};
+    const int8_t b_std[16] = {kZ, kZ, kZ, kZ, 0, 1, 2, 3, kZ, kZ, kZ, kZ, 4, 5, 6, 7};
+    const int8_t b_swp[16] = {kZ, kZ, kZ, kZ, 4, 5, 6, 7, kZ, kZ, kZ, kZ, 0, 1, 2, 3};
+    const int8_t m[16] = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15};
+    k.unpack_a = lanes4(a_std, a_swp);
+    k.unpack_b = lanes4(b_std, b_swp);
+    k.unpack_mask = lanes4(m, m);
     // Lane L, words 0-3: the scale of code vector 2v's sub-block in lane L;
     // words 4-7: vector 2v+1's. Vector 0 holds sub-blocks 0 | 2 (lanes 0-1 | 2-3),
     // 1: 1 | 3, 2: 4 | 6, 3: 5 | 7.
-    for (int v = 0; v < 2; ++v) {
-      for (int i = 0; i < 64; ++i) {
-        const int lane = i / 16, word = (i % 16) / 2;
-        const int first = 4 * v + (lane < 2 ? 0 : 2);
-        c[i] = (i % 2 == 0) ? static_cast<int8_t>(word < 4 ? first : first + 1) : static_cast<int8_t>(-128);
+    alignas(64) int8_t c[64];
+    for (int base = 0; base < 2; ++base) {
+      for (int v = 0; v < 2; ++v) {
+        for (int i = 0; i < 64; ++i) {
+          const int lane = i / 16, word = (i % 16) / 2;
+          const int first = 4 * v + (lane < 2 ? 0 : 2);
+          c[i] = (i % 2 == 0) ? static_cast<int8_t>(8 * base + (word < 4 ? first : first + 1)) : kZ;
+        }
+        (v == 0 ? k.scw01 : k.scw23)[base] = _mm512_load_si512(c);
       }
-      (v == 0 ? k.scw01 : k.scw23) = _mm512_load_si512(c);
+    }
+    constexpr int kBits[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+    for (int v = 0; v < 4; ++v) {
+      for (int i = 0; i < 64; ++i) c[i] = static_cast<int8_t>(1u << kBits[v][i / 32]);
+      k.q5bits[v] = _mm512_load_si512(c);
     }
     alignas(64) int16_t s[32];
     for (int w = 0; w < 32; ++w) s[w] = w < 16 ? 4 : 2;
     k.sh42 = _mm512_load_si512(s);
-    for (int w = 0; w < 32; ++w) s[w] = w < 16 ? 3 : 1;
-    k.sh31 = _mm512_load_si512(s);
     for (int w = 0; w < 32; ++w) s[w] = w < 16 ? 0 : 2;
     k.sh02 = _mm512_load_si512(s);
     // q6_K half h, lane L: words 0-3 sub-block 8h + L, words 4-7 sub-block 8h + 4 + L.
@@ -177,32 +192,50 @@ const KConsts& kconsts() {
       for (int w = 0; w < 32; ++w) s[w] = static_cast<int16_t>(8 * h + (w / 8) + (w % 8 < 4 ? 0 : 4));
       k.q6[h] = _mm512_load_si512(s);
     }
-    k.bcast_mins = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    // The mins products: dwords 0-3 super-block 2, 4-7 block 0, 8-11 block 3, 12-15 block 1.
+    k.mins_factor = _mm512_setr_epi32(5, 5, 5, 5, 1, 1, 1, 1, 7, 7, 7, 7, 3, 3, 3, 3);
     return k;
   }();
   return consts;
 }
 
+// The 8 six-bit scales and mins of four q4_K / q5_K super-blocks, one per
+// 128-bit lane (ggml's get_scale_min_k4 for all j at once): lanes 0-1 as
+// [sc0-7, m0-7], lanes 2-3 as [m0-7, sc0-7]. `raw` holds each one's 12
+// scale bytes and 4 ignored ones.
+inline __m512i unpack_scales_k4(__m512i raw, const KConsts& k) {
+  // Low parts: sc0-3 = s[0-3] & 63, sc4-7 = s[8-11] & 15, m0-3 = s[4-7] & 63, m4-7 = s[8-11] >> 4.
+  const __m512i a = _mm512_shuffle_epi8(raw, k.unpack_a);
+  const __m512i low = _mm512_mask_blend_epi32(0x2288, a, _mm512_srli_epi16(a, 4));
+  // High parts of sc4-7 and m4-7: the top two bits of s[0-3] and s[4-7].
+  const __m512i b = _mm512_shuffle_epi8(raw, k.unpack_b);
+  const __m512i high = _mm512_and_si512(_mm512_srli_epi16(b, 2), _mm512_set1_epi8(0x30));
+  return _mm512_ternarylogic_epi32(low, high, k.unpack_mask, 0xec);  // (low & mask) | high
+}
+
 // One token's activations for a chunk of q4_K / q5_K super-blocks, laid out
 // for the kernel (once per call, shared by all rows): each super-block's
 // quants in the order of the weights' code vectors (sub-blocks 0, 2, 1, 3,
-// 4, 6, 5, 7); per super-block 16 words, 0 then the eight 32-element sums
-// (against the unpacked scales' words: 8 scales, then 8 mins); and per pair
-// of super-blocks [d, d, d', d']. An odd chunk ends in a zero super-block.
+// 4, 6, 5, 7); per super-block 16 words holding its eight 32-element sums
+// where its mins lie in the unpacked scale words (words 8-15 for blocks 0
+// and 1 of a quad, 0-7 for blocks 2 and 3), zeros elsewhere; and per quad
+// [d0, d0, d1, d1, d2, d2, d3, d3]. The chunk is padded with zero
+// super-blocks to whole quads.
 struct KPrep {
-  int8_t* qs;    // [pairs * 2][256]
-  int16_t* bsx;  // [pairs * 2][16]
-  float* da4;    // [pairs][4]
+  int8_t* qs;    // [quads * 4][256]
+  int16_t* bsx;  // [quads * 4][16]
+  float* da8;    // [quads][8]
 };
 
 constexpr size_t kPrepBytesPerBlock = 256 + 32 + 8;
 constexpr size_t kActBufferBytes = 64 * 1024;
 
-void prepare_k45(const ActBlockK* a, size_t sb0, size_t nsb, size_t pairs, const KPrep& p) {
+void prepare_k45(const ActBlockK* a, size_t sb0, size_t nsb, size_t quads, const KPrep& p) {
   constexpr int kSrc[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-  for (size_t i = 0; i < 2 * pairs; ++i) {
+  for (size_t i = 0; i < 4 * quads; ++i) {
     int8_t* qs = p.qs + 256 * i;
     int16_t* bsx = p.bsx + 16 * i;
+    std::memset(bsx, 0, 32);
     float d = 0.0f;
     if (i < nsb) {
       const ActBlockK& b = a[sb0 + i];
@@ -210,17 +243,14 @@ void prepare_k45(const ActBlockK* a, size_t sb0, size_t nsb, size_t pairs, const
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + 32 * j),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * kSrc[j])));
       }
-      for (int j = 0; j < 8; ++j) {
-        bsx[j] = 0;
-        bsx[8 + j] = static_cast<int16_t>(b.bsums[2 * j] + b.bsums[2 * j + 1]);
-      }
+      const int at = i % 4 < 2 ? 8 : 0;
+      for (int j = 0; j < 8; ++j) bsx[at + j] = static_cast<int16_t>(b.bsums[2 * j] + b.bsums[2 * j + 1]);
       d = b.d;
     } else {
       std::memset(qs, 0, 256);
-      std::memset(bsx, 0, 32);
     }
-    p.da4[2 * i] = d;
-    p.da4[2 * i + 1] = d;
+    p.da8[2 * i] = d;
+    p.da8[2 * i + 1] = d;
   }
 }
 
@@ -236,15 +266,11 @@ inline void codes_k45(const uint8_t* blk, const KConsts& k, __m512i* w) {
   w[2] = _mm512_and_si512(q1, m4);
   w[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
   if constexpr (kFive) {
-    // Bit j of qh[l] -> bit 4 of sub-block j's element l.
-    const __m512i m10 = _mm512_set1_epi8(0x10);
+    // Bit j of qh[l] is bit 4 of sub-block j's element l.
     const __m512i qh = _mm512_broadcast_i64x4(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const BlockQ5K*>(blk)->qh)));
-    const __m512i qh4 = _mm512_srli_epi16(qh, 4);
-    w[0] = _mm512_ternarylogic_epi32(w[0], _mm512_sllv_epi16(qh, k.sh42), m10, 0xf8);
-    w[1] = _mm512_ternarylogic_epi32(w[1], _mm512_sllv_epi16(qh, k.sh31), m10, 0xf8);
-    w[2] = _mm512_ternarylogic_epi32(w[2], _mm512_sllv_epi16(qh4, k.sh42), m10, 0xf8);
-    w[3] = _mm512_ternarylogic_epi32(w[3], _mm512_sllv_epi16(qh4, k.sh31), m10, 0xf8);
+    const __m512i m10 = _mm512_set1_epi8(0x10);
+    for (int v = 0; v < 4; ++v) w[v] = _mm512_mask_add_epi8(w[v], _mm512_test_epi8_mask(qh, k.q5bits[v]), w[v], m10);
   }
 }
 
@@ -263,68 +289,95 @@ inline void through_memory(T& v) {
   asm("" : "+m"(v));
 }
 
-// Pairs of q4_K / q5_K super-blocks of one row against NT tokens.
+// Quads of q4_K / q5_K super-blocks of one row against NT tokens.
 //
 // Products: vpdpbusd of each code vector (sub-blocks 0|2, 1|3, 4|6, 5|7)
 // with the matching quants leaves 4-product sums in dwords, eight per
 // sub-block (below 2^15: 4 * 31 * 127); vpackssdw packs vectors 0 and 1
 // (and 2 and 3) into words, so each 128-bit lane holds four words of one
 // sub-block and four of another, and vpdpwssd multiplies them by the
-// sub-blocks' scales, built with one pshufb per packed vector.
+// sub-blocks' scales, spread by one pshufb per packed vector. One int32 ->
+// float conversion and FMA per super-block and token; the mins of all four
+// super-blocks in one vector.
 // kPrefetch: false for a copy of the row's tail on the stack.
 template <bool kFive, int NT, bool kPrefetch = true>
-void qk45_pairs(const uint8_t* row, size_t pairs, const KPrep* prep, const KConsts& k, __m512* facc_io) {
+void qk45_quads(const uint8_t* row, size_t quads, const KPrep* prep, const KConsts& k, __m512* facc_io) {
   constexpr size_t kBytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
   __m512 facc[NT];
   for (int t = 0; t < NT; ++t) facc[t] = facc_io[t];
-  for (size_t p = 0; p < pairs; ++p) {
-    const uint8_t* blk = row + 2 * p * kBytes;
-    if constexpr (kPrefetch) prefetch_ahead<2 * kBytes>(blk);
-    // Both super-blocks' scales and mins (16 bytes each), and [d, dmin, d', dmin'].
-    const __m256i raw = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + 4)), 1);
-    alignas(32) uint8_t unpacked[32];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked), unpack_scales_k4(raw));
+  for (size_t q = 0; q < quads; ++q) {
+    const uint8_t* blk = row + 4 * q * kBytes;
+    if constexpr (kPrefetch) prefetch_ahead<4 * kBytes>(blk);
+    // The four super-blocks' scales and mins (16 bytes each) ...
+    __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+    raw = _mm512_mask_broadcast_i32x4(raw, 0x00f0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + 4)));
+    raw = _mm512_mask_broadcast_i32x4(raw, 0x0f00,
+                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kBytes + 4)));
+    raw = _mm512_mask_broadcast_i32x4(raw, 0xf000,
+                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 3 * kBytes + 4)));
+    alignas(64) uint8_t unpacked[64];
+    _mm512_store_si512(unpacked, unpack_scales_k4(raw, k));
     through_memory(unpacked);
-    const __m512i sm = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(unpacked)));
-    uint32_t dd0, dd1;
-    std::memcpy(&dd0, blk, 4);
-    std::memcpy(&dd1, blk + kBytes, 4);
-    const __m128 dd = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(static_cast<int>(dd0)), static_cast<int>(dd1), 1));
-    __m512i acc[2][NT];
-    for (int h = 0; h < 2; ++h) {
+    const __m512i sm01 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(unpacked)));
+    const __m512i sm23 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(unpacked + 32)));
+    // ... and [d, dmin] x 4.
+    uint32_t dd[4];
+    for (int i = 0; i < 4; ++i) std::memcpy(&dd[i], blk + i * kBytes, 4);
+    const __m256 ddf = _mm256_cvtph_ps(
+        _mm_set_epi64x(static_cast<long long>(dd[2] | static_cast<uint64_t>(dd[3]) << 32),
+                       static_cast<long long>(dd[0] | static_cast<uint64_t>(dd[1]) << 32)));
+    __m512i acc[4][NT];
+    for (int i = 0; i < 4; ++i) {
       __m512i w[4];
-      codes_k45<kFive>(blk + h * kBytes, k, w);
-      const __m512i b = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(unpacked + 16 * h)));
-      const __m512i sc01 = _mm512_shuffle_epi8(b, k.scw01);
-      const __m512i sc23 = _mm512_shuffle_epi8(b, k.scw23);
+      codes_k45<kFive>(blk + i * kBytes, k, w);
+      const __m512i b = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(unpacked + 16 * i)));
+      const __m512i sc01 = _mm512_shuffle_epi8(b, k.scw01[i / 2]);
+      const __m512i sc23 = _mm512_shuffle_epi8(b, k.scw23[i / 2]);
       for (int t = 0; t < NT; ++t) {
-        const int8_t* aq = prep[t].qs + (2 * p + h) * 256;
+        const int8_t* aq = prep[t].qs + (4 * q + i) * 256;
         const __m512i z = _mm512_setzero_si512();
         const __m512i d0 = _mm512_dpbusd_epi32(z, w[0], _mm512_loadu_si512(aq));
         const __m512i d1 = _mm512_dpbusd_epi32(z, w[1], _mm512_loadu_si512(aq + 64));
         const __m512i d2 = _mm512_dpbusd_epi32(z, w[2], _mm512_loadu_si512(aq + 128));
         const __m512i d3 = _mm512_dpbusd_epi32(z, w[3], _mm512_loadu_si512(aq + 192));
-        acc[h][t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, _mm512_packs_epi32(d0, d1), sc01),
+        acc[i][t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, _mm512_packs_epi32(d0, d1), sc01),
                                         _mm512_packs_epi32(d2, d3), sc23);
       }
     }
     for (int t = 0; t < NT; ++t) {
-      // [d da, dmin da, d' da', dmin' da'], then the mins (words 8-15 of each
-      // super-block's scale words against the 32-element sums).
-      const __m128 y = _mm_mul_ps(dd, _mm_loadu_ps(prep[t].da4 + 4 * p));
-      alignas(16) float ys[4];
-      _mm_store_ps(ys, y);
+      // [d da, dmin da] x 4 through memory, for the FMAs' broadcasts.
+      const __m256 y = _mm256_mul_ps(ddf, _mm256_loadu_ps(prep[t].da8 + 8 * q));
+      alignas(32) float ys[8];
+      _mm256_store_ps(ys, y);
       through_memory(ys);
-      __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][t]), _mm512_set1_ps(ys[0]), facc[t]);
-      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[1][t]), _mm512_set1_ps(ys[2]), f);
-      const __m512i mins = _mm512_madd_epi16(sm, _mm512_loadu_si512(prep[t].bsx + 32 * p));
+      __m512 f = facc[t];
+      for (int i = 0; i < 4; ++i) f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][t]), _mm512_set1_ps(ys[2 * i]), f);
+      const int16_t* bs = prep[t].bsx + 64 * q;
+      const __m512i mins = _mm512_dpwssd_epi32(_mm512_madd_epi16(sm01, _mm512_loadu_si512(bs)), sm23,
+                                               _mm512_loadu_si512(bs + 32));
       facc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins),
-                                 _mm512_permutexvar_ps(k.bcast_mins, _mm512_castps128_ps512(y)), f);
+                                 _mm512_permutexvar_ps(k.mins_factor, _mm512_castps256_ps512(y)), f);
     }
   }
   for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
+}
+
+template <bool kFive, bool kPrefetch>
+void qk45_quads_nt(int nt, const uint8_t* row, size_t quads, const KPrep* prep, const KConsts& k, __m512* facc) {
+  switch (nt) {
+    case 1:
+      qk45_quads<kFive, 1, kPrefetch>(row, quads, prep, k, facc);
+      break;
+    case 2:
+      qk45_quads<kFive, 2, kPrefetch>(row, quads, prep, k, facc);
+      break;
+    case 3:
+      qk45_quads<kFive, 3, kPrefetch>(row, quads, prep, k, facc);
+      break;
+    default:
+      qk45_quads<kFive, 4, kPrefetch>(row, quads, prep, k, facc);
+      break;
+  }
 }
 
 template <bool kFive>
@@ -336,70 +389,46 @@ void dot_rows_k45(const void* w, size_t row_bytes, int32_t rows, const void* act
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* ab = static_cast<const uint8_t*>(act);
   const size_t nsb = n / kQKK;
+  if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
   alignas(64) uint8_t buf[kActBufferBytes];
   for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
     const int nt = tokens - t0 < kMaxTokens ? tokens - t0 : kMaxTokens;
-    // Super-blocks per column chunk: an even number whose prepared activations fit.
-    const size_t chunk = kActBufferBytes / (kPrepBytesPerBlock * static_cast<size_t>(nt)) & ~size_t{1};
+    // Super-blocks per column chunk: whole quads whose prepared activations fit.
+    const size_t chunk = kActBufferBytes / (kPrepBytesPerBlock * static_cast<size_t>(nt)) & ~size_t{3};
     for (size_t c0 = 0; c0 < nsb; c0 += chunk) {
       const size_t cn = min_size(chunk, nsb - c0);
-      const size_t pairs = (cn + 1) / 2;
+      const size_t quads = (cn + 3) / 4;
       KPrep prep[kMaxTokens];
       uint8_t* q = buf;
       for (int t = 0; t < nt; ++t) {
         prep[t].qs = reinterpret_cast<int8_t*>(q);
-        q += pairs * 2 * 256;
+        q += quads * 4 * 256;
         prep[t].bsx = reinterpret_cast<int16_t*>(q);
-        q += pairs * 2 * 32;
-        prep[t].da4 = reinterpret_cast<float*>(q);
-        q += pairs * 16;
-        prepare_k45(reinterpret_cast<const ActBlockK*>(ab + static_cast<size_t>(t0 + t) * act_bytes), c0, cn, pairs,
+        q += quads * 4 * 32;
+        prep[t].da8 = reinterpret_cast<float*>(q);
+        q += quads * 32;
+        prepare_k45(reinterpret_cast<const ActBlockK*>(ab + static_cast<size_t>(t0 + t) * act_bytes), c0, cn, quads,
                     prep[t]);
+      }
+      const size_t full = cn / 4;
+      const size_t rest = cn % 4;
+      KPrep last[kMaxTokens];
+      for (int t = 0; t < nt; ++t) {
+        last[t].qs = prep[t].qs + full * 4 * 256;
+        last[t].bsx = prep[t].bsx + full * 4 * 16;
+        last[t].da8 = prep[t].da8 + full * 8;
       }
       for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
         const uint8_t* row = wb + r * row_bytes + c0 * kBytes;
         __m512 facc[kMaxTokens];
         for (int t = 0; t < kMaxTokens; ++t) facc[t] = _mm512_setzero_ps();
-        const size_t full = cn / 2;
-        switch (nt) {
-          case 1:
-            qk45_pairs<kFive, 1>(row, full, prep, k, facc);
-            break;
-          case 2:
-            qk45_pairs<kFive, 2>(row, full, prep, k, facc);
-            break;
-          case 3:
-            qk45_pairs<kFive, 3>(row, full, prep, k, facc);
-            break;
-          default:
-            qk45_pairs<kFive, 4>(row, full, prep, k, facc);
-            break;
-        }
-        if (cn % 2 != 0) {
-          // The last super-block, paired with a zero one.
-          alignas(64) uint8_t tail[2 * kBytes];
-          std::memcpy(tail, row + (cn - 1) * kBytes, kBytes);
-          std::memset(tail + kBytes, 0, kBytes);
-          KPrep last[kMaxTokens];
-          for (int t = 0; t < nt; ++t) {
-            last[t].qs = prep[t].qs + (cn - 1) * 256;
-            last[t].bsx = prep[t].bsx + (cn - 1) * 16;
-            last[t].da4 = prep[t].da4 + (cn - 1) * 2;
-          }
-          switch (nt) {
-            case 1:
-              qk45_pairs<kFive, 1, false>(tail, 1, last, k, facc);
-              break;
-            case 2:
-              qk45_pairs<kFive, 2, false>(tail, 1, last, k, facc);
-              break;
-            case 3:
-              qk45_pairs<kFive, 3, false>(tail, 1, last, k, facc);
-              break;
-            default:
-              qk45_pairs<kFive, 4, false>(tail, 1, last, k, facc);
-              break;
-          }
+        qk45_quads_nt<kFive, true>(nt, row, full, prep, k, facc);
+        if (rest != 0) {
+          // The last super-blocks, with zero ones to a whole quad.
+          alignas(64) uint8_t tail[4 * kBytes];
+          std::memset(tail, 0, sizeof tail);
+          std::memcpy(tail, row + full * 4 * kBytes, rest * kBytes);
+          qk45_quads_nt<kFive, false>(nt, tail, 1, last, k, facc);
         }
         for (int t = 0; t < nt; ++t) {
           float* o = out + static_cast<size_t>(t0 + t) * ld_out + r;
@@ -411,7 +440,7 @@ void dot_rows_k45(const void* w, size_t row_bytes, int32_t rows, const void* act
   }
 }
 
-// One q6_K row against NT tokens: the products as in qk45_pairs (codes
+// One q6_K row against NT tokens: the products as in qk45_quads (codes
 // below 64: the 4-product sums stay below 2^15), the -32 offset as one
 // vpdpwssd of the bsums with -32 times the scales.
 template <int NT>
@@ -638,6 +667,7 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* ab = static_cast<const uint8_t*>(act);
   const size_t nb = n / kQK32;
+  if (nb == 0) return zero_out(rows, tokens, out, ld_out);
   const size_t ng_total = (nb + 15) / 16;
   Group16 buf[kGroupBuffer];
   for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {

@@ -176,8 +176,10 @@ void Engine::reserve_kernel_scratch(int32_t tokens) {
     kernels::KernelScratch* scratch = &kernel_scratch_[static_cast<size_t>(t)];
     // A failed reservation is not an error: the kernels fall back to the
     // decode kernels when a call finds no scratch.
-    for (int i = 0; i < prefill_.count; ++i) {
-      const kernels::KernelTable& table = *prefill_.tier[i].table;
+    // The decode table too: the block-format tables (ffn_quant.cpp) serve
+    // every token count and keep their quantised activations there.
+    for (int i = -1; i < prefill_.count; ++i) {
+      const kernels::KernelTable& table = i < 0 ? *kernels_ : *prefill_.tier[i].table;
       if (table.reserve == nullptr) continue;
       (void)table.reserve(shape, tokens, rows, scratch);
       if (shared.d_ff > 0) (void)table.reserve(shared, tokens, rows, scratch);
@@ -200,8 +202,8 @@ size_t Engine::prepared_bound(size_t slots, int32_t tokens) const {
   const size_t active = std::min(static_cast<size_t>(n_experts_), slots);
   const int32_t n = static_cast<int32_t>(std::min<size_t>(slots, INT32_MAX));
   size_t bound = 0;
-  for (int i = 0; i < prefill_.count; ++i) {
-    const kernels::KernelTable& table = *prefill_.tier[i].table;
+  for (int i = -1; i < prefill_.count; ++i) {
+    const kernels::KernelTable& table = i < 0 ? *kernels_ : *prefill_.tier[i].table;
     if (table.prepared_bytes == nullptr || slots == 0) continue;
     for (const kernels::Phase phase : {kernels::Phase::kGateUp, kernels::Phase::kDown}) {
       size_t bytes = table.prepared_bytes(shape, phase, n) + active * (table.prepared_bytes(shape, phase, 1) + 64);
