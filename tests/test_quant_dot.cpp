@@ -29,8 +29,6 @@ void PrintTo(WeightType t, std::ostream* os) { *os << weight_format(t).name; }
 namespace {
 
 using colibri::WeightType;
-using colibri::kernels::ActBlock32;
-using colibri::kernels::ActBlockK;
 using colibri::kernels::QuantDotKernels;
 
 constexpr WeightType kTypes[] = {WeightType::kQ8_0, WeightType::kQ4_0, WeightType::kQ4_K, WeightType::kQ5_K,
@@ -237,60 +235,56 @@ void decode_row(WeightType t, const uint8_t* row, size_t n, double* w, double* m
   }
 }
 
-// One token's dequantised activations (d * q) from its blocks.
-void decode_act(WeightType t, const uint8_t* act, size_t n, double* x) {
-  if (k_format(t)) {
-    const auto* a = reinterpret_cast<const ActBlockK*>(act);
-    for (size_t i = 0; i < n; ++i) x[i] = static_cast<double>(a[i / 256].d) * a[i / 256].qs[i % 256];
-  } else {
-    const auto* a = reinterpret_cast<const ActBlock32*>(act);
-    for (size_t i = 0; i < n; ++i) x[i] = static_cast<double>(a[i / 32].d) * a[i / 32].qs[i % 32];
-  }
+// The activation row of n elements (quant_dot.h): qs[n], d[n / 32] (float),
+// sums[n / 16] (int16).
+const int8_t* act_qs(const uint8_t* act) { return reinterpret_cast<const int8_t*>(act); }
+float act_d(const uint8_t* act, size_t n, size_t block) {
+  float d;
+  std::memcpy(&d, act + n + block * sizeof(float), sizeof d);
+  return d;
+}
+int act_sum16(const uint8_t* act, size_t n, size_t h) {
+  int16_t s;
+  std::memcpy(&s, act + n + n / 8 + h * sizeof(int16_t), sizeof s);
+  return s;
+}
+
+// One token's dequantised activations (d * q) from its row.
+void decode_act(const uint8_t* act, size_t n, double* x) {
+  for (size_t i = 0; i < n; ++i) x[i] = static_cast<double>(act_d(act, n, i / 32)) * act_qs(act)[i];
 }
 
 // ---------------------------------------------------------------- activation quantiser
 
-// The definition (quant_dot.h): per block d = max|x| / 127, q =
-// round-to-nearest-even(x / d) clamped to [-127, 127], q = 0 when d == 0,
-// elements past n_valid zero; the sums of the quants.
-void check_quantized_act(WeightType t, const std::vector<float>& x, size_t n_valid, size_t n, const uint8_t* got,
+// The definition (quant_dot.h): per block of 32 (for every format)
+// d = max|x| / 127, q = round-to-nearest-even(x / d) clamped to
+// [-127, 127], q = 0 when d == 0, elements past n_valid zero; the sums of
+// the quants per 16.
+void check_quantized_act(const std::vector<float>& x, size_t n_valid, size_t n, const uint8_t* got,
                          const std::string& what) {
-  const size_t be = block_elements(t);
-  for (size_t b = 0; b < n / be; ++b) {
+  for (size_t b = 0; b < n / 32; ++b) {
     float amax = 0.0f;
-    for (size_t i = 0; i < be; ++i) {
-      const size_t k = b * be + i;
+    for (size_t i = 0; i < 32; ++i) {
+      const size_t k = b * 32 + i;
       const float v = k < n_valid ? x[k] : 0.0f;
       amax = std::max(amax, std::fabs(v));
     }
     const float d = amax / 127.0f;
-    std::vector<int> q(be);
-    for (size_t i = 0; i < be; ++i) {
-      const size_t k = b * be + i;
+    int q[32];
+    for (size_t i = 0; i < 32; ++i) {
+      const size_t k = b * 32 + i;
       const float v = k < n_valid ? x[k] : 0.0f;
       q[i] = d == 0.0f ? 0 : static_cast<int>(std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint(v / d))));
     }
-    const int8_t* qs;
-    float got_d;
-    if (k_format(t)) {
-      const auto* a = reinterpret_cast<const ActBlockK*>(got) + b;
-      got_d = a->d;
-      qs = a->qs;
-      for (int j = 0; j < 16; ++j) {
-        int s = 0;
-        for (int i = 0; i < 16; ++i) s += q[16 * j + i];
-        ASSERT_EQ(a->bsums[j], s) << what << " block " << b << " bsums[" << j << "]";
-      }
-    } else {
-      const auto* a = reinterpret_cast<const ActBlock32*>(got) + b;
-      got_d = a->d;
-      qs = a->qs;
-      int s = 0;
-      for (int i = 0; i < 32; ++i) s += q[i];
-      ASSERT_EQ(a->sum, s) << what << " block " << b << " sum";
+    ASSERT_EQ(colibri::float_bits(act_d(got, n, b)), colibri::float_bits(d)) << what << " block " << b << " d";
+    for (size_t i = 0; i < 32; ++i) {
+      ASSERT_EQ(act_qs(got)[32 * b + i], q[i]) << what << " block " << b << " q[" << i << "]";
     }
-    ASSERT_EQ(colibri::float_bits(got_d), colibri::float_bits(d)) << what << " block " << b << " d";
-    for (size_t i = 0; i < be; ++i) ASSERT_EQ(qs[i], q[i]) << what << " block " << b << " q[" << i << "]";
+    for (size_t h = 0; h < 2; ++h) {
+      int s = 0;
+      for (size_t i = 0; i < 16; ++i) s += q[16 * h + i];
+      ASSERT_EQ(act_sum16(got, n, 2 * b + h), s) << what << " block " << b << " sums[" << h << "]";
+    }
   }
 }
 
@@ -304,8 +298,9 @@ TEST(QuantDot, TablesAndSizes) {
   }
   for (WeightType t : kTypes) {
     EXPECT_TRUE(colibri::kernels::is_quantized(t));
-    const size_t blocks = 2048 / block_elements(t);
-    EXPECT_EQ(colibri::kernels::act_row_bytes(t, 2048), blocks * (k_format(t) ? sizeof(ActBlockK) : sizeof(ActBlock32)));
+    // qs[n], d[n / 32] (float), sums[n / 16] (int16).
+    EXPECT_EQ(colibri::kernels::act_row_bytes(t, 2048), 2048 + 2048 / 32 * 4 + 2048 / 16 * 2);
+    EXPECT_EQ(colibri::kernels::act_row_bytes(t, block_elements(t)), block_elements(t) * 5 / 4);
     EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kScalar), colibri::kernels::quant_dot_scalar(t));
     for (const IsaKernels& k : isa_kernels()) {
       const QuantDotKernels* q = k.get(t);
@@ -346,7 +341,11 @@ TEST(QuantDot, QuantizeActivations) {
         isas[0].get(t)->quantize_act(x.data(), n_valid, n, ref.data());
         const std::string what = std::string(type_name(t)) + " n=" + std::to_string(n) +
                                  " n_valid=" + std::to_string(n_valid);
-        check_quantized_act(t, x, n_valid, n, ref.data(), "scalar " + what);
+        check_quantized_act(x, n_valid, n, ref.data(), "scalar " + what);
+        // One layout for every format: the same bytes as q8_0's.
+        std::vector<uint8_t> q8(bytes, 0x3c);
+        isas[0].get(WeightType::kQ8_0)->quantize_act(x.data(), n_valid, n, q8.data());
+        ASSERT_EQ(0, std::memcmp(q8.data(), ref.data(), bytes)) << what << " vs q8_0";
         for (size_t i = 1; i < isas.size(); ++i) {
           std::vector<uint8_t> got(bytes, 0x5a);
           isas[i].get(t)->quantize_act(x.data(), n_valid, n, got.data());
@@ -383,7 +382,7 @@ TEST(QuantDot, QuantizeActivationsEdgeCases) {
       std::vector<uint8_t> ref(bytes);
       isas[0].get(t)->quantize_act(cases[c].data(), n, n, ref.data());
       const std::string what = std::string(type_name(t)) + " case " + std::to_string(c);
-      check_quantized_act(t, cases[c], n, n, ref.data(), "scalar " + what);
+      check_quantized_act(cases[c], n, n, ref.data(), "scalar " + what);
       for (size_t i = 1; i < isas.size(); ++i) {
         std::vector<uint8_t> got(bytes);
         isas[i].get(t)->quantize_act(cases[c].data(), n, n, got.data());
@@ -430,7 +429,7 @@ void run_dot_cases(WeightType t, const DotCase& c, std::mt19937& rng) {
     std::vector<std::vector<double>> xs(static_cast<size_t>(max_tokens));
     for (int i = 0; i < max_tokens; ++i) {
       xs[static_cast<size_t>(i)].resize(n);
-      decode_act(t, act.data() + static_cast<size_t>(i) * act_bytes, n, xs[static_cast<size_t>(i)].data());
+      decode_act(act.data() + static_cast<size_t>(i) * act_bytes, n, xs[static_cast<size_t>(i)].data());
     }
     for (int r = 0; r < max_rows; ++r) {
       decode_row(t, w.data() + static_cast<size_t>(r) * row_bytes, n, wd.data(), mag.data());
@@ -541,7 +540,7 @@ TEST_P(QuantDotFormat, ReferenceQuantisedWeights) {
   for (int i = 0; i < tokens; ++i) {
     const std::vector<float> x = random_acts(n, rng);
     colibri::kernels::quant_dot_scalar(t)->quantize_act(x.data(), n, n, act.data() + static_cast<size_t>(i) * act_bytes);
-    decode_act(t, act.data() + static_cast<size_t>(i) * act_bytes, n, xs[static_cast<size_t>(i)].data());
+    decode_act(act.data() + static_cast<size_t>(i) * act_bytes, n, xs[static_cast<size_t>(i)].data());
   }
   std::vector<double> ref(rows * tokens), scale(rows * tokens);
   std::vector<float> wf(n);

@@ -32,7 +32,6 @@ namespace {
 constexpr size_t kPrefetchFar = 4096;
 constexpr size_t kPrefetchNear = 1024;
 constexpr int kMaxTokens = 4;
-constexpr size_t kChunkBytes = 128 * 1024;
 
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -76,22 +75,26 @@ inline float hmax_ps(__m256 v) {
 
 // ---------------------------------------------------------------- activations
 
+// The activation row of n elements (quant_dot.h): qs[n] at 0, d[n / 32]
+// (float) at n, sums[n / 16] (int16) at n + n / 8.
+inline const uint8_t* act_d(const uint8_t* act, size_t n) { return act + n; }
+inline const uint8_t* act_sums(const uint8_t* act, size_t n) { return act + n + n / 8; }
+
 // The rule of qdot_scalar.cpp with the same float operations (exact
-// division, round to nearest even), so the bits agree.
-template <int kBlock>
-void quantize(const float* x, size_t n_valid, size_t n, void* out) {
-  constexpr int kVecs = kBlock / 8;
-  const size_t nb = n / kBlock;
+// division, round to nearest even), so the bits agree: per block of 32.
+// max(|v|, amax) ignores NaNs as the scalar comparison does.
+void quantize_act(const float* x, size_t n_valid, size_t n, void* out) {
+  const size_t nb = n / kActBlock;
   auto* o = static_cast<uint8_t*>(out);
   const __m256 lo = _mm256_set1_ps(-127.0f);
   const __m256 hi = _mm256_set1_ps(127.0f);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (size_t b = 0; b < nb; ++b) {
-    __m256 v[kVecs];
+    __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < kVecs; ++i) {
-      const size_t s = b * kBlock + 8 * static_cast<size_t>(i);
+    for (int i = 0; i < 4; ++i) {
+      const size_t s = b * kActBlock + 8 * static_cast<size_t>(i);
       if (s + 8 <= n_valid) {
         v[i] = _mm256_loadu_ps(x + s);
       } else if (s < n_valid) {
@@ -101,50 +104,48 @@ void quantize(const float* x, size_t n_valid, size_t n, void* out) {
       } else {
         v[i] = _mm256_setzero_ps();
       }
-      amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], absmask));
+      amax = _mm256_max_ps(_mm256_and_ps(v[i], absmask), amax);
     }
     const float d = hmax_ps(amax) / 127.0f;
-    float* dst_d;
-    int8_t* qs;
-    if (kBlock == kQK32) {
-      auto* a = reinterpret_cast<ActBlock32*>(o + b * sizeof(ActBlock32));
-      dst_d = &a->d;
-      qs = a->qs;
-    } else {
-      auto* a = reinterpret_cast<ActBlockK*>(o + b * sizeof(ActBlockK));
-      dst_d = &a->d;
-      qs = a->qs;
-    }
-    *dst_d = d;
-    int32_t sums[kBlock / 16];  // per 16 elements
+    std::memcpy(o + n + b * sizeof(float), &d, sizeof d);
+    int8_t* qs = reinterpret_cast<int8_t*>(o + b * kActBlock);
+    int16_t sums[2] = {0, 0};
     if (d == 0.0f) {
-      std::memset(qs, 0, kBlock);
-      for (int i = 0; i < kBlock / 16; ++i) sums[i] = 0;
+      std::memset(qs, 0, kActBlock);
     } else {
       const __m256 vd = _mm256_set1_ps(d);
-      for (int i = 0; i < kVecs; i += 4) {
-        __m256i q[4];
-        for (int j = 0; j < 4; ++j) {
-          __m256 f = _mm256_round_ps(_mm256_div_ps(v[i + j], vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          f = _mm256_min_ps(_mm256_max_ps(f, lo), hi);
-          q[j] = _mm256_cvtps_epi32(f);
-        }
-        sums[i / 2] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
-        sums[i / 2 + 1] = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
-        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + 8 * i), _mm256_permutevar8x32_epi32(p, perm));
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j) {
+        __m256 f = _mm256_round_ps(_mm256_div_ps(v[j], vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        f = _mm256_min_ps(_mm256_max_ps(f, lo), hi);
+        q[j] = _mm256_cvtps_epi32(f);
       }
+      sums[0] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(q[0], q[1])));
+      sums[1] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(q[2], q[3])));
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs), _mm256_permutevar8x32_epi32(p, perm));
     }
-    if (kBlock == kQK32) {
-      reinterpret_cast<ActBlock32*>(o + b * sizeof(ActBlock32))->sum = sums[0] + sums[1];
-    } else {
-      auto* a = reinterpret_cast<ActBlockK*>(o + b * sizeof(ActBlockK));
-      for (int i = 0; i < 16; ++i) a->bsums[i] = static_cast<int16_t>(sums[i]);
-    }
+    std::memcpy(o + n + n / 8 + 2 * b * sizeof(int16_t), sums, sizeof sums);
   }
 }
 
 // ---------------------------------------------------------------- K formats
+
+// Four vectors whose 128-bit lanes each hold four dwords of one sub-block,
+// transposed per lane: out[k] dword 4l + v = in[v] dword 4l + k. Dword lane
+// 4l + v of every out[k] then holds data of the sub-block in in[v]'s lane
+// l, so the products of out[0..3] sum each lane's sub-block apart from the
+// others, and one vector of per-lane float factors applies the scales.
+inline void transpose4x4(const __m256i* in, __m256i* out) {
+  const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]);
+  const __m256i t1 = _mm256_unpackhi_epi32(in[0], in[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]);
+  const __m256i t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
 
 // The 8 six-bit scales (bytes 0-7) and mins (bytes 8-15) of a q4_K / q5_K
 // super-block (ggml's get_scale_min_k4 for all j at once). `s` points at
@@ -161,24 +162,25 @@ inline __m128i unpack_scales_k4(const uint8_t* s) {
 }
 
 struct KConsts {
-  __m256i mins;    // [m0, m0, m1, m1, ...]
-  __m256i q6[4];   // q6_K: words 2i | 2i+1 of 8 words over the two lanes
+  // q4_K / q5_K: lane 4l + c holds sub-block 2c (low nibbles) or 2c + 1 (high).
+  __m128i sc_lanes;      // pshufb of [sc0-7, m0-7]: bytes 0-7 the low lanes' scales, 8-15 the high lanes'
+  __m256i dx_lo, dx_hi;  // vpermps of the 8 activation scales, likewise
+  // q6_K: in half h, lane 4l + v holds sub-block 8h + 2v + l.
+  __m128i q6_sc;         // pshufb: byte 8h + 4l + v <- scale 8h + 2v + l
+  __m256i q6_lanes;      // vpermd: lane 4l + v <- sum 2v + l of the half
+  __m256i q6_dx[2];      // vpermps: lane 4l + v <- activation block 4h + v
 };
 
 const KConsts& kconsts() {
   static const KConsts consts = [] {
     KConsts k;
-    alignas(32) int8_t m[32];
-    for (int i = 0; i < 32; ++i) m[i] = (i % 2 == 0) ? static_cast<int8_t>(8 + i / 4) : static_cast<int8_t>(-128);
-    k.mins = _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
-    for (int i = 0; i < 4; ++i) {
-      alignas(32) int8_t q[32];
-      for (int b = 0; b < 32; ++b) {
-        const int word = b < 16 ? 2 * i : 2 * i + 1;
-        q[b] = static_cast<int8_t>(2 * word + (b % 2));
-      }
-      k.q6[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
-    }
+    k.sc_lanes = _mm_setr_epi8(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
+    k.dx_lo = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    k.dx_hi = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+    k.q6_sc = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    k.q6_lanes = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    k.q6_dx[0] = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3);
+    k.q6_dx[1] = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
     return k;
   }();
   return consts;
@@ -197,171 +199,260 @@ inline __m256i q5_high(__m256i qh) {
   }
 }
 
-// Sub-block J (32 elements) of a q4_K / q5_K super-block against NT tokens.
-template <bool kFive, int J, int NT>
-inline void qk45_sub(const uint8_t* qs, __m256i qh, const uint32_t* sc_pairs, const uint8_t* const* aq,
-                     __m256i* acc) {
-  const __m256i m4 = _mm256_set1_epi8(0x0f);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (J / 2)));
-  __m256i w = (J % 2 == 0) ? _mm256_and_si256(raw, m4) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-  if constexpr (kFive) w = _mm256_or_si256(w, q5_high<J>(qh));
-  // [sc, sc] from memory: vpbroadcastd, a plain load.
-  const __m256i sc = _mm256_set1_epi32(static_cast<int>(sc_pairs[J]));
-  for (int t = 0; t < NT; ++t) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[t] + 32 * J));
-    acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), sc));
+// One token's activations for a chunk of super-blocks in the kernels'
+// order (once per call, shared by all rows), per super-block:
+//   qs:   its 256 quants as two groups of four transposed vectors (q4_K /
+//         q5_K: sub-blocks 0, 2, 4, 6 then 1, 3, 5, 7; q6_K: the halves);
+//   dx:   16 floats, lane 4l + v of each group: the scale of the
+//         activation block that lane's products belong to;
+//   q4_K / q5_K: s = 8 floats, dx_j * (sum of sub-block j's quants), for the mins;
+//   q6_K: init = 16 int32, -32 * (sum of the quants of each lane's
+//         sub-block), the codes' offset.
+struct KPrep {
+  int8_t* qs;
+  float* dx;
+  float* s;
+  int32_t* init;
+};
+
+constexpr size_t kK45PrepBytes = 256 + 64 + 32;
+constexpr size_t kQ6PrepBytes = 256 + 64 + 64;
+constexpr size_t kActBufferBytes = 64 * 1024;
+
+template <bool kQ6>
+void prepare_k(const uint8_t* act, size_t n, size_t sb0, size_t cn, const KPrep& p, const KConsts& k) {
+  const uint8_t* dsrc = act_d(act, n);
+  const uint8_t* ssrc = act_sums(act, n);
+  for (size_t i = 0; i < cn; ++i) {
+    const size_t b = sb0 + i;
+    const uint8_t* q = act + 256 * b;
+    int8_t* qs = p.qs + 256 * i;
+    for (int g = 0; g < 2; ++g) {
+      __m256i v[4], t[4];
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* src = kQ6 ? q + 128 * g + 32 * j : q + 32 * (2 * j + g);
+        v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      }
+      transpose4x4(v, t);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + 128 * g + 32 * j), t[j]);
+    }
+    const __m256 dx8 = _mm256_loadu_ps(reinterpret_cast<const float*>(dsrc + 32 * b));
+    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ssrc + 32 * b));
+    float* dx = p.dx + 16 * i;
+    if constexpr (kQ6) {
+      for (int g = 0; g < 2; ++g) {
+        _mm256_storeu_ps(dx + 8 * g, _mm256_permutevar8x32_ps(dx8, k.q6_dx[g]));
+        const __m256i s = _mm256_permutevar8x32_epi32(
+            _mm256_cvtepi16_epi32(g == 0 ? _mm256_castsi256_si128(s16) : _mm256_extracti128_si256(s16, 1)),
+            k.q6_lanes);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.init + 16 * i + 8 * g),
+                            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, 5)));
+      }
+    } else {
+      _mm256_storeu_ps(dx, _mm256_permutevar8x32_ps(dx8, k.dx_lo));
+      _mm256_storeu_ps(dx + 8, _mm256_permutevar8x32_ps(dx8, k.dx_hi));
+      const __m256 asum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+      _mm256_storeu_ps(p.s + 8 * i, _mm256_mul_ps(asum, dx8));
+    }
   }
 }
 
+// Four transposed code vectors (x) against group g (0, 1) of NT tokens'
+// prepared quants of super-block s: the pair
+// products of vpmaddubsw summed in int16 (below 2^15: 4 * 2 * 31 * 127),
+// widened by vpmaddwd, converted, times the lanes' activation scales and
+// `wf` (the lanes' weight scales) into facc.
+template <int NT>
+inline void k45_group(const __m256i* x, const KPrep* prep, size_t s, int g, __m256 wf, __m256* facc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int t = 0; t < NT; ++t) {
+    const int8_t* a = prep[t].qs + 256 * s + 128 * g;
+    const auto av = [a](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j)); };
+    const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(x[0], av(0)), _mm256_maddubs_epi16(x[1], av(1)));
+    const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(x[2], av(2)), _mm256_maddubs_epi16(x[3], av(3)));
+    const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones);
+    const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(prep[t].dx + 16 * s + 8 * g));
+    facc[t] = _mm256_fmadd_ps(p, wf, facc[t]);
+  }
+}
+
+// q4_K / q5_K super-blocks of one row against NT tokens. The four 32-byte
+// chunks of codes are transposed (transpose4x4), so lane 4l + c holds codes
+// of sub-block 2c in the low nibbles and of 2c + 1 in the high ones; per
+// token and half two float multiplies and an FMA, the mins one more FMA.
 template <bool kFive, int NT>
-void qk45_row(const uint8_t* row, const uint8_t* const* act, size_t nsb, const KConsts& k, float* res) {
+void qk45_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m256* facc_io) {
   constexpr size_t kBytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
   __m256 facc[NT];
-  for (int t = 0; t < NT; ++t) facc[t] = _mm256_setzero_ps();
+  for (int t = 0; t < NT; ++t) facc[t] = facc_io[t];
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
   for (size_t s = 0; s < nsb; ++s) {
     const uint8_t* blk = row + s * kBytes;
     prefetch_block<kBytes>(blk);
     uint16_t d16, dmin16;
     const uint8_t* scales;
     const uint8_t* qs;
-    __m256i qh = _mm256_setzero_si256();
     if constexpr (kFive) {
       const auto* b = reinterpret_cast<const BlockQ5K*>(blk);
       d16 = b->d, dmin16 = b->dmin, scales = b->scales, qs = b->qs;
-      qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh));
     } else {
       const auto* b = reinterpret_cast<const BlockQ4K*>(blk);
       d16 = b->d, dmin16 = b->dmin, scales = b->scales, qs = b->qs;
     }
     const __m128i scm = unpack_scales_k4(scales);
-    const __m256i scb = _mm256_broadcastsi128_si256(scm);
-    // The scales as dwords [sc_j, sc_j], through memory for the broadcasts.
-    const __m128i sw = _mm_cvtepu8_epi16(scm);
-    alignas(32) uint32_t sc_pairs[8];
-    _mm_store_si128(reinterpret_cast<__m128i*>(sc_pairs), _mm_unpacklo_epi16(sw, sw));
-    _mm_store_si128(reinterpret_cast<__m128i*>(sc_pairs + 4), _mm_unpackhi_epi16(sw, sw));
-    asm("" : "+m"(sc_pairs));
-    const uint8_t* aq[NT];
-    for (int t = 0; t < NT; ++t) aq[t] = reinterpret_cast<const uint8_t*>((reinterpret_cast<const ActBlockK*>(act[t]) + s)->qs);
-    __m256i acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_si256();
-    qk45_sub<kFive, 0, NT>(qs, qh, sc_pairs, aq, acc);
-    qk45_sub<kFive, 1, NT>(qs, qh, sc_pairs, aq, acc);
-    qk45_sub<kFive, 2, NT>(qs, qh, sc_pairs, aq, acc);
-    qk45_sub<kFive, 3, NT>(qs, qh, sc_pairs, aq, acc);
-    qk45_sub<kFive, 4, NT>(qs, qh, sc_pairs, aq, acc);
-    qk45_sub<kFive, 5, NT>(qs, qh, sc_pairs, aq, acc);
-    qk45_sub<kFive, 6, NT>(qs, qh, sc_pairs, aq, acc);
-    qk45_sub<kFive, 7, NT>(qs, qh, sc_pairs, aq, acc);
-    const __m256i mins = _mm256_shuffle_epi8(scb, k.mins);
+    const __m128i scl = _mm_shuffle_epi8(scm, k.sc_lanes);
     const __m256 vd = _mm256_set1_ps(h2f(d16));
-    const __m256 vdmin = _mm256_set1_ps(h2f(dmin16));
-    for (int t = 0; t < NT; ++t) {
-      const auto* a = reinterpret_cast<const ActBlockK*>(act[t]) + s;
-      const __m256i ms = _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums)));
-      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[t]), vd);
-      v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), vdmin, v);
-      facc[t] = _mm256_fmadd_ps(v, _mm256_set1_ps(a->d), facc[t]);
+    const __m256 wf_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scl)), vd);
+    const __m256 wf_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scl, 8))), vd);
+    const __m256 wm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8))),
+                                    _mm256_set1_ps(h2f(dmin16)));
+    __m256i c[4], x[4];
+    for (int j = 0; j < 4; ++j) c[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    if constexpr (kFive) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const BlockQ5K*>(blk)->qh));
+      __m256i v[4];
+      v[0] = _mm256_or_si256(_mm256_and_si256(c[0], m4), q5_high<0>(qh));
+      v[1] = _mm256_or_si256(_mm256_and_si256(c[1], m4), q5_high<2>(qh));
+      v[2] = _mm256_or_si256(_mm256_and_si256(c[2], m4), q5_high<4>(qh));
+      v[3] = _mm256_or_si256(_mm256_and_si256(c[3], m4), q5_high<6>(qh));
+      transpose4x4(v, x);
+      k45_group<NT>(x, prep, s, 0, wf_lo, facc);
+      v[0] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c[0], 4), m4), q5_high<1>(qh));
+      v[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c[1], 4), m4), q5_high<3>(qh));
+      v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c[2], 4), m4), q5_high<5>(qh));
+      v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c[3], 4), m4), q5_high<7>(qh));
+      transpose4x4(v, x);
+      k45_group<NT>(x, prep, s, 1, wf_hi, facc);
+    } else {
+      __m256i tr[4];
+      transpose4x4(c, tr);
+      for (int j = 0; j < 4; ++j) x[j] = _mm256_and_si256(tr[j], m4);
+      k45_group<NT>(x, prep, s, 0, wf_lo, facc);
+      for (int j = 0; j < 4; ++j) x[j] = _mm256_and_si256(_mm256_srli_epi16(tr[j], 4), m4);
+      k45_group<NT>(x, prep, s, 1, wf_hi, facc);
     }
+    for (int t = 0; t < NT; ++t) facc[t] = _mm256_fnmadd_ps(wm, _mm256_loadu_ps(prep[t].s + 8 * s), facc[t]);
   }
-  for (int t = 0; t < NT; ++t) res[t] = hsum_ps(facc[t]);
+  for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
 }
 
+// q6_K super-blocks of one row against NT tokens: per half the four code
+// vectors (32 elements each, two 16-element sub-blocks in their 128-bit
+// lanes) transposed, so lane 4l + v holds sub-block 8h + 2v + l; the pair
+// products summed two by two in int16 (below 2^15: 2 * 2 * 63 * 127),
+// widened from -32 * (sum a) (the codes' offset), then one conversion, one
+// multiply by the activation scales and one FMA with d * sc per token.
 template <int NT>
-void q6k_row(const uint8_t* row, const uint8_t* const* act, size_t nsb, const KConsts& k, float* res) {
+void q6k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m256* facc_io) {
   __m256 facc[NT];
-  for (int t = 0; t < NT; ++t) facc[t] = _mm256_setzero_ps();
+  for (int t = 0; t < NT; ++t) facc[t] = facc_io[t];
   const __m256i m4 = _mm256_set1_epi8(0x0f);
   const __m256i m30 = _mm256_set1_epi8(0x30);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (size_t s = 0; s < nsb; ++s) {
     const auto* b = reinterpret_cast<const BlockQ6K*>(row) + s;
     prefetch_block<sizeof(BlockQ6K)>(reinterpret_cast<const uint8_t*>(b));
-    const uint8_t* aq[NT];
-    for (int t = 0; t < NT; ++t) aq[t] = reinterpret_cast<const uint8_t*>((reinterpret_cast<const ActBlockK*>(act[t]) + s)->qs);
-    __m256i acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_si256();
+    const __m128i sc8 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)), k.q6_sc);
+    const __m256 vd = _mm256_set1_ps(h2f(b->d));
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * h));
       const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * h + 32));
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * h));
-      const __m256i scb = _mm256_broadcastsi128_si256(
-          _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b->scales + 8 * h))));
-      __m256i c[4];
+      __m256i c[4], x[4];
       c[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
       c[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
       c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
       c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                              _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-      for (int i = 0; i < 4; ++i) {
-        const __m256i sc = _mm256_shuffle_epi8(scb, k.q6[i]);
-        for (int t = 0; t < NT; ++t) {
-          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[t] + 128 * h + 32 * i));
-          acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(c[i], a), sc));
-        }
+      transpose4x4(c, x);
+      const __m256 wf =
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h == 0 ? sc8 : _mm_srli_si128(sc8, 8))), vd);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* a = prep[t].qs + 256 * s + 128 * h;
+        const auto av = [a](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j)); };
+        const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(x[0], av(0)), _mm256_maddubs_epi16(x[1], av(1)));
+        const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(x[2], av(2)), _mm256_maddubs_epi16(x[3], av(3)));
+        __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(prep[t].init + 16 * s + 8 * h));
+        d = _mm256_add_epi32(d, _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones)));
+        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(prep[t].dx + 16 * s + 8 * h));
+        facc[t] = _mm256_fmadd_ps(p, wf, facc[t]);
       }
     }
-    const __m256i negsc = _mm256_mullo_epi16(
-        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales))), _mm256_set1_epi16(-32));
-    const __m256 vd = _mm256_set1_ps(h2f(b->d));
-    for (int t = 0; t < NT; ++t) {
-      const auto* a = reinterpret_cast<const ActBlockK*>(act[t]) + s;
-      const __m256i comp = _mm256_madd_epi16(negsc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums)));
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[t], comp));
-      facc[t] = _mm256_fmadd_ps(_mm256_mul_ps(p, _mm256_set1_ps(a->d)), vd, facc[t]);
-    }
   }
-  for (int t = 0; t < NT; ++t) res[t] = hsum_ps(facc[t]);
+  for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
 }
 
 enum class Kind { kQ4K, kQ5K, kQ6K };
 
 template <Kind K, int NT>
-void k_row(const uint8_t* row, const uint8_t* const* act, size_t nsb, const KConsts& k, float* res) {
+inline void k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m256* facc) {
   if constexpr (K == Kind::kQ6K) {
-    q6k_row<NT>(row, act, nsb, k, res);
+    q6k_sbs<NT>(row, nsb, prep, k, facc);
   } else {
-    qk45_row<K == Kind::kQ5K, NT>(row, act, nsb, k, res);
+    qk45_sbs<K == Kind::kQ5K, NT>(row, nsb, prep, k, facc);
   }
 }
 
-inline size_t chunk_rows(size_t row_bytes) {
-  const size_t r = row_bytes == 0 ? 1 : kChunkBytes / row_bytes;
-  return r < 1 ? 1 : r;
-}
-
+// Up to kMaxTokens tokens at a time; per token group the super-blocks in
+// column chunks whose prepared activations fit the stack buffer; per chunk
+// every row.
 template <Kind K>
 void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
                 size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
+  constexpr bool kQ6 = K == Kind::kQ6K;
+  constexpr size_t kBytes = kQ6 ? sizeof(BlockQ6K) : K == Kind::kQ5K ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
+  constexpr size_t kPrepBytes = kQ6 ? kQ6PrepBytes : kK45PrepBytes;
   const KConsts& k = kconsts();
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* ab = static_cast<const uint8_t*>(act);
   const size_t nsb = n / kQKK;
-  const size_t chunk = chunk_rows(row_bytes);
-  for (size_t r0 = 0; r0 < static_cast<size_t>(rows); r0 += chunk) {
-    const size_t r1 = min_size(static_cast<size_t>(rows), r0 + chunk);
-    for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
-      const int nt = tokens - t0 < kMaxTokens ? tokens - t0 : kMaxTokens;
-      const uint8_t* ap[kMaxTokens];
-      for (int t = 0; t < nt; ++t) ap[t] = ab + static_cast<size_t>(t0 + t) * act_bytes;
-      for (size_t r = r0; r < r1; ++r) {
-        const uint8_t* row = wb + r * row_bytes;
-        float res[kMaxTokens];
+  if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
+  alignas(64) uint8_t buf[kActBufferBytes];
+  for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
+    const int nt = tokens - t0 < kMaxTokens ? tokens - t0 : kMaxTokens;
+    const size_t chunk = kActBufferBytes / (kPrepBytes * static_cast<size_t>(nt));
+    for (size_t c0 = 0; c0 < nsb; c0 += chunk) {
+      const size_t cn = min_size(chunk, nsb - c0);
+      KPrep prep[kMaxTokens];
+      uint8_t* q = buf;
+      for (int t = 0; t < nt; ++t) {
+        prep[t].qs = reinterpret_cast<int8_t*>(q);
+        q += cn * 256;
+        prep[t].dx = reinterpret_cast<float*>(q);
+        q += cn * 64;
+        if constexpr (kQ6) {
+          prep[t].init = reinterpret_cast<int32_t*>(q);
+          q += cn * 64;
+        } else {
+          prep[t].s = reinterpret_cast<float*>(q);
+          q += cn * 32;
+        }
+        prepare_k<kQ6>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, c0, cn, prep[t], k);
+      }
+      for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
+        const uint8_t* row = wb + r * row_bytes + c0 * kBytes;
+        __m256 facc[kMaxTokens];
+        for (int t = 0; t < kMaxTokens; ++t) facc[t] = _mm256_setzero_ps();
         switch (nt) {
           case 1:
-            k_row<K, 1>(row, ap, nsb, k, res);
+            k_sbs<K, 1>(row, cn, prep, k, facc);
             break;
           case 2:
-            k_row<K, 2>(row, ap, nsb, k, res);
+            k_sbs<K, 2>(row, cn, prep, k, facc);
             break;
           case 3:
-            k_row<K, 3>(row, ap, nsb, k, res);
+            k_sbs<K, 3>(row, cn, prep, k, facc);
             break;
           default:
-            k_row<K, 4>(row, ap, nsb, k, res);
+            k_sbs<K, 4>(row, cn, prep, k, facc);
             break;
         }
-        for (int t = 0; t < nt; ++t) out[static_cast<size_t>(t0 + t) * ld_out + r] = res[t];
+        for (int t = 0; t < nt; ++t) {
+          float* o = out + static_cast<size_t>(t0 + t) * ld_out + r;
+          const float v = hsum_ps(facc[t]);
+          *o = c0 == 0 ? v : *o + v;
+        }
       }
     }
   }
@@ -400,30 +491,32 @@ inline void transpose8(const uint8_t* p, __m256i* out) {
   out[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
+// Groups [g0, g0 + ng) of one token's activation row (n elements) into
+// out[g * stride].
 template <int kOffset>
-void prepare_groups(const ActBlock32* a, size_t nb, size_t g0, size_t ng, Group8* out, size_t stride) {
+void prepare_groups(const uint8_t* act, size_t n, size_t g0, size_t ng, Group8* out, size_t stride) {
+  const size_t nb = n / kQK32;
   for (size_t g = 0; g < ng; ++g) {
     const size_t b0 = (g0 + g) * 8;
     const size_t cnt = min_size(8, nb - b0);
-    ActBlock32 tail[8];
-    const ActBlock32* src = a + b0;
+    alignas(32) uint8_t tail[8 * kQK32];
+    alignas(32) float d[8] = {};
+    alignas(32) int16_t sums[16] = {};
+    const uint8_t* qs = act + b0 * kQK32;
     if (cnt < 8) {
       std::memset(tail, 0, sizeof tail);
-      std::memcpy(tail, src, cnt * sizeof(ActBlock32));
-      src = tail;
+      std::memcpy(tail, qs, cnt * kQK32);
+      qs = tail;
     }
+    std::memcpy(d, act_d(act, n) + b0 * sizeof(float), cnt * sizeof(float));
+    std::memcpy(sums, act_sums(act, n) + 2 * b0 * sizeof(int16_t), 2 * cnt * sizeof(int16_t));
     Group8& G = out[g * stride];
-    const auto* p = reinterpret_cast<const uint8_t*>(src);
-    transpose8<sizeof(ActBlock32)>(p + offsetof(ActBlock32, qs), G.a);
-    transpose8<sizeof(ActBlock32)>(p + offsetof(ActBlock32, qs) + 16, G.a + 4);
-    alignas(32) float d[8];
-    alignas(32) int32_t off[8];
-    for (int j = 0; j < 8; ++j) {
-      d[j] = src[j].d;
-      off[j] = -kOffset * src[j].sum;
-    }
+    transpose8<kQK32>(qs, G.a);
+    transpose8<kQK32>(qs + 16, G.a + 4);
     G.d = _mm256_load_ps(d);
-    G.off = _mm256_load_si256(reinterpret_cast<const __m256i*>(off));
+    // -offset * (the two 16-element sums of each block).
+    G.off = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(sums)),
+                              _mm256_set1_epi16(static_cast<int16_t>(-kOffset)));
   }
 }
 
@@ -512,8 +605,8 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
     for (size_t g0 = 0; g0 < ng_total; g0 += chunk_groups) {
       const size_t ng = min_size(chunk_groups, ng_total - g0);
       for (int t = 0; t < nt; ++t) {
-        const auto* a = reinterpret_cast<const ActBlock32*>(ab + static_cast<size_t>(t0 + t) * act_bytes);
-        prepare_groups<kQ8 ? 0 : 8>(a, nb, g0, ng, buf + t, static_cast<size_t>(nt));
+        prepare_groups<kQ8 ? 0 : 8>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, g0, ng, buf + t,
+                                    static_cast<size_t>(nt));
       }
       for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
         const uint8_t* row = wb + r * row_bytes;
@@ -541,11 +634,11 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
   }
 }
 
-const QuantDotKernels kQ8_0 = {"q8_0-avx2", quantize<kQK32>, dot_rows_32<true>};
-const QuantDotKernels kQ4_0 = {"q4_0-avx2", quantize<kQK32>, dot_rows_32<false>};
-const QuantDotKernels kQ4_K = {"q4_k-avx2", quantize<kQKK>, dot_rows_k<Kind::kQ4K>};
-const QuantDotKernels kQ5_K = {"q5_k-avx2", quantize<kQKK>, dot_rows_k<Kind::kQ5K>};
-const QuantDotKernels kQ6_K = {"q6_k-avx2", quantize<kQKK>, dot_rows_k<Kind::kQ6K>};
+const QuantDotKernels kQ8_0 = {"q8_0-avx2", quantize_act, dot_rows_32<true>};
+const QuantDotKernels kQ4_0 = {"q4_0-avx2", quantize_act, dot_rows_32<false>};
+const QuantDotKernels kQ4_K = {"q4_k-avx2", quantize_act, dot_rows_k<Kind::kQ4K>};
+const QuantDotKernels kQ5_K = {"q5_k-avx2", quantize_act, dot_rows_k<Kind::kQ5K>};
+const QuantDotKernels kQ6_K = {"q6_k-avx2", quantize_act, dot_rows_k<Kind::kQ6K>};
 
 }  // namespace
 

@@ -49,8 +49,6 @@ constexpr size_t kPrefetchFar = 4096;
 constexpr size_t kPrefetchNear = 1024;
 // Tokens per pass over the weights.
 constexpr int kMaxTokens = 4;
-// Rows per chunk when several token blocks pass over it (kept in L2).
-constexpr size_t kChunkBytes = 128 * 1024;
 
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -65,20 +63,24 @@ inline void zero_out(int32_t rows, int32_t tokens, float* out, size_t ld_out) {
 
 // ---------------------------------------------------------------- activations
 
+// The activation row of n elements (quant_dot.h): qs[n] at 0, d[n / 32]
+// (float) at n, sums[n / 16] (int16) at n + n / 8.
+inline const uint8_t* act_d(const uint8_t* act, size_t n) { return act + n; }
+inline const uint8_t* act_sums(const uint8_t* act, size_t n) { return act + n + n / 8; }
+
 // The rule of qdot_scalar.cpp with the same float operations (exact
-// division, round to nearest even), so the bits agree.
-template <int kBlock>
-void quantize(const float* x, size_t n_valid, size_t n, void* out) {
-  constexpr int kVecs = kBlock / 16;
-  const size_t nb = n / kBlock;
+// division, round to nearest even), so the bits agree: per block of 32.
+// max(|v|, amax) ignores NaNs as the scalar comparison does.
+void quantize_act(const float* x, size_t n_valid, size_t n, void* out) {
+  const size_t nb = n / kActBlock;
   auto* o = static_cast<uint8_t*>(out);
   const __m512 lo = _mm512_set1_ps(-127.0f);
   const __m512 hi = _mm512_set1_ps(127.0f);
   for (size_t b = 0; b < nb; ++b) {
-    __m512 v[kVecs];
+    __m512 v[2];
     __m512 amax = _mm512_setzero_ps();
-    for (int i = 0; i < kVecs; ++i) {
-      const size_t s = b * kBlock + 16 * static_cast<size_t>(i);
+    for (int i = 0; i < 2; ++i) {
+      const size_t s = b * kActBlock + 16 * static_cast<size_t>(i);
       if (s + 16 <= n_valid) {
         v[i] = _mm512_loadu_ps(x + s);
       } else if (s < n_valid) {
@@ -86,97 +88,102 @@ void quantize(const float* x, size_t n_valid, size_t n, void* out) {
       } else {
         v[i] = _mm512_setzero_ps();
       }
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+      amax = _mm512_max_ps(_mm512_abs_ps(v[i]), amax);
     }
     const float d = _mm512_reduce_max_ps(amax) / 127.0f;
-    float* dst_d;
-    int8_t* qs;
-    if (kBlock == kQK32) {
-      auto* a = reinterpret_cast<ActBlock32*>(o + b * sizeof(ActBlock32));
-      dst_d = &a->d;
-      qs = a->qs;
-    } else {
-      auto* a = reinterpret_cast<ActBlockK*>(o + b * sizeof(ActBlockK));
-      dst_d = &a->d;
-      qs = a->qs;
-    }
-    *dst_d = d;
-    int32_t sums[kVecs];
+    std::memcpy(o + n + b * sizeof(float), &d, sizeof d);
+    int8_t* qs = reinterpret_cast<int8_t*>(o + b * kActBlock);
+    int16_t sums[2] = {0, 0};
     if (d == 0.0f) {
-      std::memset(qs, 0, kBlock);
-      for (int i = 0; i < kVecs; ++i) sums[i] = 0;
+      std::memset(qs, 0, kActBlock);
     } else {
       const __m512 vd = _mm512_set1_ps(d);
-      for (int i = 0; i < kVecs; ++i) {
+      for (int i = 0; i < 2; ++i) {
         __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v[i], vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
         const __m512i qi = _mm512_cvtps_epi32(q);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qs + 16 * i), _mm512_cvtepi32_epi8(qi));
-        sums[i] = _mm512_reduce_add_epi32(qi);
+        sums[i] = static_cast<int16_t>(_mm512_reduce_add_epi32(qi));
       }
     }
-    if (kBlock == kQK32) {
-      reinterpret_cast<ActBlock32*>(o + b * sizeof(ActBlock32))->sum = sums[0] + sums[1];
-    } else {
-      auto* a = reinterpret_cast<ActBlockK*>(o + b * sizeof(ActBlockK));
-      for (int i = 0; i < kVecs; ++i) a->bsums[i] = static_cast<int16_t>(sums[i]);
-    }
+    std::memcpy(o + n + n / 8 + 2 * b * sizeof(int16_t), sums, sizeof sums);
   }
 }
 
 // ---------------------------------------------------------------- K formats
 
-// A pshufb control or mask: lanes 0-1 from std_lane, lanes 2-3 from swp_lane.
-inline __m512i lanes4(const int8_t (&std_lane)[16], const int8_t (&swp_lane)[16]) {
-  alignas(64) int8_t c[64];
-  for (int i = 0; i < 64; ++i) c[i] = i < 32 ? std_lane[i % 16] : swp_lane[i % 16];
-  return _mm512_load_si512(c);
+// Four vectors whose 128-bit lanes each hold four dwords of one sub-block,
+// transposed per lane: out[k] dword 4L + v = in[v] dword 4L + k. Dword lane
+// 4L + v of every out[k] then holds data of the sub-block in in[v]'s lane
+// L, so vpdpbusd over out[0..3] sums each lane's sub-block apart from the
+// others, and one vector of per-lane float factors applies the scales.
+inline void transpose4x4(const __m512i* in, __m512i* out) {
+  const __m512i t0 = _mm512_unpacklo_epi32(in[0], in[1]);
+  const __m512i t1 = _mm512_unpackhi_epi32(in[0], in[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(in[2], in[3]);
+  const __m512i t3 = _mm512_unpackhi_epi32(in[2], in[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
 struct KConsts {
   // q4_K / q5_K scale unpacking (unpack_scales_k4).
   __m512i unpack_a, unpack_b, unpack_mask;
-  // pshufb controls spreading a super-block's scales (broadcast to every
-  // 128-bit lane) as words over the packed products of code vectors 0|1 and
-  // 2|3 (see qk45_quads); [0]: scales in bytes 0-7, [1]: in bytes 8-15.
-  __m512i scw01[2], scw23[2];
+  __m512i dd_lanes;          // vpermd: the four super-blocks' [d, dmin] into the low 128 bits
+  __m512i q4_r[4];           // q4_K: vpermt2d of the two code vectors into lane order (codes_q4k)
+  __m512i sc_lanes;          // pshufb: byte 4L + v = scale of the sub-block of lane 4L + v (k45_sub)
+  __m512i mins_q;            // vpermq: the four super-blocks' mins into the low 256 bits
+  __m512i dx_lanes;          // vpermps: the activation scale of each lane's sub-block
+  __m512i dmin01, dmin23;    // vpermps: [dmin_0 x 8, dmin_1 x 8], [dmin_2 x 8, dmin_3 x 8]
   __m512i q5bits[4];         // q5_K: the qh bit of each code vector, per 256-bit half
   __m512i sh42, sh02;        // q6_K: per-half shift counts
-  // q6_K: vpermw indices spreading the 16 scale words over the packed
-  // products of half 0 and half 1.
-  __m512i q6[2];
-  __m512i mins_factor;       // lanes of [d da, dmin da] x 4 super-blocks against the mins
+  __m512i q6_lanes;          // q6_K: vpermd, lane 4L + v <- sub-block 4v + L
+  __m512i q6_dx;             // q6_K: vpermps, lane 4L + v <- activation block (4v + L) / 2
+  __m128i q6_sc;             // q6_K: pshufb, byte 4L + v <- scale 4v + L
 };
+
+// The sub-block of q4_K / q5_K lane 4L + v (v: code vector, L: 128-bit
+// lane): code vector v holds sub-blocks (0|2, 1|3, 4|6, 5|7)[v] in its
+// 256-bit halves.
+constexpr int k45_sub(int lane) {
+  constexpr int kLow[4] = {0, 1, 4, 5};
+  return kLow[lane % 4] + ((lane / 4) >= 2 ? 2 : 0);
+}
 
 const KConsts& kconsts() {
   static const KConsts consts = [] {
     KConsts k;
-    // Super-blocks 0 and 1 of a quad unpack to [sc0-7, m0-7], 2 and 3 to
-    // [m0-7, sc0-7] (so that the mins of all four meet the activation sums
-    // in distinct dwords, qk45_quads).
+    // Every 128-bit lane ([d, dmin, 12 scale bytes]) unpacks to [sc0-7, m0-7].
     constexpr int8_t kZ = -128;
-    const int8_t a_std[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11};
-    const int8_t a_swp[16] = {4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 8, 9, 10, 11};
-    const int8_t b_std[16] = {kZ, kZ, kZ, kZ, 0, 1, 2, 3, kZ, kZ, kZ, kZ, 4, 5, 6, 7};
-    const int8_t b_swp[16] = {kZ, kZ, kZ, kZ, 4, 5, 6, 7, kZ, kZ, kZ, kZ, 0, 1, 2, 3};
-    const int8_t m[16] = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15};
-    k.unpack_a = lanes4(a_std, a_swp);
-    k.unpack_b = lanes4(b_std, b_swp);
-    k.unpack_mask = lanes4(m, m);
-    // Lane L, words 0-3: the scale of code vector 2v's sub-block in lane L;
-    // words 4-7: vector 2v+1's. Vector 0 holds sub-blocks 0 | 2 (lanes 0-1 | 2-3),
-    // 1: 1 | 3, 2: 4 | 6, 3: 5 | 7.
     alignas(64) int8_t c[64];
-    for (int base = 0; base < 2; ++base) {
-      for (int v = 0; v < 2; ++v) {
-        for (int i = 0; i < 64; ++i) {
-          const int lane = i / 16, word = (i % 16) / 2;
-          const int first = 4 * v + (lane < 2 ? 0 : 2);
-          c[i] = (i % 2 == 0) ? static_cast<int8_t>(8 * base + (word < 4 ? first : first + 1)) : kZ;
-        }
-        (v == 0 ? k.scw01 : k.scw23)[base] = _mm512_load_si512(c);
-      }
+    const int8_t a[16] = {4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int8_t b[16] = {kZ, kZ, kZ, kZ, 4, 5, 6, 7, kZ, kZ, kZ, kZ, 8, 9, 10, 11};
+    const int8_t m[16] = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15};
+    for (int i = 0; i < 64; ++i) c[i] = a[i % 16];
+    k.unpack_a = _mm512_load_si512(c);
+    for (int i = 0; i < 64; ++i) c[i] = b[i % 16];
+    k.unpack_b = _mm512_load_si512(c);
+    for (int i = 0; i < 64; ++i) c[i] = m[i % 16];
+    k.unpack_mask = _mm512_load_si512(c);
+    for (int i = 0; i < 64; ++i) c[i] = static_cast<int8_t>(k45_sub(i % 16));
+    k.sc_lanes = _mm512_load_si512(c);
+    k.mins_q = _mm512_setr_epi64(1, 3, 5, 7, 1, 3, 5, 7);
+    k.dd_lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+    alignas(64) int32_t l[16];
+    // Lane 4L + v of transposed vector j: dword 4L + j of code vector v,
+    // whose bytes are those of q0 (v < 2) or q1 (v >= 2).
+    for (int j = 0; j < 4; ++j) {
+      for (int i = 0; i < 16; ++i) l[i] = (i % 4 < 2 ? 0 : 16) + 4 * (i / 4) + j;
+      k.q4_r[j] = _mm512_load_si512(l);
     }
+    for (int i = 0; i < 16; ++i) l[i] = k45_sub(i);
+    k.dx_lanes = _mm512_load_si512(l);
+    for (int i = 0; i < 16; ++i) l[i] = i < 8 ? 1 : 3;
+    k.dmin01 = _mm512_load_si512(l);
+    for (int i = 0; i < 16; ++i) l[i] = i < 8 ? 5 : 7;
+    k.dmin23 = _mm512_load_si512(l);
     constexpr int kBits[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
     for (int v = 0; v < 4; ++v) {
       for (int i = 0; i < 64; ++i) c[i] = static_cast<int8_t>(1u << kBits[v][i / 32]);
@@ -187,70 +194,100 @@ const KConsts& kconsts() {
     k.sh42 = _mm512_load_si512(s);
     for (int w = 0; w < 32; ++w) s[w] = w < 16 ? 0 : 2;
     k.sh02 = _mm512_load_si512(s);
-    // q6_K half h, lane L: words 0-3 sub-block 8h + L, words 4-7 sub-block 8h + 4 + L.
-    for (int h = 0; h < 2; ++h) {
-      for (int w = 0; w < 32; ++w) s[w] = static_cast<int16_t>(8 * h + (w / 8) + (w % 8 < 4 ? 0 : 4));
-      k.q6[h] = _mm512_load_si512(s);
-    }
-    // The mins products: dwords 0-3 super-block 2, 4-7 block 0, 8-11 block 3, 12-15 block 1.
-    k.mins_factor = _mm512_setr_epi32(5, 5, 5, 5, 1, 1, 1, 1, 7, 7, 7, 7, 3, 3, 3, 3);
+    // q6_K: code vector v holds sub-blocks 4v .. 4v + 3, one per 128-bit lane.
+    for (int i = 0; i < 16; ++i) l[i] = 4 * (i % 4) + i / 4;
+    k.q6_lanes = _mm512_load_si512(l);
+    for (int i = 0; i < 16; ++i) l[i] = (4 * (i % 4) + i / 4) / 2;
+    k.q6_dx = _mm512_load_si512(l);
+    alignas(16) int8_t q[16];
+    for (int i = 0; i < 16; ++i) q[i] = static_cast<int8_t>(4 * (i % 4) + i / 4);
+    k.q6_sc = _mm_load_si128(reinterpret_cast<const __m128i*>(q));
     return k;
   }();
   return consts;
 }
 
 // The 8 six-bit scales and mins of four q4_K / q5_K super-blocks, one per
-// 128-bit lane (ggml's get_scale_min_k4 for all j at once): lanes 0-1 as
-// [sc0-7, m0-7], lanes 2-3 as [m0-7, sc0-7]. `raw` holds each one's 12
-// scale bytes and 4 ignored ones.
+// 128-bit lane as [sc0-7, m0-7] (ggml's get_scale_min_k4 for all j at
+// once). `raw` holds each one's first 16 bytes: d, dmin, the 12 scale bytes.
 inline __m512i unpack_scales_k4(__m512i raw, const KConsts& k) {
-  // Low parts: sc0-3 = s[0-3] & 63, sc4-7 = s[8-11] & 15, m0-3 = s[4-7] & 63, m4-7 = s[8-11] >> 4.
+  // Low parts (s = the scale bytes, from byte 4): sc0-3 = s[0-3] & 63,
+  // sc4-7 = s[8-11] & 15, m0-3 = s[4-7] & 63, m4-7 = s[8-11] >> 4.
   const __m512i a = _mm512_shuffle_epi8(raw, k.unpack_a);
-  const __m512i low = _mm512_mask_blend_epi32(0x2288, a, _mm512_srli_epi16(a, 4));
+  const __m512i low = _mm512_mask_blend_epi32(0x8888, a, _mm512_srli_epi16(a, 4));
   // High parts of sc4-7 and m4-7: the top two bits of s[0-3] and s[4-7].
   const __m512i b = _mm512_shuffle_epi8(raw, k.unpack_b);
   const __m512i high = _mm512_and_si512(_mm512_srli_epi16(b, 2), _mm512_set1_epi8(0x30));
   return _mm512_ternarylogic_epi32(low, high, k.unpack_mask, 0xec);  // (low & mask) | high
 }
 
-// One token's activations for a chunk of q4_K / q5_K super-blocks, laid out
-// for the kernel (once per call, shared by all rows): each super-block's
-// quants in the order of the weights' code vectors (sub-blocks 0, 2, 1, 3,
-// 4, 6, 5, 7); per super-block 16 words holding its eight 32-element sums
-// where its mins lie in the unpacked scale words (words 8-15 for blocks 0
-// and 1 of a quad, 0-7 for blocks 2 and 3), zeros elsewhere; and per quad
-// [d0, d0, d1, d1, d2, d2, d3, d3]. The chunk is padded with zero
-// super-blocks to whole quads.
+// One token's activations for a chunk of super-blocks in the kernels'
+// order (once per call, shared by all rows), per super-block:
+//   qs:   its 256 quants transposed as the code vectors are (transpose4x4);
+//   dx:   16 floats, lane 4L + v: the scale of the activation block that
+//         lane's products belong to;
+//   q4_K / q5_K: s = 8 floats, dx_j * (sum of sub-block j's quants), for the mins;
+//   q6_K: init = 16 int32, -32 * (sum of the quants of lane 4L + v's
+//         sub-block), the codes' offset as vpdpbusd's starting value.
+// q4_K / q5_K chunks are padded with zero super-blocks to whole quads.
 struct KPrep {
-  int8_t* qs;    // [quads * 4][256]
-  int16_t* bsx;  // [quads * 4][16]
-  float* da8;    // [quads][8]
+  int8_t* qs;
+  float* dx;
+  float* s;
+  int32_t* init;
 };
 
-constexpr size_t kPrepBytesPerBlock = 256 + 32 + 8;
+constexpr size_t kK45PrepBytes = 256 + 64 + 32;
+constexpr size_t kQ6PrepBytes = 256 + 64 + 64;
 constexpr size_t kActBufferBytes = 64 * 1024;
 
-void prepare_k45(const ActBlockK* a, size_t sb0, size_t nsb, size_t quads, const KPrep& p) {
-  constexpr int kSrc[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-  for (size_t i = 0; i < 4 * quads; ++i) {
+inline __m512i concat256(const uint8_t* lo, const uint8_t* hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
+
+template <bool kQ6>
+void prepare_k(const uint8_t* act, size_t n, size_t sb0, size_t cn, size_t padded, const KPrep& p, const KConsts& k) {
+  const uint8_t* dsrc = act_d(act, n);
+  const uint8_t* ssrc = act_sums(act, n);
+  for (size_t i = 0; i < padded; ++i) {
     int8_t* qs = p.qs + 256 * i;
-    int16_t* bsx = p.bsx + 16 * i;
-    std::memset(bsx, 0, 32);
-    float d = 0.0f;
-    if (i < nsb) {
-      const ActBlockK& b = a[sb0 + i];
-      for (int j = 0; j < 8; ++j) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + 32 * j),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * kSrc[j])));
-      }
-      const int at = i % 4 < 2 ? 8 : 0;
-      for (int j = 0; j < 8; ++j) bsx[at + j] = static_cast<int16_t>(b.bsums[2 * j] + b.bsums[2 * j + 1]);
-      d = b.d;
-    } else {
+    if (i >= cn) {
       std::memset(qs, 0, 256);
+      std::memset(p.dx + 16 * i, 0, 64);
+      if constexpr (kQ6) {
+        std::memset(p.init + 16 * i, 0, 64);
+      } else {
+        std::memset(p.s + 8 * i, 0, 32);
+      }
+      continue;
     }
-    p.da8[2 * i] = d;
-    p.da8[2 * i + 1] = d;
+    const size_t b = sb0 + i;
+    const uint8_t* q = act + 256 * b;
+    __m512i v[4];
+    if constexpr (kQ6) {
+      for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(q + 64 * j);
+    } else {
+      // As the code vectors: sub-blocks 0|2, 1|3, 4|6, 5|7.
+      v[0] = concat256(q, q + 64);
+      v[1] = concat256(q + 32, q + 96);
+      v[2] = concat256(q + 128, q + 192);
+      v[3] = concat256(q + 160, q + 224);
+    }
+    __m512i t[4];
+    transpose4x4(v, t);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(qs + 64 * j, t[j]);
+    const __m256 dx8 = _mm256_loadu_ps(reinterpret_cast<const float*>(dsrc + 32 * b));
+    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ssrc + 32 * b));
+    if constexpr (kQ6) {
+      _mm512_storeu_ps(p.dx + 16 * i, _mm512_permutexvar_ps(k.q6_dx, _mm512_castps256_ps512(dx8)));
+      const __m512i s = _mm512_permutexvar_epi32(k.q6_lanes, _mm512_cvtepi16_epi32(s16));
+      _mm512_storeu_si512(p.init + 16 * i, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 5)));
+    } else {
+      _mm512_storeu_ps(p.dx + 16 * i, _mm512_permutexvar_ps(k.dx_lanes, _mm512_castps256_ps512(dx8)));
+      const __m256 asum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+      _mm256_storeu_ps(p.s + 8 * i, _mm256_mul_ps(asum, dx8));
+    }
   }
 }
 
@@ -274,6 +311,21 @@ inline void codes_k45(const uint8_t* blk, const KConsts& k, __m512i* w) {
   }
 }
 
+// The q4_K code vectors of codes_k45 already transposed (transpose4x4):
+// out[j] dword 4L + v = code vector v's dword 4L + j, the low (v even) or
+// high (v odd) nibbles of dword 4L + j of q0 (v < 2) or q1 (v >= 2), so
+// one vpermt2d and a masked shift per vector instead of eight unpacks.
+inline void codes_q4k_lanes(const uint8_t* blk, const KConsts& k, __m512i* out) {
+  const uint8_t* qs = reinterpret_cast<const BlockQ4K*>(blk)->qs;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  const __m512i q0 = _mm512_loadu_si512(qs);
+  const __m512i q1 = _mm512_loadu_si512(qs + 64);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i r = _mm512_permutex2var_epi32(q0, k.q4_r[j], q1);
+    out[j] = _mm512_and_si512(_mm512_mask_srli_epi32(r, 0xaaaa, r, 4), m4);
+  }
+}
+
 template <size_t kBytes>
 inline void prefetch_ahead(const uint8_t* p) {
   for (size_t o = 0; o < kBytes; o += 64) {
@@ -291,14 +343,13 @@ inline void through_memory(T& v) {
 
 // Quads of q4_K / q5_K super-blocks of one row against NT tokens.
 //
-// Products: vpdpbusd of each code vector (sub-blocks 0|2, 1|3, 4|6, 5|7)
-// with the matching quants leaves 4-product sums in dwords, eight per
-// sub-block (below 2^15: 4 * 31 * 127); vpackssdw packs vectors 0 and 1
-// (and 2 and 3) into words, so each 128-bit lane holds four words of one
-// sub-block and four of another, and vpdpwssd multiplies them by the
-// sub-blocks' scales, spread by one pshufb per packed vector. One int32 ->
-// float conversion and FMA per super-block and token; the mins of all four
-// super-blocks in one vector.
+// Each super-block's four code vectors are transposed (transpose4x4), so
+// that dword lane 4L + v always holds four codes of sub-block
+// k45_sub(4L + v) (two lanes per sub-block); four vpdpbusd then leave in
+// each lane a partial product of its sub-block (below 2^16: 16 * 31 * 127).
+// Per token and super-block one conversion, one multiply by the lanes'
+// activation scales and one FMA with the lanes' d * sc; the mins of two
+// super-blocks as one FMA of dmin * m_j with dx_j * (sum a)_j.
 // kPrefetch: false for a copy of the row's tail on the stack.
 template <bool kFive, int NT, bool kPrefetch = true>
 void qk45_quads(const uint8_t* row, size_t quads, const KPrep* prep, const KConsts& k, __m512* facc_io) {
@@ -308,155 +359,80 @@ void qk45_quads(const uint8_t* row, size_t quads, const KPrep* prep, const KCons
   for (size_t q = 0; q < quads; ++q) {
     const uint8_t* blk = row + 4 * q * kBytes;
     if constexpr (kPrefetch) prefetch_ahead<4 * kBytes>(blk);
-    // The four super-blocks' scales and mins (16 bytes each) ...
-    __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-    raw = _mm512_mask_broadcast_i32x4(raw, 0x00f0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + 4)));
-    raw = _mm512_mask_broadcast_i32x4(raw, 0x0f00,
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kBytes + 4)));
-    raw = _mm512_mask_broadcast_i32x4(raw, 0xf000,
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 3 * kBytes + 4)));
-    alignas(64) uint8_t unpacked[64];
-    _mm512_store_si512(unpacked, unpack_scales_k4(raw, k));
-    through_memory(unpacked);
-    const __m512i sm01 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(unpacked)));
-    const __m512i sm23 = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(unpacked + 32)));
+    // The four super-blocks' d, dmin, scales and mins (16 bytes each) ...
+    __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    raw = _mm512_mask_broadcast_i32x4(raw, 0x00f0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes)));
+    raw = _mm512_mask_broadcast_i32x4(raw, 0x0f00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kBytes)));
+    raw = _mm512_mask_broadcast_i32x4(raw, 0xf000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 3 * kBytes)));
+    const __m512i u = unpack_scales_k4(raw, k);
+    // ... the scales spread over each super-block's lanes, the mins of all four in order ...
+    alignas(64) uint8_t sc[64];
+    alignas(32) uint8_t mins[32];
+    _mm512_store_si512(sc, _mm512_shuffle_epi8(u, k.sc_lanes));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(mins),
+                       _mm512_castsi512_si256(_mm512_permutexvar_epi64(k.mins_q, u)));
+    through_memory(sc);
+    through_memory(mins);
     // ... and [d, dmin] x 4.
-    uint32_t dd[4];
-    for (int i = 0; i < 4; ++i) std::memcpy(&dd[i], blk + i * kBytes, 4);
-    const __m256 ddf = _mm256_cvtph_ps(
-        _mm_set_epi64x(static_cast<long long>(dd[2] | static_cast<uint64_t>(dd[3]) << 32),
-                       static_cast<long long>(dd[0] | static_cast<uint64_t>(dd[1]) << 32)));
-    __m512i acc[4][NT];
+    const __m256 ddf = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(k.dd_lanes, raw)));
+    alignas(32) float ys[8];
+    _mm256_store_ps(ys, ddf);
+    through_memory(ys);
     for (int i = 0; i < 4; ++i) {
-      __m512i w[4];
-      codes_k45<kFive>(blk + i * kBytes, k, w);
-      const __m512i b = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(unpacked + 16 * i)));
-      const __m512i sc01 = _mm512_shuffle_epi8(b, k.scw01[i / 2]);
-      const __m512i sc23 = _mm512_shuffle_epi8(b, k.scw23[i / 2]);
+      __m512i x[4];
+      if constexpr (kFive) {
+        __m512i w[4];
+        codes_k45<true>(blk + i * kBytes, k, w);
+        transpose4x4(w, x);
+      } else {
+        codes_q4k_lanes(blk + i * kBytes, k, x);
+      }
+      const __m512 wf = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + 16 * i)))),
+          _mm512_set1_ps(ys[2 * i]));
+      const size_t sb = 4 * q + static_cast<size_t>(i);
       for (int t = 0; t < NT; ++t) {
-        const int8_t* aq = prep[t].qs + (4 * q + i) * 256;
-        const __m512i z = _mm512_setzero_si512();
-        const __m512i d0 = _mm512_dpbusd_epi32(z, w[0], _mm512_loadu_si512(aq));
-        const __m512i d1 = _mm512_dpbusd_epi32(z, w[1], _mm512_loadu_si512(aq + 64));
-        const __m512i d2 = _mm512_dpbusd_epi32(z, w[2], _mm512_loadu_si512(aq + 128));
-        const __m512i d3 = _mm512_dpbusd_epi32(z, w[3], _mm512_loadu_si512(aq + 192));
-        acc[i][t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, _mm512_packs_epi32(d0, d1), sc01),
-                                        _mm512_packs_epi32(d2, d3), sc23);
+        const int8_t* aq = prep[t].qs + 256 * sb;
+        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x[0], _mm512_loadu_si512(aq));
+        acc = _mm512_dpbusd_epi32(acc, x[1], _mm512_loadu_si512(aq + 64));
+        acc = _mm512_dpbusd_epi32(acc, x[2], _mm512_loadu_si512(aq + 128));
+        acc = _mm512_dpbusd_epi32(acc, x[3], _mm512_loadu_si512(aq + 192));
+        const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(prep[t].dx + 16 * sb));
+        facc[t] = _mm512_fmadd_ps(p, wf, facc[t]);
       }
     }
+    // The mins: lanes [dmin m_0-7 of super-block 0, of 1] and [2, 3].
+    const __m512 ddz = _mm512_castps256_ps512(ddf);
+    const __m512 wm01 = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(mins)))),
+        _mm512_permutexvar_ps(k.dmin01, ddz));
+    const __m512 wm23 = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(mins + 16)))),
+        _mm512_permutexvar_ps(k.dmin23, ddz));
     for (int t = 0; t < NT; ++t) {
-      // [d da, dmin da] x 4 through memory, for the FMAs' broadcasts.
-      const __m256 y = _mm256_mul_ps(ddf, _mm256_loadu_ps(prep[t].da8 + 8 * q));
-      alignas(32) float ys[8];
-      _mm256_store_ps(ys, y);
-      through_memory(ys);
-      __m512 f = facc[t];
-      for (int i = 0; i < 4; ++i) f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][t]), _mm512_set1_ps(ys[2 * i]), f);
-      const int16_t* bs = prep[t].bsx + 64 * q;
-      const __m512i mins = _mm512_dpwssd_epi32(_mm512_madd_epi16(sm01, _mm512_loadu_si512(bs)), sm23,
-                                               _mm512_loadu_si512(bs + 32));
-      facc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins),
-                                 _mm512_permutexvar_ps(k.mins_factor, _mm512_castps256_ps512(y)), f);
+      const float* s = prep[t].s + 32 * q;
+      facc[t] = _mm512_fnmadd_ps(wm01, _mm512_loadu_ps(s), facc[t]);
+      facc[t] = _mm512_fnmadd_ps(wm23, _mm512_loadu_ps(s + 16), facc[t]);
     }
   }
   for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
 }
 
-template <bool kFive, bool kPrefetch>
-void qk45_quads_nt(int nt, const uint8_t* row, size_t quads, const KPrep* prep, const KConsts& k, __m512* facc) {
-  switch (nt) {
-    case 1:
-      qk45_quads<kFive, 1, kPrefetch>(row, quads, prep, k, facc);
-      break;
-    case 2:
-      qk45_quads<kFive, 2, kPrefetch>(row, quads, prep, k, facc);
-      break;
-    case 3:
-      qk45_quads<kFive, 3, kPrefetch>(row, quads, prep, k, facc);
-      break;
-    default:
-      qk45_quads<kFive, 4, kPrefetch>(row, quads, prep, k, facc);
-      break;
-  }
-}
-
-template <bool kFive>
-void dot_rows_k45(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
-                  size_t n, float* out, size_t ld_out) {
-  if (rows <= 0 || tokens <= 0) return;
-  constexpr size_t kBytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
-  const KConsts& k = kconsts();
-  const auto* wb = static_cast<const uint8_t*>(w);
-  const auto* ab = static_cast<const uint8_t*>(act);
-  const size_t nsb = n / kQKK;
-  if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
-  alignas(64) uint8_t buf[kActBufferBytes];
-  for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
-    const int nt = tokens - t0 < kMaxTokens ? tokens - t0 : kMaxTokens;
-    // Super-blocks per column chunk: whole quads whose prepared activations fit.
-    const size_t chunk = kActBufferBytes / (kPrepBytesPerBlock * static_cast<size_t>(nt)) & ~size_t{3};
-    for (size_t c0 = 0; c0 < nsb; c0 += chunk) {
-      const size_t cn = min_size(chunk, nsb - c0);
-      const size_t quads = (cn + 3) / 4;
-      KPrep prep[kMaxTokens];
-      uint8_t* q = buf;
-      for (int t = 0; t < nt; ++t) {
-        prep[t].qs = reinterpret_cast<int8_t*>(q);
-        q += quads * 4 * 256;
-        prep[t].bsx = reinterpret_cast<int16_t*>(q);
-        q += quads * 4 * 32;
-        prep[t].da8 = reinterpret_cast<float*>(q);
-        q += quads * 32;
-        prepare_k45(reinterpret_cast<const ActBlockK*>(ab + static_cast<size_t>(t0 + t) * act_bytes), c0, cn, quads,
-                    prep[t]);
-      }
-      const size_t full = cn / 4;
-      const size_t rest = cn % 4;
-      KPrep last[kMaxTokens];
-      for (int t = 0; t < nt; ++t) {
-        last[t].qs = prep[t].qs + full * 4 * 256;
-        last[t].bsx = prep[t].bsx + full * 4 * 16;
-        last[t].da8 = prep[t].da8 + full * 8;
-      }
-      for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
-        const uint8_t* row = wb + r * row_bytes + c0 * kBytes;
-        __m512 facc[kMaxTokens];
-        for (int t = 0; t < kMaxTokens; ++t) facc[t] = _mm512_setzero_ps();
-        qk45_quads_nt<kFive, true>(nt, row, full, prep, k, facc);
-        if (rest != 0) {
-          // The last super-blocks, with zero ones to a whole quad.
-          alignas(64) uint8_t tail[4 * kBytes];
-          std::memset(tail, 0, sizeof tail);
-          std::memcpy(tail, row + full * 4 * kBytes, rest * kBytes);
-          qk45_quads_nt<kFive, false>(nt, tail, 1, last, k, facc);
-        }
-        for (int t = 0; t < nt; ++t) {
-          float* o = out + static_cast<size_t>(t0 + t) * ld_out + r;
-          const float v = _mm512_reduce_add_ps(facc[t]);
-          *o = c0 == 0 ? v : *o + v;
-        }
-      }
-    }
-  }
-}
-
-// One q6_K row against NT tokens: the products as in qk45_quads (codes
-// below 64: the 4-product sums stay below 2^15), the -32 offset as one
-// vpdpwssd of the bsums with -32 times the scales.
+// q6_K super-blocks of one row against NT tokens: the code vectors (64
+// elements each, sub-blocks 4v .. 4v + 3 in their 128-bit lanes)
+// transposed as for qk45_quads, so lane 4L + v holds sub-block 4v + L;
+// four vpdpbusd from -32 * (sum a) of each lane's sub-block (the codes'
+// offset) leave its whole product, then one conversion, one multiply by
+// the activation scales and one FMA with d * sc per token.
 template <int NT>
-void q6k_row(const uint8_t* row, const uint8_t* const* act, size_t nsb, const KConsts& k, float* res) {
+void q6k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m512* facc_io) {
   __m512 facc[NT];
-  for (int t = 0; t < NT; ++t) facc[t] = _mm512_setzero_ps();
+  for (int t = 0; t < NT; ++t) facc[t] = facc_io[t];
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   const __m512i m30 = _mm512_set1_epi8(0x30);
   for (size_t s = 0; s < nsb; ++s) {
     const auto* b = reinterpret_cast<const BlockQ6K*>(row) + s;
     prefetch_ahead<sizeof(BlockQ6K)>(reinterpret_cast<const uint8_t*>(b));
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
-    const __m512i scz = _mm512_castsi256_si512(sc16);
-    const __m512i sc0 = _mm512_permutexvar_epi16(k.q6[0], scz);
-    const __m512i sc1 = _mm512_permutexvar_epi16(k.q6[1], scz);
-    const __m512i negsc = _mm512_zextsi256_si512(_mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32)));
     __m512i e[4];
     for (int h = 0; h < 2; ++h) {
       const __m512i l = _mm512_loadu_si512(b->ql + 64 * h);
@@ -468,65 +444,123 @@ void q6k_row(const uint8_t* row, const uint8_t* const* act, size_t nsb, const KC
       e[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
                                                _mm512_srlv_epi16(qh, k.sh02), m30, 0xf8);
     }
-    const float d = h2f(b->d);
+    __m512i x[4];
+    transpose4x4(e, x);
+    const __m128i sc8 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)), k.q6_sc);
+    const __m512 wf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), _mm512_set1_ps(h2f(b->d)));
     for (int t = 0; t < NT; ++t) {
-      const auto* a = reinterpret_cast<const ActBlockK*>(act[t]) + s;
-      const int8_t* aq = a->qs;
-      const __m512i z = _mm512_setzero_si512();
-      const __m512i d0 = _mm512_dpbusd_epi32(z, e[0], _mm512_loadu_si512(aq));
-      const __m512i d1 = _mm512_dpbusd_epi32(z, e[1], _mm512_loadu_si512(aq + 64));
-      const __m512i d2 = _mm512_dpbusd_epi32(z, e[2], _mm512_loadu_si512(aq + 128));
-      const __m512i d3 = _mm512_dpbusd_epi32(z, e[3], _mm512_loadu_si512(aq + 192));
-      // The codes' offset: -32 * sum_s sc_s * bsums_s.
-      __m512i acc = _mm512_dpwssd_epi32(
-          z, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums))), negsc);
-      acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(d0, d1), sc0);
-      acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(d2, d3), sc1);
-      float dda = d * a->d;
-      through_memory(dda);
-      facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(dda), facc[t]);
+      const int8_t* aq = prep[t].qs + 256 * s;
+      __m512i acc = _mm512_loadu_si512(prep[t].init + 16 * s);
+      acc = _mm512_dpbusd_epi32(acc, x[0], _mm512_loadu_si512(aq));
+      acc = _mm512_dpbusd_epi32(acc, x[1], _mm512_loadu_si512(aq + 64));
+      acc = _mm512_dpbusd_epi32(acc, x[2], _mm512_loadu_si512(aq + 128));
+      acc = _mm512_dpbusd_epi32(acc, x[3], _mm512_loadu_si512(aq + 192));
+      const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(prep[t].dx + 16 * s));
+      facc[t] = _mm512_fmadd_ps(p, wf, facc[t]);
     }
   }
-  for (int t = 0; t < NT; ++t) res[t] = _mm512_reduce_add_ps(facc[t]);
+  for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
 }
 
-inline size_t chunk_rows(size_t row_bytes) {
-  const size_t r = row_bytes == 0 ? 1 : kChunkBytes / row_bytes;
-  return r < 1 ? 1 : r;
+enum class Kind { kQ4K, kQ5K, kQ6K };
+
+template <Kind K, int NT, bool kFull>
+inline void k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m512* facc) {
+  if constexpr (K == Kind::kQ6K) {
+    q6k_sbs<NT>(row, nsb, prep, k, facc);
+  } else {
+    qk45_quads<K == Kind::kQ5K, NT, kFull>(row, nsb / 4, prep, k, facc);
+  }
 }
 
-void dot_rows_q6k(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
-                  size_t n, float* out, size_t ld_out) {
+template <Kind K, bool kFull>
+void k_sbs_nt(int nt, const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m512* facc) {
+  switch (nt) {
+    case 1:
+      k_sbs<K, 1, kFull>(row, nsb, prep, k, facc);
+      break;
+    case 2:
+      k_sbs<K, 2, kFull>(row, nsb, prep, k, facc);
+      break;
+    case 3:
+      k_sbs<K, 3, kFull>(row, nsb, prep, k, facc);
+      break;
+    default:
+      k_sbs<K, 4, kFull>(row, nsb, prep, k, facc);
+      break;
+  }
+}
+
+// Up to kMaxTokens tokens at a time; per token group the super-blocks in
+// column chunks whose prepared activations fit the stack buffer; per chunk
+// every row.
+template <Kind K>
+void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
+                size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
+  constexpr bool kQ6 = K == Kind::kQ6K;
+  constexpr size_t kBytes = kQ6 ? sizeof(BlockQ6K) : K == Kind::kQ5K ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
+  constexpr size_t kPrepBytes = kQ6 ? kQ6PrepBytes : kK45PrepBytes;
+  constexpr size_t kGroup = kQ6 ? 1 : 4;  // super-blocks per kernel step
   const KConsts& k = kconsts();
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* ab = static_cast<const uint8_t*>(act);
   const size_t nsb = n / kQKK;
-  const size_t chunk = chunk_rows(row_bytes);
-  for (size_t r0 = 0; r0 < static_cast<size_t>(rows); r0 += chunk) {
-    const size_t r1 = min_size(static_cast<size_t>(rows), r0 + chunk);
-    for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
-      const int nt = tokens - t0 < kMaxTokens ? tokens - t0 : kMaxTokens;
-      const uint8_t* ap[kMaxTokens];
-      for (int t = 0; t < nt; ++t) ap[t] = ab + static_cast<size_t>(t0 + t) * act_bytes;
-      for (size_t r = r0; r < r1; ++r) {
-        const uint8_t* row = wb + r * row_bytes;
-        float res[kMaxTokens];
-        switch (nt) {
-          case 1:
-            q6k_row<1>(row, ap, nsb, k, res);
-            break;
-          case 2:
-            q6k_row<2>(row, ap, nsb, k, res);
-            break;
-          case 3:
-            q6k_row<3>(row, ap, nsb, k, res);
-            break;
-          default:
-            q6k_row<4>(row, ap, nsb, k, res);
-            break;
+  if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
+  alignas(64) uint8_t buf[kActBufferBytes];
+  for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
+    const int nt = tokens - t0 < kMaxTokens ? tokens - t0 : kMaxTokens;
+    // Super-blocks per column chunk: whole groups whose prepared activations fit.
+    const size_t chunk = kActBufferBytes / (kPrepBytes * static_cast<size_t>(nt)) / kGroup * kGroup;
+    for (size_t c0 = 0; c0 < nsb; c0 += chunk) {
+      const size_t cn = min_size(chunk, nsb - c0);
+      const size_t padded = (cn + kGroup - 1) / kGroup * kGroup;
+      KPrep prep[kMaxTokens];
+      uint8_t* q = buf;
+      for (int t = 0; t < nt; ++t) {
+        prep[t].qs = reinterpret_cast<int8_t*>(q);
+        q += padded * 256;
+        prep[t].dx = reinterpret_cast<float*>(q);
+        q += padded * 64;
+        if constexpr (kQ6) {
+          prep[t].init = reinterpret_cast<int32_t*>(q);
+          q += padded * 64;
+        } else {
+          prep[t].s = reinterpret_cast<float*>(q);
+          q += padded * 32;
         }
-        for (int t = 0; t < nt; ++t) out[static_cast<size_t>(t0 + t) * ld_out + r] = res[t];
+        prepare_k<kQ6>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, c0, cn, padded, prep[t], k);
+      }
+      const size_t full = cn / kGroup * kGroup;
+      const size_t rest = cn - full;
+      KPrep last[kMaxTokens];
+      for (int t = 0; t < nt; ++t) {
+        last[t] = prep[t];
+        last[t].qs += full * 256;
+        last[t].dx += full * 16;
+        if constexpr (kQ6) {
+          last[t].init += full * 16;
+        } else {
+          last[t].s += full * 8;
+        }
+      }
+      for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
+        const uint8_t* row = wb + r * row_bytes + c0 * kBytes;
+        __m512 facc[kMaxTokens];
+        for (int t = 0; t < kMaxTokens; ++t) facc[t] = _mm512_setzero_ps();
+        k_sbs_nt<K, true>(nt, row, full, prep, k, facc);
+        if (rest != 0) {
+          // The last super-blocks, with zero ones to a whole group.
+          alignas(64) uint8_t tail[kGroup * kBytes];
+          std::memset(tail, 0, sizeof tail);
+          std::memcpy(tail, row + full * kBytes, rest * kBytes);
+          k_sbs_nt<K, false>(nt, tail, kGroup, last, k, facc);
+        }
+        for (int t = 0; t < nt; ++t) {
+          float* o = out + static_cast<size_t>(t0 + t) * ld_out + r;
+          const float v = _mm512_reduce_add_ps(facc[t]);
+          *o = c0 == 0 ? v : *o + v;
+        }
       }
     }
   }
@@ -571,31 +605,30 @@ inline void transpose16(const uint8_t* p, __m512i* out) {
   out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-// Groups [g0, g0 + ng) of one token's blocks (nb in all) into out[g * stride].
+// Groups [g0, g0 + ng) of one token's activation row (n elements, nb
+// blocks) into out[g * stride].
 template <int kOffset>
-void prepare_groups(const ActBlock32* a, size_t nb, size_t g0, size_t ng, Group16* out, size_t stride) {
+void prepare_groups(const uint8_t* act, size_t n, size_t g0, size_t ng, Group16* out, size_t stride) {
+  const size_t nb = n / kQK32;
   for (size_t g = 0; g < ng; ++g) {
     const size_t b0 = (g0 + g) * 16;
     const size_t cnt = min_size(16, nb - b0);
-    ActBlock32 tail[16];
-    const ActBlock32* src = a + b0;
+    alignas(64) uint8_t tail[16 * kQK32];
+    const uint8_t* qs = act + b0 * kQK32;
     if (cnt < 16) {
       std::memset(tail, 0, sizeof tail);
-      std::memcpy(tail, src, cnt * sizeof(ActBlock32));
-      src = tail;
+      std::memcpy(tail, qs, cnt * kQK32);
+      qs = tail;
     }
     Group16& G = out[g * stride];
-    const auto* p = reinterpret_cast<const uint8_t*>(src);
-    transpose16<sizeof(ActBlock32)>(p + offsetof(ActBlock32, qs), G.a);
-    transpose16<sizeof(ActBlock32)>(p + offsetof(ActBlock32, qs) + 16, G.a + 4);
-    alignas(64) float d[16];
-    alignas(64) int32_t off[16];
-    for (int j = 0; j < 16; ++j) {
-      d[j] = src[j].d;
-      off[j] = -kOffset * src[j].sum;
-    }
-    G.d = _mm512_load_ps(d);
-    G.off = _mm512_load_si512(off);
+    transpose16<kQK32>(qs, G.a);
+    transpose16<kQK32>(qs + 16, G.a + 4);
+    const auto m = static_cast<__mmask16>(cnt < 16 ? (1u << cnt) - 1u : 0xffffu);
+    const auto m2 = static_cast<__mmask32>(cnt < 16 ? (1u << (2 * cnt)) - 1u : 0xffffffffu);
+    G.d = _mm512_maskz_loadu_ps(m, act_d(act, n) + b0 * sizeof(float));
+    // -offset * (the two 16-element sums of each block).
+    G.off = _mm512_madd_epi16(_mm512_maskz_loadu_epi16(m2, act_sums(act, n) + 2 * b0 * sizeof(int16_t)),
+                              _mm512_set1_epi16(static_cast<int16_t>(-kOffset)));
   }
 }
 
@@ -676,8 +709,8 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
     for (size_t g0 = 0; g0 < ng_total; g0 += chunk_groups) {
       const size_t ng = min_size(chunk_groups, ng_total - g0);
       for (int t = 0; t < nt; ++t) {
-        const auto* a = reinterpret_cast<const ActBlock32*>(ab + static_cast<size_t>(t0 + t) * act_bytes);
-        prepare_groups<kQ8 ? 128 : 8>(a, nb, g0, ng, buf + t, static_cast<size_t>(nt));
+        prepare_groups<kQ8 ? 128 : 8>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, g0, ng, buf + t,
+                                      static_cast<size_t>(nt));
       }
       for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
         const uint8_t* row = wb + r * row_bytes;
@@ -705,11 +738,11 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
   }
 }
 
-const QuantDotKernels kQ8_0 = {"q8_0-avx512-vnni", quantize<kQK32>, dot_rows_32<true>};
-const QuantDotKernels kQ4_0 = {"q4_0-avx512-vnni", quantize<kQK32>, dot_rows_32<false>};
-const QuantDotKernels kQ4_K = {"q4_k-avx512-vnni", quantize<kQKK>, dot_rows_k45<false>};
-const QuantDotKernels kQ5_K = {"q5_k-avx512-vnni", quantize<kQKK>, dot_rows_k45<true>};
-const QuantDotKernels kQ6_K = {"q6_k-avx512-vnni", quantize<kQKK>, dot_rows_q6k};
+const QuantDotKernels kQ8_0 = {"q8_0-avx512-vnni", quantize_act, dot_rows_32<true>};
+const QuantDotKernels kQ4_0 = {"q4_0-avx512-vnni", quantize_act, dot_rows_32<false>};
+const QuantDotKernels kQ4_K = {"q4_k-avx512-vnni", quantize_act, dot_rows_k<Kind::kQ4K>};
+const QuantDotKernels kQ5_K = {"q5_k-avx512-vnni", quantize_act, dot_rows_k<Kind::kQ5K>};
+const QuantDotKernels kQ6_K = {"q6_k-avx512-vnni", quantize_act, dot_rows_k<Kind::kQ6K>};
 
 }  // namespace
 

@@ -1,8 +1,9 @@
 // Scalar reference of the integer dot-product kernels (quant_dot.h): the
 // activation quantiser every instruction set must match bit for bit, and
 // dot products written plainly from the block semantics of quant_blocks.h
-// (decode each weight's integer code, integer products per (sub-)block,
-// then the float scales), which the SIMD versions are checked against.
+// (decode each weight's integer code, integer products per (sub-)block and
+// activation block of 32, then the float scales), which the SIMD versions
+// are checked against.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -17,84 +18,99 @@ namespace {
 
 // ---------------------------------------------------------------- activations
 
+// The activation row of n elements (quant_dot.h): qs[n], then d[n / 32],
+// then sums[n / 16]; memcpy for the scales and sums (no alignment).
+struct ActRow {
+  const int8_t* qs;
+  const uint8_t* d;
+  const uint8_t* sums;
+};
+
+ActRow act_row(const void* act, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(act);
+  return {reinterpret_cast<const int8_t*>(p), p + n, p + n + n / 8};
+}
+
+float act_d(const ActRow& a, size_t block) {
+  float d;
+  std::memcpy(&d, a.d + block * sizeof(float), sizeof d);
+  return d;
+}
+
+// The sum of the 16 quants from element 16 * h.
+int32_t act_sum16(const ActRow& a, size_t h) {
+  int16_t s;
+  std::memcpy(&s, a.sums + h * sizeof(int16_t), sizeof s);
+  return s;
+}
+
 // The quantisation rule (the SIMD versions compute exactly these float
-// operations): amax = max |x|, d = amax / 127, q = nearbyint(x / d) clamped
-// to [-127, 127] (a NaN quotient gives -127), all q = 0 when d == 0.
-// Elements at or past n_valid are zero.
-void quantize_block(const float* x, size_t base, size_t n_valid, int len, float* d_out, int8_t* qs) {
-  float v[kQKK];
-  float amax = 0.0f;
-  for (int i = 0; i < len; ++i) {
-    v[i] = base + static_cast<size_t>(i) < n_valid ? x[base + static_cast<size_t>(i)] : 0.0f;
-    const float a = std::fabs(v[i]);
-    amax = a > amax ? a : amax;
-  }
-  const float d = amax / 127.0f;
-  *d_out = d;
-  for (int i = 0; i < len; ++i) {
-    if (d == 0.0f) {
-      qs[i] = 0;
-      continue;
+// operations), per block of 32: amax = max |x|, d = amax / 127,
+// q = nearbyint(x / d) clamped to [-127, 127] (a NaN quotient gives -127),
+// all q = 0 when d == 0. Elements at or past n_valid are zero.
+void quantize_act(const float* x, size_t n_valid, size_t n, void* out) {
+  auto* base = static_cast<uint8_t*>(out);
+  auto* qs = reinterpret_cast<int8_t*>(base);
+  for (size_t b = 0; b < n / kActBlock; ++b) {
+    float v[kActBlock];
+    float amax = 0.0f;
+    for (int i = 0; i < kActBlock; ++i) {
+      const size_t k = b * kActBlock + static_cast<size_t>(i);
+      v[i] = k < n_valid ? x[k] : 0.0f;
+      const float a = std::fabs(v[i]);
+      amax = a > amax ? a : amax;
     }
-    float r = std::nearbyint(v[i] / d);
-    r = r > -127.0f ? r : -127.0f;
-    r = r < 127.0f ? r : 127.0f;
-    qs[i] = static_cast<int8_t>(static_cast<int>(r));
-  }
-}
-
-void quantize_act32(const float* x, size_t n_valid, size_t n, void* out) {
-  auto* blocks = static_cast<ActBlock32*>(out);
-  for (size_t b = 0; b < n / kQK32; ++b) {
-    ActBlock32& a = blocks[b];
-    quantize_block(x, b * kQK32, n_valid, kQK32, &a.d, a.qs);
-    int32_t sum = 0;
-    for (int i = 0; i < kQK32; ++i) sum += a.qs[i];
-    a.sum = sum;
-  }
-}
-
-void quantize_actk(const float* x, size_t n_valid, size_t n, void* out) {
-  auto* blocks = static_cast<ActBlockK*>(out);
-  for (size_t b = 0; b < n / kQKK; ++b) {
-    ActBlockK& a = blocks[b];
-    quantize_block(x, b * kQKK, n_valid, kQKK, &a.d, a.qs);
-    for (int j = 0; j < 16; ++j) {
+    const float d = amax / 127.0f;
+    std::memcpy(base + n + b * sizeof(float), &d, sizeof d);
+    int8_t* q = qs + b * kActBlock;
+    for (int i = 0; i < kActBlock; ++i) {
+      if (d == 0.0f) {
+        q[i] = 0;
+        continue;
+      }
+      float r = std::nearbyint(v[i] / d);
+      r = r > -127.0f ? r : -127.0f;
+      r = r < 127.0f ? r : 127.0f;
+      q[i] = static_cast<int8_t>(static_cast<int>(r));
+    }
+    for (int h = 0; h < 2; ++h) {
       int32_t s = 0;
-      for (int i = 0; i < 16; ++i) s += a.qs[16 * j + i];
-      a.bsums[j] = static_cast<int16_t>(s);
+      for (int i = 0; i < 16; ++i) s += q[16 * h + i];
+      const auto s16 = static_cast<int16_t>(s);
+      std::memcpy(base + n + n / 8 + (2 * b + static_cast<size_t>(h)) * sizeof(int16_t), &s16, sizeof s16);
     }
   }
 }
 
 // ---------------------------------------------------------------- dot products
 
-// One weight row against one token's activation blocks.
+// One weight row against one token's activation row.
 
 float dot_q8_0(const void* row, const void* act, size_t n) {
   const auto* w = static_cast<const BlockQ8_0*>(row);
-  const auto* a = static_cast<const ActBlock32*>(act);
+  const ActRow a = act_row(act, n);
   float acc = 0.0f;
   for (size_t b = 0; b < n / kQK32; ++b) {
     int32_t isum = 0;
-    for (int i = 0; i < kQK32; ++i) isum += static_cast<int32_t>(w[b].qs[i]) * a[b].qs[i];
-    acc += f16_to_float(w[b].d) * a[b].d * static_cast<float>(isum);
+    for (int i = 0; i < kQK32; ++i) isum += static_cast<int32_t>(w[b].qs[i]) * a.qs[kQK32 * b + i];
+    acc += f16_to_float(w[b].d) * act_d(a, b) * static_cast<float>(isum);
   }
   return acc;
 }
 
 float dot_q4_0(const void* row, const void* act, size_t n) {
   const auto* w = static_cast<const BlockQ4_0*>(row);
-  const auto* a = static_cast<const ActBlock32*>(act);
+  const ActRow a = act_row(act, n);
   float acc = 0.0f;
   for (size_t b = 0; b < n / kQK32; ++b) {
+    const int8_t* q = a.qs + kQK32 * b;
     int32_t isum = 0;
     for (int i = 0; i < kQK32 / 2; ++i) {
       const int lo = (w[b].qs[i] & 15) - 8;
       const int hi = (w[b].qs[i] >> 4) - 8;
-      isum += lo * a[b].qs[i] + hi * a[b].qs[i + 16];
+      isum += lo * q[i] + hi * q[i + 16];
     }
-    acc += f16_to_float(w[b].d) * a[b].d * static_cast<float>(isum);
+    acc += f16_to_float(w[b].d) * act_d(a, b) * static_cast<float>(isum);
   }
   return acc;
 }
@@ -110,11 +126,12 @@ void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
   }
 }
 
-// q4_K and q5_K: x = d * sc_j * q - dmin * m_j, so a super-block's product
-// is d * da * sum_j sc_j * (q . a)_j - dmin * da * sum_j m_j * (sum a)_j.
+// q4_K and q5_K: x = d * sc_j * q - dmin * m_j; sub-block j (32 elements)
+// is activation block 8b + j, so its product is
+// da_j * (d * sc_j * (q . a)_j - dmin * m_j * (sum a)_j).
 template <bool kFive>
 float dot_qk45(const void* row, const void* act, size_t n) {
-  const auto* a = static_cast<const ActBlockK*>(act);
+  const ActRow a = act_row(act, n);
   const auto* base = static_cast<const uint8_t*>(row);
   const size_t block_bytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
   float acc = 0.0f;
@@ -138,35 +155,33 @@ float dot_qk45(const void* row, const void* act, size_t n) {
       scales = w->scales;
       qs = w->qs;
     }
-    int32_t isum = 0;
-    int32_t msum = 0;
+    const float d = f16_to_float(d16);
+    const float dmin = f16_to_float(dmin16);
     for (int j = 0; j < 8; ++j) {
       int sc = 0, m = 0;
       scale_min_k4(j, scales, &sc, &m);
+      const size_t ab = 8 * b + static_cast<size_t>(j);
+      const int8_t* aq = a.qs + kActBlock * ab;
       const uint8_t* chunk = qs + 32 * (j / 2);
       int32_t dot = 0;
-      int32_t asum = 0;
       for (int l = 0; l < 32; ++l) {
         int q = (j % 2 == 0) ? (chunk[l] & 15) : (chunk[l] >> 4);
         if (kFive) q += ((qh[l] >> j) & 1) << 4;
-        const int av = a[b].qs[32 * j + l];
-        dot += q * av;
-        asum += av;
+        dot += q * aq[l];
       }
-      isum += sc * dot;
-      msum += m * asum;
+      const int32_t asum = act_sum16(a, 2 * ab) + act_sum16(a, 2 * ab + 1);
+      acc += act_d(a, ab) * (d * static_cast<float>(sc * dot) - dmin * static_cast<float>(m * asum));
     }
-    const float d = f16_to_float(d16);
-    const float dmin = f16_to_float(dmin16);
-    acc += d * a[b].d * static_cast<float>(isum) - dmin * a[b].d * static_cast<float>(msum);
   }
   return acc;
 }
 
-// q6_K: x = d * sc * (q - 32), in ggml's dequantize_row_q6_K order.
+// q6_K: x = d * sc * (q - 32), in ggml's dequantize_row_q6_K order; the two
+// 16-element sub-blocks of activation block 8b + j are summed in integers
+// with their scales: d * da_j * sum_s sc_s * ((q . a)_s - 32 (sum a)_s).
 float dot_q6_k(const void* row, const void* act, size_t n) {
   const auto* w = static_cast<const BlockQ6K*>(row);
-  const auto* a = static_cast<const ActBlockK*>(act);
+  const ActRow a = act_row(act, n);
   float acc = 0.0f;
   for (size_t b = 0; b < n / kQKK; ++b) {
     int q[kQKK];
@@ -175,21 +190,25 @@ float dot_q6_k(const void* row, const void* act, size_t n) {
     for (int half = 0; half < 2; ++half) {
       int* y = q + 128 * half;
       for (int l = 0; l < 32; ++l) {
-        y[l + 0] = ((ql[l + 0] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32;
-        y[l + 32] = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32;
-        y[l + 64] = ((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-        y[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        y[l + 0] = (ql[l + 0] & 0xf) | (((qh[l] >> 0) & 3) << 4);
+        y[l + 32] = (ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4);
+        y[l + 64] = (ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
       }
       ql += 64;
       qh += 32;
     }
-    int32_t isum = 0;
-    for (int s = 0; s < 16; ++s) {
-      int32_t dot = 0;
-      for (int l = 0; l < 16; ++l) dot += q[16 * s + l] * a[b].qs[16 * s + l];
-      isum += w[b].scales[s] * dot;
+    const float d = f16_to_float(w[b].d);
+    const int8_t* aq = a.qs + kQKK * b;
+    for (int j = 0; j < 8; ++j) {
+      int32_t isum = 0;
+      for (int s = 2 * j; s < 2 * j + 2; ++s) {
+        int32_t dot = 0;
+        for (int l = 0; l < 16; ++l) dot += q[16 * s + l] * aq[16 * s + l];
+        isum += w[b].scales[s] * (dot - 32 * act_sum16(a, 16 * b + static_cast<size_t>(s)));
+      }
+      acc += d * act_d(a, 8 * b + static_cast<size_t>(j)) * static_cast<float>(isum);
     }
-    acc += f16_to_float(w[b].d) * a[b].d * static_cast<float>(isum);
   }
   return acc;
 }
@@ -207,11 +226,11 @@ void dot_rows(const void* w, size_t row_bytes, int32_t rows, const void* act, si
   }
 }
 
-constexpr QuantDotKernels kQ8_0 = {"q8_0-scalar", quantize_act32, dot_rows<dot_q8_0>};
-constexpr QuantDotKernels kQ4_0 = {"q4_0-scalar", quantize_act32, dot_rows<dot_q4_0>};
-constexpr QuantDotKernels kQ4_K = {"q4_k-scalar", quantize_actk, dot_rows<dot_qk45<false>>};
-constexpr QuantDotKernels kQ5_K = {"q5_k-scalar", quantize_actk, dot_rows<dot_qk45<true>>};
-constexpr QuantDotKernels kQ6_K = {"q6_k-scalar", quantize_actk, dot_rows<dot_q6_k>};
+constexpr QuantDotKernels kQ8_0 = {"q8_0-scalar", quantize_act, dot_rows<dot_q8_0>};
+constexpr QuantDotKernels kQ4_0 = {"q4_0-scalar", quantize_act, dot_rows<dot_q4_0>};
+constexpr QuantDotKernels kQ4_K = {"q4_k-scalar", quantize_act, dot_rows<dot_qk45<false>>};
+constexpr QuantDotKernels kQ5_K = {"q5_k-scalar", quantize_act, dot_rows<dot_qk45<true>>};
+constexpr QuantDotKernels kQ6_K = {"q6_k-scalar", quantize_act, dot_rows<dot_q6_k>};
 
 }  // namespace
 

@@ -1,9 +1,8 @@
-// The block formats' integer dot-product tables: which activation blocks a
-// format takes, and which instruction set's kernels run. Compiled without
-// ISA flags (it decides what may run).
+// The block formats' integer dot-product tables: the activation rows' size
+// and which instruction set's kernels run. Compiled without ISA flags (it
+// decides what may run).
 #include "kernels/quant_dot.h"
 
-#include "util/quant_blocks.h"
 #include "util/weight_format.h"
 
 namespace colibri::kernels {
@@ -22,17 +21,8 @@ bool is_quantized(WeightType t) {
 }
 
 size_t act_row_bytes(WeightType t, size_t n) {
-  switch (t) {
-    case WeightType::kQ8_0:
-    case WeightType::kQ4_0:
-      return n / kQK32 * sizeof(ActBlock32);
-    case WeightType::kQ4_K:
-    case WeightType::kQ5_K:
-    case WeightType::kQ6_K:
-      return n / kQKK * sizeof(ActBlockK);
-    default:
-      return 0;
-  }
+  // qs[n], d[n / 32] (float), sums[n / 16] (int16): quant_dot.h.
+  return is_quantized(t) ? n + n / kActBlock * sizeof(float) + n / 16 * sizeof(int16_t) : 0;
 }
 
 const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa) {

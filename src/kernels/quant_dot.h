@@ -2,17 +2,27 @@
 // quantised to int8: the inner loops of the quantised FFN table
 // (ffn_quant.cpp), one implementation per instruction set behind one table.
 //
-// Activations are quantised per block, symmetric, to int8 in [-127, 127]
-// with one float scale (d = max|x| / 127, q = round-to-nearest-even(x / d)):
-//   - in blocks of 32 (ActBlock32) for q8_0 and q4_0 weights, whose blocks
-//     have one scale per 32 weights;
-//   - in blocks of 256 (ActBlockK) for the K formats, so a super-block's
-//     integer products can be summed with its integer sub-block scales
-//     before one conversion to float, as ggml's q8_K does.
-// Each block also carries the sums of its quants (the compensation for the
-// weights' offsets: q4_0's -8, the K formats' mins, q6_k's -32), so the
-// kernels multiply unsigned weight codes by signed activations
-// (vpdpbusd / vpmaddubsw) and subtract offset * sum once per (sub-)block.
+// Activations are quantised in blocks of 32 elements (for every format),
+// symmetric, to int8 in [-127, 127] with one float scale per block
+// (d = max|x| / 127, q = round-to-nearest-even(x / d)): one scale per 32
+// follows outlier channels closely enough for a whole layer to stay within
+// 2% relative L2 of float64, where one per 256 (ggml's q8_K) does not. The
+// K formats' sub-blocks (32 elements for q4_k / q5_k, 16 for q6_k) lie
+// inside one activation block, so their integer sub-block scales still
+// apply in the integer domain; each 32-block then takes one float
+// multiply-add (the kernels do eight or sixteen of them in one vector).
+// The sums of the quants per 16 elements carry the weights' offsets (q4_0's
+// -8, the K formats' mins, q6_k's -32), so the kernels multiply unsigned
+// weight codes by signed activations (vpdpbusd / vpmaddubsw) and subtract
+// offset * sum once per (sub-)block.
+//
+// One token's activation row of n elements (n a multiple of 32), struct of
+// arrays, act_row_bytes(t, n) = n + n / 4 bytes, no alignment required:
+//   int8_t  qs[n]         at byte 0
+//   float   d[n / 32]     at byte n           (block b: elements [32b, 32b + 32))
+//   int16_t sums[n / 16]  at byte n + n / 8   (sums[h] = qs[16h] + ... + qs[16h + 15])
+// The kernels rearrange these once per dot_rows call into the orders their
+// vectors want (transposed groups of blocks or sub-blocks, on the stack).
 #pragma once
 
 #include <cstddef>
@@ -22,23 +32,14 @@
 
 namespace colibri::kernels {
 
-struct ActBlock32 {
-  float d;
-  int32_t sum;  // sum of qs
-  int8_t qs[32];
-};
-struct ActBlockK {
-  float d;
-  int16_t bsums[16];  // bsums[j] = sum of qs[16j .. 16j+15]
-  int8_t qs[256];
-};
-static_assert(sizeof(ActBlock32) == 40);
-static_assert(sizeof(ActBlockK) == 292);
+// Elements per activation block (one float scale each).
+inline constexpr int kActBlock = 32;
 
 struct QuantDotKernels {
   const char* name;  // "q4_k-avx512-vnni", ...
   // Quantises x[0, n_valid) followed by zeros up to n (a multiple of the
-  // weight format's block) into n / block activation blocks at `out`.
+  // weight format's block) into the activation row at `out` (the layout
+  // above; the same bytes for every format and instruction set).
   void (*quantize_act)(const float* x, size_t n_valid, size_t n, void* out);
   // For r < rows, t < tokens:
   //   out[t * ld_out + r] = sum over the n / block blocks of
@@ -52,8 +53,9 @@ struct QuantDotKernels {
 
 // True for the block-quantised types (q8_0, q4_0, q4_k, q5_k, q6_k).
 bool is_quantized(WeightType t);
-// Bytes of the activation blocks for a row of n elements (a multiple of the
-// block) against weights of type t.
+// Bytes of one token's activation row of n elements (a multiple of the
+// weight block) against weights of type t: n + n / 4; 0 when t is not
+// quantised.
 size_t act_row_bytes(WeightType t, size_t n);
 
 // The kernels for quantised type t at the highest level <= isa this CPU
