@@ -61,7 +61,7 @@ run_ctest build 300
 # The Python package as users get it: `pip wheel .` builds libcolibri with
 # CMake (scikit-build-core, pyproject.toml) into the wheel, which is installed
 # into a clean virtual environment (build/wheel-venv: torch 2.13.0 CPU, numpy,
-# pytest; kept while its stamp matches). python/tests then run against that
+# pytest, gguf for the block-format checks; kept while its stamp matches). python/tests then run against that
 # installed package from a folder outside the source tree, with
 # COLIBRI_LIBRARY unset: with COLIBRI_TEST_INSTALLED=1, conftest.py keeps
 # python/ off sys.path and stops unless colibri and its libcolibri.so come from
@@ -78,14 +78,14 @@ repo="$PWD"
 wheel="$repo/${wheels[0]}"
 wheel_venv="$repo/build/wheel-venv"
 base_python="$("$python" -c 'import sys; print(sys._base_executable)')"
-stamp="$base_python $("$base_python" -c 'import sys; print(sys.version.split()[0])') torch==2.13.0 numpy pytest"
+stamp="$base_python $("$base_python" -c 'import sys; print(sys.version.split()[0])') torch==2.13.0 numpy pytest gguf"
 if [[ ! -x "$wheel_venv/bin/python" || "$(cat "$wheel_venv/.colibri-wheel-venv" 2>/dev/null)" != "$stamp" ]]; then
   echo "test.sh: creating $wheel_venv from $base_python"
   rm -rf "$wheel_venv"
   "$base_python" -m venv "$wheel_venv"
   # torch first and pinned (the CPU build on this disk): nothing may pull another.
   "$wheel_venv/bin/python" -m pip install -q torch==2.13.0
-  "$wheel_venv/bin/python" -m pip install -q numpy pytest torch==2.13.0
+  "$wheel_venv/bin/python" -m pip install -q numpy pytest gguf torch==2.13.0
   echo "$stamp" >"$wheel_venv/.colibri-wheel-venv"
 fi
 # Same version every build: --force-reinstall. Its one dependency (numpy) is

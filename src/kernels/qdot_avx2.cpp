@@ -2,11 +2,16 @@
 // -mf16c; qdot_scalar.cpp is the reference. The structure of
 // qdot_avx512.cpp with 256-bit vectors and without VNNI: vpmaddubsw
 // (unsigned weight codes x signed activations into int16 pairs) and
-// vpmaddwd (times the integer sub-block scales, or ones, into int32).
+// vpmaddwd (times ones into int32).
 //
-// K formats: one ymm of codes per 32-element sub-block (q6_k: two
-// 16-element ones), its scale broadcast over the ymm's words, so a
-// super-block's products sum in int32 before one float FMA per token.
+// K formats: each group of four 32-byte code vectors is transposed per
+// 128-bit lane, so that every dword lane holds codes of one sub-block (two
+// lanes per q4_k / q5_k sub-block, one per q6_k sub-block); the pair
+// products sum in int16 within a lane, then per token and group one
+// conversion, one multiply by the lanes' activation scales (one per 32
+// elements) and one FMA with the lanes' d * sc. The offsets through the
+// activations' sums: q6_k's -32 added in int32, q4_k / q5_k's mins one
+// FMA of dmin * m_j with dx_j * (sum a)_j per super-block.
 // q8_0 / q4_0: 8 blocks at a time transposed so that dword j holds codes of
 // block j (the activations once per call into a stack buffer), the block
 // scales applied lane-wise. q8_0 uses the sign trick (|w| x sign(w) * a,

@@ -2,17 +2,20 @@
 // -mavx512f/bw/vl/dq -mavx512vnni -mavx2 -mfma -mf16c; qdot_scalar.cpp is
 // the reference. Only called when cpu_has_avx512_vnni().
 //
-// K formats (q4_k, q5_k, q6_k): a super-block's codes are unpacked into
-// four zmm of unsigned bytes; vpdpbusd multiplies them by the signed int8
-// activations into dwords of four products (each dword within one
-// sub-block, sums below 2^15), vpackssdw packs two such vectors into words
-// and vpdpwssd multiplies the words by the integer sub-block scales and
-// sums into int32, so a super-block costs one int32 -> float conversion and
-// one FMA per token. The offsets go through the activations' sums: q4_k /
-// q5_k's mins with vpmaddwd / vpdpwssd (four super-blocks in one vector),
-// q6_k's -32 as one more vpdpwssd. q4_k / q5_k run four super-blocks per
-// step (their scales unpacked together) against activations rearranged
-// once per call (a stack buffer) into the order of the code vectors.
+// K formats (q4_k, q5_k, q6_k), against activations with a float scale per
+// 32: a super-block's codes are unpacked into four zmm of unsigned bytes
+// and transposed per 128-bit lane (transpose4x4, or for q4_k one vpermt2d
+// per vector), so that every dword lane always holds codes of the same
+// sub-block; four vpdpbusd against the activations, rearranged the same
+// way once per call (a stack buffer), then leave in each lane an exact
+// integer product of its sub-block alone, and per token and super-block
+// one int32 -> float conversion, one multiply by the lanes' activation
+// scales and one FMA with the lanes' d * sc finish it (the 32-element
+// blocks' float multiply-adds, sixteen lanes at once). The offsets go
+// through the activations' sums: q6_k's -32 as vpdpbusd's starting value,
+// q4_k / q5_k's mins as one FMA of dmin * m_j with dx_j * (sum a)_j per two
+// super-blocks. q4_k / q5_k run four super-blocks per step (their scales
+// unpacked together).
 //
 // q8_0 / q4_0 (a float scale per 32 weights): 16 blocks at a time are
 // transposed so that dword j of each zmm holds four codes of block j; eight
@@ -132,7 +135,8 @@ struct KConsts {
   // q4_K / q5_K scale unpacking (unpack_scales_k4).
   __m512i unpack_a, unpack_b, unpack_mask;
   __m512i dd_lanes;          // vpermd: the four super-blocks' [d, dmin] into the low 128 bits
-  __m512i q4_r[4];           // q4_K: vpermt2d of the two code vectors into lane order (codes_q4k)
+  __m512i q4_r[4];           // q4_K: vpermt2d of the two code vectors into lane order (codes_q4k_lanes)
+  __m512i q4_nib;            // q4_K: the low nibbles in even lanes, the high ones (times 16) in odd lanes
   __m512i sc_lanes;          // pshufb: byte 4L + v = scale of the sub-block of lane 4L + v (k45_sub)
   __m512i mins_q;            // vpermq: the four super-blocks' mins into the low 256 bits
   __m512i dx_lanes;          // vpermps: the activation scale of each lane's sub-block
@@ -178,6 +182,8 @@ const KConsts& kconsts() {
       for (int i = 0; i < 16; ++i) l[i] = (i % 4 < 2 ? 0 : 16) + 4 * (i / 4) + j;
       k.q4_r[j] = _mm512_load_si512(l);
     }
+    for (int i = 0; i < 16; ++i) l[i] = i % 2 == 0 ? 0x0f0f0f0f : static_cast<int32_t>(0xf0f0f0f0u);
+    k.q4_nib = _mm512_load_si512(l);
     for (int i = 0; i < 16; ++i) l[i] = k45_sub(i);
     k.dx_lanes = _mm512_load_si512(l);
     for (int i = 0; i < 16; ++i) l[i] = i < 8 ? 1 : 3;
@@ -246,8 +252,11 @@ inline __m512i concat256(const uint8_t* lo, const uint8_t* hi) {
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
 }
 
-template <bool kQ6>
+enum class Kind { kQ4K, kQ5K, kQ6K };
+
+template <Kind K>
 void prepare_k(const uint8_t* act, size_t n, size_t sb0, size_t cn, size_t padded, const KPrep& p, const KConsts& k) {
+  constexpr bool kQ6 = K == Kind::kQ6K;
   const uint8_t* dsrc = act_d(act, n);
   const uint8_t* ssrc = act_sums(act, n);
   for (size_t i = 0; i < padded; ++i) {
@@ -284,7 +293,10 @@ void prepare_k(const uint8_t* act, size_t n, size_t sb0, size_t cn, size_t padde
       const __m512i s = _mm512_permutexvar_epi32(k.q6_lanes, _mm512_cvtepi16_epi32(s16));
       _mm512_storeu_si512(p.init + 16 * i, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 5)));
     } else {
-      _mm512_storeu_ps(p.dx + 16 * i, _mm512_permutexvar_ps(k.dx_lanes, _mm512_castps256_ps512(dx8)));
+      __m512 dx = _mm512_permutexvar_ps(k.dx_lanes, _mm512_castps256_ps512(dx8));
+      // q4_K's odd lanes hold 16 times the codes (codes_q4k_lanes).
+      if constexpr (K == Kind::kQ4K) dx = _mm512_mask_mul_ps(dx, 0xaaaa, dx, _mm512_set1_ps(0.0625f));
+      _mm512_storeu_ps(p.dx + 16 * i, dx);
       const __m256 asum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
       _mm256_storeu_ps(p.s + 8 * i, _mm256_mul_ps(asum, dx8));
     }
@@ -313,17 +325,16 @@ inline void codes_k45(const uint8_t* blk, const KConsts& k, __m512i* w) {
 
 // The q4_K code vectors of codes_k45 already transposed (transpose4x4):
 // out[j] dword 4L + v = code vector v's dword 4L + j, the low (v even) or
-// high (v odd) nibbles of dword 4L + j of q0 (v < 2) or q1 (v >= 2), so
-// one vpermt2d and a masked shift per vector instead of eight unpacks.
+// high (v odd) nibbles of dword 4L + j of q0 (v < 2) or q1 (v >= 2), so one
+// vpermt2d and one AND per vector instead of nibble shifts and eight
+// unpacks. The high nibbles stay in place, 16 times the codes (at most 240,
+// still unsigned bytes; vpdpbusd does not saturate): the activation scales
+// of the odd lanes carry the 1/16 (prepare_k).
 inline void codes_q4k_lanes(const uint8_t* blk, const KConsts& k, __m512i* out) {
   const uint8_t* qs = reinterpret_cast<const BlockQ4K*>(blk)->qs;
-  const __m512i m4 = _mm512_set1_epi8(0x0f);
   const __m512i q0 = _mm512_loadu_si512(qs);
   const __m512i q1 = _mm512_loadu_si512(qs + 64);
-  for (int j = 0; j < 4; ++j) {
-    const __m512i r = _mm512_permutex2var_epi32(q0, k.q4_r[j], q1);
-    out[j] = _mm512_and_si512(_mm512_mask_srli_epi32(r, 0xaaaa, r, 4), m4);
-  }
+  for (int j = 0; j < 4; ++j) out[j] = _mm512_and_si512(_mm512_permutex2var_epi32(q0, k.q4_r[j], q1), k.q4_nib);
 }
 
 template <size_t kBytes>
@@ -462,8 +473,6 @@ void q6k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k
   for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
 }
 
-enum class Kind { kQ4K, kQ5K, kQ6K };
-
 template <Kind K, int NT, bool kFull>
 inline void k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m512* facc) {
   if constexpr (K == Kind::kQ6K) {
@@ -529,7 +538,7 @@ void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, 
           prep[t].s = reinterpret_cast<float*>(q);
           q += padded * 32;
         }
-        prepare_k<kQ6>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, c0, cn, padded, prep[t], k);
+        prepare_k<K>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, c0, cn, padded, prep[t], k);
       }
       const size_t full = cn / kGroup * kGroup;
       const size_t rest = cn - full;

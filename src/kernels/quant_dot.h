@@ -8,13 +8,13 @@
 // follows outlier channels closely enough for a whole layer to stay within
 // 2% relative L2 of float64, where one per 256 (ggml's q8_K) does not. The
 // K formats' sub-blocks (32 elements for q4_k / q5_k, 16 for q6_k) lie
-// inside one activation block, so their integer sub-block scales still
-// apply in the integer domain; each 32-block then takes one float
-// multiply-add (the kernels do eight or sixteen of them in one vector).
-// The sums of the quants per 16 elements carry the weights' offsets (q4_0's
-// -8, the K formats' mins, q6_k's -32), so the kernels multiply unsigned
-// weight codes by signed activations (vpdpbusd / vpmaddubsw) and subtract
-// offset * sum once per (sub-)block.
+// inside one activation block, so each sub-block's integer product is
+// exact and then takes its float scales (the SIMD kernels arrange the codes
+// so that each vector lane sums one sub-block, and do sixteen such
+// multiply-adds per instruction). The sums of the quants per 16 elements
+// carry the weights' offsets (q4_0's -8, the K formats' mins, q6_k's -32),
+// so the kernels multiply unsigned weight codes by signed activations
+// (vpdpbusd / vpmaddubsw) and subtract offset * sum once per (sub-)block.
 //
 // One token's activation row of n elements (n a multiple of 32), struct of
 // arrays, act_row_bytes(t, n) = n + n / 4 bytes, no alignment required:
