@@ -387,10 +387,10 @@ void dequantize_q6_k(const void* src, float* dst, size_t n) {
     // ql[64 * h + 32 * (k & 1) + l], the low one for k < 2; high two bits
     // at bit 2 * k of qh[32 * h + l].
     for (int e = 0; e < kQKK; ++e) {
-      const int h = e / 128, k = (e / 32) % 4, l = e % 32;
+      const int h = e / 128, k = (e / 32) % 4, l = e % 32, sub = e / 16;
       const int lo = (b->ql[64 * h + 32 * (k & 1) + l] >> (4 * (k >> 1))) & 0xf;
       const int hi = (b->qh[32 * h + l] >> (2 * k)) & 3;
-      const float ds = d * static_cast<float>(b->scales[e / 16]);
+      const float ds = d * static_cast<float>(b->scales[sub]);
       dst[e] = ds * static_cast<float>((lo | (hi << 4)) - 32);
     }
     dst += kQKK;
