@@ -489,7 +489,7 @@ TEST_P(QuantDotFormat, DotRows) {
   const WeightType t = GetParam();
   std::mt19937 rng(77 + static_cast<unsigned>(t));
   const std::vector<int> rows = {1, 2, 3, 5, 16, 37};
-  const std::vector<int> tokens = {1, 2, 3, 4, 5, 17};
+  const std::vector<int> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 14, 17};  // every pass width of the kernels
   std::vector<DotCase> cases = {
       {0, {3}, {1, 5}},  // no blocks: zeros
       {256, rows, tokens},

@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "kernels/quant_dot.h"
 #include "kernels/x86_intrinsics.h"
@@ -50,8 +51,9 @@ namespace {
 // into L1 (measured: a single-core stream from DRAM needs both).
 constexpr size_t kPrefetchFar = 4096;
 constexpr size_t kPrefetchNear = 1024;
-// Tokens per pass over the weights.
-constexpr int kMaxTokens = 4;
+// Tokens per pass over the weights: each code vector, once unpacked, meets
+// up to eight tokens (the accumulators and codes still fit the 32 zmm).
+constexpr int kMaxTokens = 8;
 
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -361,20 +363,27 @@ inline void through_memory(T& v) {
 // Per token and super-block one conversion, one multiply by the lanes'
 // activation scales and one FMA with the lanes' d * sc; the mins of two
 // super-blocks as one FMA of dmin * m_j with dx_j * (sum a)_j.
-// kPrefetch: false for a copy of the row's tail on the stack.
-template <bool kFive, int NT, bool kPrefetch = true>
-void qk45_quads(const uint8_t* row, size_t quads, const KPrep* prep, const KConsts& k, __m512* facc_io) {
+// The row holds nsb super-blocks; a last partial quad (the row's tail) is
+// read in place: its missing super-blocks repeat the last real one's
+// header (finite scales) and meet zero prepared activations, so they add
+// exactly zero, and no block past the row is read.
+template <bool kFive, int NT>
+void qk45_quads(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m512* facc_io) {
   constexpr size_t kBytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
   __m512 facc[NT];
   for (int t = 0; t < NT; ++t) facc[t] = facc_io[t];
+  const size_t quads = (nsb + 3) / 4;
   for (size_t q = 0; q < quads; ++q) {
     const uint8_t* blk = row + 4 * q * kBytes;
-    if constexpr (kPrefetch) prefetch_ahead<4 * kBytes>(blk);
+    const size_t valid = min_size(4, nsb - 4 * q);
+    prefetch_ahead<4 * kBytes>(blk);
     // The four super-blocks' d, dmin, scales and mins (16 bytes each) ...
-    __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    raw = _mm512_mask_broadcast_i32x4(raw, 0x00f0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes)));
-    raw = _mm512_mask_broadcast_i32x4(raw, 0x0f00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kBytes)));
-    raw = _mm512_mask_broadcast_i32x4(raw, 0xf000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 3 * kBytes)));
+    const uint8_t* hdr[4];
+    for (size_t i = 0; i < 4; ++i) hdr[i] = blk + min_size(i, valid - 1) * kBytes;
+    __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[0])));
+    raw = _mm512_mask_broadcast_i32x4(raw, 0x00f0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[1])));
+    raw = _mm512_mask_broadcast_i32x4(raw, 0x0f00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[2])));
+    raw = _mm512_mask_broadcast_i32x4(raw, 0xf000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[3])));
     const __m512i u = unpack_scales_k4(raw, k);
     // ... the scales spread over each super-block's lanes, the mins of all four in order ...
     alignas(64) uint8_t sc[64];
@@ -389,7 +398,7 @@ void qk45_quads(const uint8_t* row, size_t quads, const KPrep* prep, const KCons
     alignas(32) float ys[8];
     _mm256_store_ps(ys, ddf);
     through_memory(ys);
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < static_cast<int>(valid); ++i) {
       __m512i x[4];
       if constexpr (kFive) {
         __m512i w[4];
@@ -473,31 +482,23 @@ void q6k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k
   for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
 }
 
-template <Kind K, int NT, bool kFull>
+template <Kind K, int NT>
 inline void k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m512* facc) {
   if constexpr (K == Kind::kQ6K) {
     q6k_sbs<NT>(row, nsb, prep, k, facc);
   } else {
-    qk45_quads<K == Kind::kQ5K, NT, kFull>(row, nsb / 4, prep, k, facc);
+    qk45_quads<K == Kind::kQ5K, NT>(row, nsb, prep, k, facc);
   }
 }
 
-template <Kind K, bool kFull>
-void k_sbs_nt(int nt, const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m512* facc) {
-  switch (nt) {
-    case 1:
-      k_sbs<K, 1, kFull>(row, nsb, prep, k, facc);
-      break;
-    case 2:
-      k_sbs<K, 2, kFull>(row, nsb, prep, k, facc);
-      break;
-    case 3:
-      k_sbs<K, 3, kFull>(row, nsb, prep, k, facc);
-      break;
-    default:
-      k_sbs<K, 4, kFull>(row, nsb, prep, k, facc);
-      break;
-  }
+// The kernels for 1 .. kMaxTokens tokens, by token count - 1.
+using KRowFn = void (*)(const uint8_t*, size_t, const KPrep*, const KConsts&, __m512*);
+struct KRowFns {
+  KRowFn fn[kMaxTokens];
+};
+template <Kind K, int... I>
+constexpr KRowFns k_row_fns(std::integer_sequence<int, I...>) {
+  return {{&k_sbs<K, I + 1>...}};
 }
 
 // Up to kMaxTokens tokens at a time; per token group the super-blocks in
@@ -511,6 +512,7 @@ void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, 
   constexpr size_t kBytes = kQ6 ? sizeof(BlockQ6K) : K == Kind::kQ5K ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
   constexpr size_t kPrepBytes = kQ6 ? kQ6PrepBytes : kK45PrepBytes;
   constexpr size_t kGroup = kQ6 ? 1 : 4;  // super-blocks per kernel step
+  static constexpr auto kRowFns = k_row_fns<K>(std::make_integer_sequence<int, kMaxTokens>());
   const KConsts& k = kconsts();
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* ab = static_cast<const uint8_t*>(act);
@@ -540,31 +542,12 @@ void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, 
         }
         prepare_k<K>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, c0, cn, padded, prep[t], k);
       }
-      const size_t full = cn / kGroup * kGroup;
-      const size_t rest = cn - full;
-      KPrep last[kMaxTokens];
-      for (int t = 0; t < nt; ++t) {
-        last[t] = prep[t];
-        last[t].qs += full * 256;
-        last[t].dx += full * 16;
-        if constexpr (kQ6) {
-          last[t].init += full * 16;
-        } else {
-          last[t].s += full * 8;
-        }
-      }
+      const KRowFn row_fn = kRowFns.fn[nt - 1];
       for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
         const uint8_t* row = wb + r * row_bytes + c0 * kBytes;
         __m512 facc[kMaxTokens];
         for (int t = 0; t < kMaxTokens; ++t) facc[t] = _mm512_setzero_ps();
-        k_sbs_nt<K, true>(nt, row, full, prep, k, facc);
-        if (rest != 0) {
-          // The last super-blocks, with zero ones to a whole group.
-          alignas(64) uint8_t tail[kGroup * kBytes];
-          std::memset(tail, 0, sizeof tail);
-          std::memcpy(tail, row + full * kBytes, rest * kBytes);
-          k_sbs_nt<K, false>(nt, tail, kGroup, last, k, facc);
-        }
+        row_fn(row, cn, prep, k, facc);
         for (int t = 0; t < nt; ++t) {
           float* o = out + static_cast<size_t>(t0 + t) * ld_out + r;
           const float v = _mm512_reduce_add_ps(facc[t]);
@@ -590,18 +573,23 @@ static_assert(sizeof(Group16) == 640);
 constexpr size_t kGroupBuffer = 72;  // 46 KB
 
 // Loads 16 bytes at p + j * kStride for j < 16 and transposes them:
-// dword j of out[k] is dword k of row j.
-template <size_t kStride>
-inline void transpose16(const uint8_t* p, __m512i* out) {
+// dword j of out[k] is dword k of row j. With kTail, rows j >= cnt repeat
+// row cnt - 1 (nothing past it is read).
+template <size_t kStride, bool kTail = false>
+inline void transpose16(const uint8_t* p, __m512i* out, size_t cnt = 16) {
+  const auto at = [&](int j) {
+    const size_t r = kTail ? min_size(static_cast<size_t>(j), cnt - 1) : static_cast<size_t>(j);
+    return reinterpret_cast<const __m128i*>(p + r * kStride);
+  };
   __m512i z[4];
   // Masked broadcasts from memory rather than inserts: they run on either
   // vector port, and the unpacks below already load the shuffle port.
   COLIBRI_UNROLL
   for (int i = 0; i < 4; ++i) {
-    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * kStride)));
-    v = _mm512_mask_broadcast_i32x4(v, 0x00f0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (i + 4) * kStride)));
-    v = _mm512_mask_broadcast_i32x4(v, 0x0f00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (i + 8) * kStride)));
-    v = _mm512_mask_broadcast_i32x4(v, 0xf000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (i + 12) * kStride)));
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(at(i)));
+    v = _mm512_mask_broadcast_i32x4(v, 0x00f0, _mm_loadu_si128(at(i + 4)));
+    v = _mm512_mask_broadcast_i32x4(v, 0x0f00, _mm_loadu_si128(at(i + 8)));
+    v = _mm512_mask_broadcast_i32x4(v, 0xf000, _mm_loadu_si128(at(i + 12)));
     z[i] = v;
   }
   const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]);
@@ -641,30 +629,40 @@ void prepare_groups(const uint8_t* act, size_t n, size_t g0, size_t ng, Group16*
   }
 }
 
-// 16 blocks of a q8_0 / q4_0 row at blk against NT tokens' groups.
-template <bool kQ8, int NT>
-inline void group32(const uint8_t* blk, const Group16* G, __m512* facc) {
+// 16 blocks of a q8_0 / q4_0 row at blk against NT tokens' groups. With
+// kTail only the first cnt blocks exist: the others' codes repeat a real
+// block, their scales are zero (a masked gather), and their activations
+// are zero too, so they add exactly zero.
+template <bool kQ8, int NT, bool kTail = false>
+inline void group32(const uint8_t* blk, const Group16* G, __m512* facc, size_t cnt = 16) {
   constexpr size_t kBytes = kQ8 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
   __m512i v[8];
   if constexpr (kQ8) {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-    transpose16<kBytes>(blk + 2, v);
-    transpose16<kBytes>(blk + 18, v + 4);
+    transpose16<kBytes, kTail>(blk + 2, v, cnt);
+    transpose16<kBytes, kTail>(blk + 18, v + 4, cnt);
     for (int i = 0; i < 8; ++i) v[i] = _mm512_xor_si512(v[i], bias);  // q + 128
   } else {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m512i t[4];
-    transpose16<kBytes>(blk + 2, t);
+    transpose16<kBytes, kTail>(blk + 2, t, cnt);
     for (int i = 0; i < 4; ++i) {
       v[i] = _mm512_and_si512(t[i], m4);
       v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m4);
     }
   }
-  // The 16 f16 scales: dword j at byte j * kBytes holds block j's d in its low half.
+  // The 16 f16 scales: dword j at byte j * kBytes holds block j's d in its
+  // low half (the last block's dword ends inside the block: d, then codes).
   constexpr int kB = static_cast<int>(kBytes);
   const __m512i idx = _mm512_setr_epi32(0, kB, 2 * kB, 3 * kB, 4 * kB, 5 * kB, 6 * kB, 7 * kB, 8 * kB, 9 * kB,
                                         10 * kB, 11 * kB, 12 * kB, 13 * kB, 14 * kB, 15 * kB);
-  const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, blk, 1)));
+  __m512i dbits;
+  if constexpr (kTail) {
+    dbits = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), static_cast<__mmask16>((1u << cnt) - 1u), idx, blk, 1);
+  } else {
+    dbits = _mm512_i32gather_epi32(idx, blk, 1);
+  }
+  const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dbits));
   for (int t = 0; t < NT; ++t) {
     const Group16& g = G[t];
     __m512i acc0 = _mm512_dpbusd_epi32(g.off, v[0], g.a[0]);
@@ -689,17 +687,23 @@ void q32_row(const uint8_t* row, size_t g0, size_t ng, size_t nb, const Group16*
   for (size_t g = 0; g < ng; ++g) {
     const size_t b0 = (g0 + g) * 16;
     const uint8_t* blk = row + b0 * kBytes;
+    prefetch_ahead<16 * kBytes>(blk);
     if (b0 + 16 <= nb) {
-      prefetch_ahead<16 * kBytes>(blk);
       group32<kQ8, NT>(blk, groups + g * NT, facc);
     } else {
-      alignas(64) uint8_t tail[16 * kBytes];
-      std::memset(tail, 0, sizeof tail);
-      std::memcpy(tail, blk, (nb - b0) * kBytes);
-      group32<kQ8, NT>(tail, groups + g * NT, facc);
+      group32<kQ8, NT, true>(blk, groups + g * NT, facc, nb - b0);
     }
   }
   for (int t = 0; t < NT; ++t) res[t] = _mm512_reduce_add_ps(facc[t]);
+}
+
+using Q32RowFn = void (*)(const uint8_t*, size_t, size_t, size_t, const Group16*, float*);
+struct Q32RowFns {
+  Q32RowFn fn[kMaxTokens];
+};
+template <bool kQ8, int... I>
+constexpr Q32RowFns q32_row_fns(std::integer_sequence<int, I...>) {
+  return {{&q32_row<kQ8, I + 1>...}};
 }
 
 template <bool kQ8>
@@ -711,6 +715,7 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
   const size_t nb = n / kQK32;
   if (nb == 0) return zero_out(rows, tokens, out, ld_out);
   const size_t ng_total = (nb + 15) / 16;
+  static constexpr auto kRowFns = q32_row_fns<kQ8>(std::make_integer_sequence<int, kMaxTokens>());
   Group16 buf[kGroupBuffer];
   for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
     const int nt = tokens - t0 < kMaxTokens ? tokens - t0 : kMaxTokens;
@@ -721,23 +726,11 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
         prepare_groups<kQ8 ? 128 : 8>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, g0, ng, buf + t,
                                       static_cast<size_t>(nt));
       }
+      const Q32RowFn row_fn = kRowFns.fn[nt - 1];
       for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
         const uint8_t* row = wb + r * row_bytes;
         float res[kMaxTokens];
-        switch (nt) {
-          case 1:
-            q32_row<kQ8, 1>(row, g0, ng, nb, buf, res);
-            break;
-          case 2:
-            q32_row<kQ8, 2>(row, g0, ng, nb, buf, res);
-            break;
-          case 3:
-            q32_row<kQ8, 3>(row, g0, ng, nb, buf, res);
-            break;
-          default:
-            q32_row<kQ8, 4>(row, g0, ng, nb, buf, res);
-            break;
-        }
+        row_fn(row, g0, ng, nb, buf, res);
         for (int t = 0; t < nt; ++t) {
           float* o = out + static_cast<size_t>(t0 + t) * ld_out + r;
           *o = g0 == 0 ? res[t] : *o + res[t];
