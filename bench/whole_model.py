@@ -104,7 +104,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=32, help="N: max_new_tokens = min_new_tokens")
     p.add_argument("--generate-reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and Colibri's threads")
-    p.add_argument("--accelerate-dtype", choices=["f32", "f16", "bf16"],
+    p.add_argument("--accelerate-dtype", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m"],
                    help="pass dtype= to accelerate() (default: not passed, so each block keeps its own dtype)")
     p.add_argument("--quiet-threshold", type=float, default=0.2,
                    help="share of the machine other processes may use before a measurement starts")

@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <string>
 
-#include "io/hf_convert.h"
+#include "lib/hf_convert.h"
 #include "util/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "io/safetensors.h"
+#include "lib/safetensors.h"
 #include "util/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -91,6 +91,12 @@ COLIBRI_API const char* colibri_last_warning(void);
 COLIBRI_API const char* colibri_status_name(colibri_status_t status);
 COLIBRI_API const char* colibri_dtype_name(colibri_dtype_t dtype);
 COLIBRI_API const char* colibri_version(void);
+/* The instruction-set level models opened in this process compute at:
+ * "scalar", "avx2", "avx512" or "amx" (avx512 with AMX tiles for prefill),
+ * the best this CPU supports, or the lower level COLIBRI_ISA names when it
+ * is set (read once, at the first call or open). A model may still pick a
+ * lower level per call (colibri_model_kernels). Static storage; thread-safe. */
+COLIBRI_API const char* colibri_cpu_isa(void);
 
 /* Bytes of one row of n weights of `dtype` as model files and buffers hold
  * it; 0 for an unknown dtype. */

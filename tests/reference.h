@@ -1,7 +1,7 @@
 // The float64 reference (src/moe/reference.h) under the names the tests use.
 #pragma once
 
-#include "moe/reference.h"
+#include "lib/float64_reference.h"
 
 namespace colibri_test {
 

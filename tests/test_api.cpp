@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "colibri.h"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 
 #include "test_util.h"
 
@@ -796,6 +796,8 @@ TEST(ApiDefaults, NamesAndVersion) {
   EXPECT_STREQ(colibri_dtype_name(COLIBRI_DTYPE_F16), "f16");
   EXPECT_STREQ(colibri_dtype_name(COLIBRI_DTYPE_BF16), "bf16");
   EXPECT_NE(colibri_dtype_name(static_cast<colibri_dtype_t>(42)), nullptr);
+  const std::string isa = colibri_cpu_isa();
+  EXPECT_TRUE(isa == "scalar" || isa == "avx2" || isa == "avx512" || isa == "amx") << isa;
   const std::string v = colibri_version();
   EXPECT_EQ(v, std::to_string(COLIBRI_VERSION_MAJOR) + "." + std::to_string(COLIBRI_VERSION_MINOR) + "." +
                    std::to_string(COLIBRI_VERSION_PATCH));

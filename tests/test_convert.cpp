@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "colibri.h"
-#include "io/hf_convert.h"
+#include "lib/hf_convert.h"
 #include "io/manifest.h"
 #include "reference.h"
 #include "safetensors_writer.h"

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "colibri.hpp"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 #include "test_util.h"
 
 namespace {

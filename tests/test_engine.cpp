@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "colibri.h"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 #include "kernels/kernels.h"
 #include "moe/model.h"
 #include "util/half.h"

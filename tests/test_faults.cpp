@@ -23,7 +23,7 @@
 
 #include "colibri.h"
 #include "io/manifest.h"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 #include "test_util.h"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)

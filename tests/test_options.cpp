@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "colibri.h"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 #include "kernels/amx.h"
 #include "reference.h"
 #include "test_util.h"

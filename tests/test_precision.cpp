@@ -29,7 +29,7 @@
 
 #include "colibri.h"
 #include "kernels/kernels.h"
-#include "moe/reference.h"
+#include "lib/float64_reference.h"
 #include "util/half.h"
 
 namespace {

@@ -22,8 +22,8 @@
 
 #include "colibri.h"
 #include "io/manifest.h"
-#include "io/model_writer.h"
-#include "moe/reference.h"
+#include "lib/model_writer.h"
+#include "lib/float64_reference.h"
 #include "util/weight_format.h"
 
 #include "test_util.h"

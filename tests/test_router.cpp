@@ -17,7 +17,7 @@
 #include "colibri.h"
 #include "io/manifest.h"
 #include "io/mapped_file.h"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 #include "moe/router.h"
 #include "reference.h"
 #include "util/half.h"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "io/safetensors.h"
+#include "lib/safetensors.h"
 #include "safetensors_writer.h"
 #include "test_util.h"
 #include "util/error.h"

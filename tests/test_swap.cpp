@@ -17,7 +17,7 @@
 #include "io/checksum.h"
 #include "io/manifest.h"
 #include "io/mapped_file.h"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 #include "reference.h"
 #include "test_util.h"
 

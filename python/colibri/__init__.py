@@ -14,13 +14,14 @@ See docs/PYTORCH.md.
 """
 
 from ._lib import ColibriError, library_path
+from ._lib import cpu_isa as _cpu_isa
 from ._lib import version as _version
 from .model import Model, ModelInfo, ModelStats, RouterConfig, save_model
 from . import routing
 from .quant import dequantize, quantize
 
 __all__ = ["Model", "ModelInfo", "ModelStats", "RouterConfig", "ColibriError", "library_path",
-           "library_version", "routing", "has_open_memory", "save_model", "quantize", "dequantize"]
+           "library_version", "cpu_isa", "routing", "has_open_memory", "save_model", "quantize", "dequantize"]
 
 __version__ = "0.2.0"
 
@@ -28,6 +29,13 @@ __version__ = "0.2.0"
 def library_version():
     """The loaded libcolibri's version string (colibri_version())."""
     return _version()
+
+
+def cpu_isa():
+    """The instruction-set level the loaded library computes at on this CPU:
+    "scalar", "avx2", "avx512" or "amx" (colibri_cpu_isa(); the environment
+    variable COLIBRI_ISA may lower it)."""
+    return _cpu_isa()
 
 
 def has_open_memory():

@@ -339,6 +339,7 @@ _PROTOTYPES = {
     "colibri_status_name": (ctypes.c_char_p, [ctypes.c_int]),
     "colibri_dtype_name": (ctypes.c_char_p, [ctypes.c_int]),
     "colibri_version": (ctypes.c_char_p, []),
+    "colibri_cpu_isa": (ctypes.c_char_p, []),
     "colibri_dtype_row_bytes": (ctypes.c_size_t, [ctypes.c_int, ctypes.c_size_t]),
     "colibri_quantize": (
         ctypes.c_int,
@@ -440,6 +441,12 @@ def check(status, function):
 
 def version():
     s = lib().colibri_version()
+    return s.decode() if s else ""
+
+
+def cpu_isa():
+    """The instruction-set level Colibri computes at here (COLIBRI_ISA may lower it)."""
+    s = lib().colibri_cpu_isa()
     return s.decode() if s else ""
 
 

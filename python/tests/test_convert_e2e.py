@@ -518,3 +518,55 @@ def test_swapped_gate_up_is_caught(name, tmp_path):
     with colibri.Model(str(tmp_path / "m"), threads=2) as m:
         for j, hf_layer in enumerate(case.moe_layers):
             assert rel_l2(m.infer(x, layer=j), reference_forward(reference_block(blocks[hf_layer], "f32"), x)) > 0.05
+
+
+def dequantised_block(blk, dtype):
+    """The reference in float64 holding the weights as a block-quantised
+    model stores them: every routed and shared expert matrix through
+    colibri.quantize / dequantize along its rows (the input dimension), down
+    projections in the mix's down type."""
+    gate_up, down = colibri.quant.split_dtype(dtype)
+    ref = copy.deepcopy(blk)
+    mods = [ref.experts] + [getattr(ref, a) for a in ("shared_expert", "shared_experts")
+                            if getattr(ref, a, None) is not None]
+    with torch.no_grad():
+        for mod in mods:
+            for pname, p in mod.named_parameters():
+                if p.dim() < 2:
+                    continue
+                t = down if ("down" in pname or pname.endswith("w2.weight")) else gate_up
+                a = p.detach().float().reshape(-1, p.shape[-1]).numpy()
+                p.copy_(torch.from_numpy(colibri.dequantize(colibri.quantize(a, t), t, a.shape[1])).reshape(p.shape))
+    return ref.double().eval()
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_convert_block_quantised(name, dtype, tmp_path_factory):
+    """`colibri convert --hf --dtype q8_0|q4_k_m`: each expert file holds the
+    quantiser's blocks of its gate, up and down rows, the manifest names both
+    types, and the built-in router's output matches the reference on the
+    dequantised weights within the int8-activation bound (docs/PRECISION.md)."""
+    case, blocks, out = converted(name, dtype, tmp_path_factory)
+    gate_up, down = colibri.quant.split_dtype(dtype)
+    manifest = json.loads((out / "colibri.json").read_text())
+    assert manifest["version"] == 3
+    assert manifest["dtype"] == gate_up and manifest.get("down_dtype", gate_up) == down
+    for j, hf_layer in enumerate(case.moe_layers):
+        blk = blocks[hf_layer]
+        d = out / ("layer_%02d" % j) if len(case.moe_layers) > 1 else out
+        for e, (g, u, dn) in enumerate(expert_triples(blk)):
+            q = lambda m, t: colibri.quantize(m.detach().float().numpy(), t).tobytes()  # noqa: E731
+            want = q(g, gate_up) + q(u, gate_up) + q(dn, down)
+            assert (d / ("expert_%02d.bin" % e)).read_bytes() == want, "layer %d expert %d" % (j, e)
+    with colibri.Model(str(out), threads=2) as m:
+        assert (m.info.dtype, m.info.down_dtype) == (gate_up, down)
+        for j, hf_layer in enumerate(case.moe_layers):
+            blk = blocks[hf_layer]
+            ref = dequantised_block(blk, dtype)
+            for T in (1, 64):
+                x, want_ids = clear_input(blk, T, seed=700 + 10 * j + T)
+                err = rel_l2(m.infer(x, layer=j), reference_forward(ref, x))
+                assert err <= 2e-2, "layer %d, T=%d: relative L2 %.3g" % (j, T, err)
+                ids, _ = m.route(x, layer=j)
+                assert torch.equal(ids.long().sort(-1).values, want_ids)

@@ -29,6 +29,7 @@ def routing(rng, T, k=2, E=4):
 def test_library_found_and_versioned():
     assert os.path.exists(colibri.library_path())
     assert colibri.library_version().count(".") == 2
+    assert colibri.cpu_isa() in ("scalar", "avx2", "avx512", "amx")
 
 
 def test_library_lookup_order(monkeypatch, tmp_path):

@@ -12,6 +12,7 @@
 #include "io/manifest.h"
 #include "io/mapped_file.h"
 #include "io/verify.h"
+#include "kernels/kernels.h"
 #include "moe/model.h"
 #include "moe/routing.h"
 #include "util/c_enum.h"
@@ -134,6 +135,8 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
 }
 
 const char* colibri_version(void) { return "0.2.0"; }
+
+const char* colibri_cpu_isa(void) { return colibri::kernels::isa_name(colibri::kernels::default_isa()); }
 
 namespace {
 

@@ -10,9 +10,9 @@
 
 #include "commands.h"
 #include "common.h"
-#include "io/hf_convert.h"
+#include "lib/hf_convert.h"
 #include "io/manifest.h"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 #include "util/error.h"
 
 namespace colibri_cli {

@@ -18,7 +18,7 @@
 #include "commands.h"
 #include "common.h"
 #include "io/manifest.h"
-#include "moe/reference.h"
+#include "lib/float64_reference.h"
 #include "util/error.h"
 
 namespace colibri_cli {

@@ -6,7 +6,7 @@
 #include "commands.h"
 #include "common.h"
 #include "io/manifest.h"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 #include "io/verify.h"
 #include "util/error.h"
 

@@ -17,9 +17,8 @@
 #include "commands.h"
 #include "common.h"
 #include "io/manifest.h"
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 #include "io/verify.h"
-#include "kernels/kernels.h"
 #include "util/error.h"
 
 namespace colibri_cli {
@@ -269,7 +268,7 @@ void run_bench(const BenchArgs& a) {
     swapper->stop();
     if (swapper->failures() > 0) throw CliError("bench: expert swap failed: " + swapper->first_error());
   }
-  const char* isa = colibri::kernels::isa_name(colibri::kernels::default_isa());
+  const char* isa = colibri_cpu_isa();
   const char* kernels = colibri_model_kernels(h.model);
   if (a.json) {
     nlohmann::json doc = bench_json(r);

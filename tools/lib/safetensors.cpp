@@ -1,4 +1,4 @@
-#include "io/safetensors.h"
+#include "lib/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-#include "io/model_writer.h"
+#include "lib/model_writer.h"
 
 #include <sys/stat.h>
 

@@ -1,4 +1,4 @@
-#include "moe/reference.h"
+#include "lib/float64_reference.h"
 
 #include <cmath>
 #include <cstring>

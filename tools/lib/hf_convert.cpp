@@ -1,4 +1,4 @@
-#include "io/hf_convert.h"
+#include "lib/hf_convert.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,8 +14,8 @@
 
 #include "io/manifest.h"
 #include "io/mapped_file.h"
-#include "io/model_writer.h"
-#include "io/safetensors.h"
+#include "lib/model_writer.h"
+#include "lib/safetensors.h"
 #include "util/error.h"
 
 namespace colibri {
