@@ -106,7 +106,10 @@ COLIBRI_API size_t colibri_dtype_row_bytes(colibri_dtype_t dtype, size_t n);
  * (colibri_dtype_row_bytes(dtype, n) bytes each, rows * that in all at dst,
  * which holds dst_bytes): rounding to nearest even for f16 / bf16, and for
  * the block formats the reference quantisers of ggml (so q8_0 and q4_0
- * blocks equal what the gguf package writes). Thread-safe. */
+ * blocks equal what the gguf package writes). Thread-safe. Block formats
+ * are quantised on up to one thread per core (threads started for the call
+ * and joined before it returns, only for more than a million weights); the
+ * bytes are the same as on one. */
 COLIBRI_API colibri_status_t colibri_quantize(colibri_dtype_t dtype, const float* src, size_t rows, size_t n,
                                               void* dst, size_t dst_bytes);
 

@@ -146,6 +146,28 @@ TEST(QuantRef, WeightFormatTableUsesThem) {
   }
 }
 
+// Quantising on several threads gives the bytes one thread gives: rows not
+// divisible by the thread count, rows padded to whole blocks, more threads
+// than the work is split into.
+TEST(QuantRef, ThreadedConversionIsBitIdentical) {
+  const size_t rows = 49;
+  const size_t n = 65600;  // not a multiple of 256: every row's last block is padded
+  std::mt19937 rng(99);
+  std::normal_distribution<float> normal(0.0f, 0.05f);
+  std::vector<float> w(rows * n);
+  for (float& v : w) v = normal(rng);
+  for (WeightType t : {WeightType::kQ8_0, WeightType::kQ4_K, WeightType::kQ6_K}) {
+    const size_t bytes = rows * weight_row_bytes(t, n);
+    std::vector<uint8_t> one(bytes, 0xa5);
+    convert_rows_from_float(t, w.data(), rows, n, one.data(), 1);
+    for (int threads : {2, 3, 64}) {
+      std::vector<uint8_t> many(bytes, 0x5a);
+      convert_rows_from_float(t, w.data(), rows, n, many.data(), threads);
+      EXPECT_TRUE(many == one) << weight_format(t).name << " threads=" << threads;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Dequantisation of hand-built blocks. Every expected value is a small
 // integer times a power of two, exact in float whatever the operation order.

@@ -173,7 +173,7 @@ colibri_status_t colibri_quantize(colibri_dtype_t dtype, const float* src, size_
       colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_quantize: dst holds " + std::to_string(dst_bytes) +
                                                       " bytes, the rows need " + std::to_string(bytes));
     }
-    colibri::convert_rows_from_float(colibri::weight_type_of(dtype), src, rows, n, dst);
+    colibri::convert_rows_from_float(colibri::weight_type_of(dtype), src, rows, n, dst, colibri::conversion_threads());
     return COLIBRI_OK;
   });
 }

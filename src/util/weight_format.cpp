@@ -1,6 +1,10 @@
 #include "util/weight_format.h"
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "util/half.h"
@@ -67,20 +71,59 @@ size_t weight_row_bytes(WeightType t, size_t n) {
   return (n + f.block_elements - 1) / f.block_elements * f.block_bytes;
 }
 
-void convert_rows_from_float(WeightType t, const float* src, size_t rows, size_t n, void* dst) {
-  const WeightFormat& f = weight_format(t);
-  const size_t padded = (n + f.block_elements - 1) / f.block_elements * f.block_elements;
-  const size_t row_bytes = weight_row_bytes(t, n);
-  std::vector<float> row(padded == n ? 0 : padded, 0.0f);
-  auto* out = static_cast<uint8_t*>(dst);
-  for (size_t r = 0; r < rows; ++r) {
+namespace {
+
+// Rows [r0, r1); `row` holds `padded` floats when n < padded. Allocates
+// nothing and throws nothing (it runs on threads of its own).
+void convert_row_range(const WeightFormat& f, const float* src, size_t r0, size_t r1, size_t n, size_t padded,
+                       size_t row_bytes, float* row, uint8_t* out) noexcept {
+  for (size_t r = r0; r < r1; ++r) {
     const float* in = src + r * n;
     if (padded != n) {
-      std::memcpy(row.data(), in, n * sizeof(float));
-      in = row.data();
+      std::memcpy(row, in, n * sizeof(float));
+      std::memset(row + n, 0, (padded - n) * sizeof(float));
+      in = row;
     }
     f.from_float(in, out + r * row_bytes, padded);
   }
+}
+
+}  // namespace
+
+int conversion_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+void convert_rows_from_float(WeightType t, const float* src, size_t rows, size_t n, void* dst, int threads) {
+  const WeightFormat& f = weight_format(t);
+  const size_t padded = (n + f.block_elements - 1) / f.block_elements * f.block_elements;
+  const size_t row_bytes = weight_row_bytes(t, n);
+  auto* out = static_cast<uint8_t*>(dst);
+  // Threads only where quantising costs more than starting them.
+  constexpr size_t kElementsPerThread = size_t{1} << 20;
+  size_t parts = threads > 1 && f.quantized ? static_cast<size_t>(threads) : 1;
+  parts = std::min(parts, std::max<size_t>(1, rows * n / kElementsPerThread));
+  parts = std::min(parts, std::max<size_t>(rows, 1));
+  const size_t scratch = padded == n ? 0 : padded;
+  std::vector<float> rows_scratch(parts * scratch);
+  std::vector<std::thread> team;
+  team.reserve(parts);
+  // Part p is rows [rows * p / parts, rows * (p + 1) / parts); part 0 is this thread's.
+  for (size_t p = 1; p < parts; ++p) {
+    const size_t r0 = rows * p / parts;
+    const size_t r1 = rows * (p + 1) / parts;
+    float* row = rows_scratch.data() + p * scratch;
+    try {
+      team.emplace_back(convert_row_range, std::cref(f), src, r0, r1, n, padded, row_bytes, row, out);
+    } catch (const std::system_error&) {
+      // No more threads: this thread also does the parts not started.
+      convert_row_range(f, src, r0, rows, n, padded, row_bytes, row, out);
+      break;
+    }
+  }
+  convert_row_range(f, src, 0, rows / parts, n, padded, row_bytes, rows_scratch.data(), out);
+  for (std::thread& th : team) th.join();
 }
 
 void convert_rows_to_float(WeightType t, const void* src, size_t rows, size_t n, float* dst) {

@@ -53,8 +53,14 @@ size_t weight_row_bytes(WeightType t, size_t n);
 
 // rows x n floats to rows of type t (weight_row_bytes(t, n) each; the
 // last block of a row padded with zeros), and back (the padding dropped).
-// May allocate one row of scratch.
-void convert_rows_from_float(WeightType t, const float* src, size_t rows, size_t n, void* dst);
+// May allocate one row of scratch. convert_rows_from_float splits the rows
+// among up to `threads` threads (the caller's among them; fewer when a
+// thread cannot be started): the block quantisers run at about 10 M
+// weights per second per core, so a Mixtral-sized layer takes minutes on
+// one. The bytes do not depend on the thread count.
+void convert_rows_from_float(WeightType t, const float* src, size_t rows, size_t n, void* dst, int threads = 1);
+// std::thread::hardware_concurrency(), at least 1.
+int conversion_threads();
 void convert_rows_to_float(WeightType t, const void* src, size_t rows, size_t n, float* dst);
 
 // n rounded up to whole blocks, and for the float types on to whole

@@ -36,7 +36,7 @@ float uniform_pm1(uint64_t& state) {
 std::vector<uint8_t> encode_weights(const float* w, size_t n, colibri_dtype_t dtype) {
   const WeightType t = weight_type_of(dtype);
   std::vector<uint8_t> out(weight_row_bytes(t, n));
-  convert_rows_from_float(t, w, 1, n, out.data());
+  convert_rows_from_float(t, w, 1, n, out.data(), conversion_threads());
   return out;
 }
 
@@ -47,8 +47,9 @@ std::vector<uint8_t> encode_expert(const float* w, const Manifest& m, int32_t d_
   const size_t F = static_cast<size_t>(d_ff);
   const uint64_t gate_bytes = Manifest::matrix_bytes(m.weight_type(), d_ff, m.d_model);
   std::vector<uint8_t> out(2 * gate_bytes + Manifest::matrix_bytes(m.down_weight_type(), m.d_model, d_ff));
-  convert_rows_from_float(m.weight_type(), w, 2 * F, D, out.data());
-  convert_rows_from_float(m.down_weight_type(), w + 2 * F * D, D, F, out.data() + 2 * gate_bytes);
+  convert_rows_from_float(m.weight_type(), w, 2 * F, D, out.data(), conversion_threads());
+  convert_rows_from_float(m.down_weight_type(), w + 2 * F * D, D, F, out.data() + 2 * gate_bytes,
+                          conversion_threads());
   return out;
 }
 
