@@ -613,7 +613,7 @@ TEST(Convert, LayerRangeSelectsMoeLayers) {
       colibri::convert_hf_checkpoint(o);
       ADD_FAILURE() << first << "-" << last << " accepted";
     } catch (const colibri::Error& e) {
-      EXPECT_EQ(e.status(), COLIBRI_ERR_INVALID_ARGUMENT);
+      EXPECT_EQ(e.status(), colibri::Status::kInvalidArgument);
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
     EXPECT_FALSE(fs::exists(o.out_dir));
@@ -657,7 +657,7 @@ TEST(Convert, ConfigDefaultsAndLayerRules) {
   EXPECT_EQ(c.router.family, COLIBRI_ROUTER_MIXTRAL);
 }
 
-void expect_config_error(const json& config, colibri_status_t status, const std::vector<std::string>& needles) {
+void expect_config_error(const json& config, colibri::Status status, const std::vector<std::string>& needles) {
   SCOPED_TRACE(config.dump());
   try {
     colibri::parse_hf_config(config.dump(), "hf/config.json");
@@ -677,62 +677,62 @@ TEST(Convert, BadConfigsNameTheField) {
                             "num_experts_per_tok"}) {
     json bad = mx;
     bad.erase(field);
-    expect_config_error(bad, COLIBRI_ERR_FORMAT, {"missing field \"" + std::string(field) + "\"", "mixtral"});
+    expect_config_error(bad, colibri::Status::kFormat, {"missing field \"" + std::string(field) + "\"", "mixtral"});
   }
   json bad = mx;
   bad["num_experts_per_tok"] = 5;
-  expect_config_error(bad, COLIBRI_ERR_FORMAT, {"\"num_experts_per_tok\"", "out of range [1, 4]"});
+  expect_config_error(bad, colibri::Status::kFormat, {"\"num_experts_per_tok\"", "out of range [1, 4]"});
   bad = mx;
   bad["hidden_size"] = "16";
-  expect_config_error(bad, COLIBRI_ERR_FORMAT, {"\"hidden_size\""});
+  expect_config_error(bad, colibri::Status::kFormat, {"\"hidden_size\""});
   bad = mx;
   bad["num_local_experts"] = 1e30;
-  expect_config_error(bad, COLIBRI_ERR_FORMAT, {"\"num_local_experts\""});
+  expect_config_error(bad, colibri::Status::kFormat, {"\"num_local_experts\""});
   bad = mx;
   bad["intermediate_size"] = -8;
-  expect_config_error(bad, COLIBRI_ERR_FORMAT, {"\"intermediate_size\""});
+  expect_config_error(bad, colibri::Status::kFormat, {"\"intermediate_size\""});
   bad = mx;
   bad["model_type"] = "llama";
-  expect_config_error(bad, COLIBRI_ERR_UNSUPPORTED,
+  expect_config_error(bad, colibri::Status::kUnsupported,
                       {"\"llama\"", "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3"});
   bad.erase("model_type");
-  expect_config_error(bad, COLIBRI_ERR_FORMAT, {"model_type"});
-  expect_config_error(json::array(), COLIBRI_ERR_FORMAT, {"object"});
+  expect_config_error(bad, colibri::Status::kFormat, {"model_type"});
+  expect_config_error(json::array(), colibri::Status::kFormat, {"object"});
 
   json q2 = base_config("qwen2_moe", 2);
   q2.update({{"num_experts", 4}, {"moe_intermediate_size", 8}});
-  expect_config_error(q2, COLIBRI_ERR_FORMAT, {"shared_expert_intermediate_size"});
+  expect_config_error(q2, colibri::Status::kFormat, {"shared_expert_intermediate_size"});
   q2["shared_expert_intermediate_size"] = 8;
   q2["mlp_only_layers"] = {0, 1};
-  expect_config_error(q2, COLIBRI_ERR_FORMAT, {"no MoE layer"});
+  expect_config_error(q2, colibri::Status::kFormat, {"no MoE layer"});
   q2["mlp_only_layers"] = "none";
-  expect_config_error(q2, COLIBRI_ERR_FORMAT, {"\"mlp_only_layers\""});
+  expect_config_error(q2, colibri::Status::kFormat, {"\"mlp_only_layers\""});
   q2["mlp_only_layers"] = json::array();
   q2["norm_topk_prob"] = "yes";
-  expect_config_error(q2, COLIBRI_ERR_FORMAT, {"\"norm_topk_prob\""});
+  expect_config_error(q2, colibri::Status::kFormat, {"\"norm_topk_prob\""});
 
   json v3 = base_config("deepseek_v3", 2);
   v3.update({{"n_routed_experts", 8}, {"moe_intermediate_size", 8}, {"n_group", 3}, {"topk_group", 2}});
-  expect_config_error(v3, COLIBRI_ERR_FORMAT, {"\"n_group\"", "does not divide"});
+  expect_config_error(v3, colibri::Status::kFormat, {"\"n_group\"", "does not divide"});
   v3["n_group"] = 4;
   v3["topk_group"] = 5;
-  expect_config_error(v3, COLIBRI_ERR_FORMAT, {"\"topk_group\""});
+  expect_config_error(v3, colibri::Status::kFormat, {"\"topk_group\""});
   v3["topk_group"] = 2;
   v3["scoring_func"] = "softmax";
-  expect_config_error(v3, COLIBRI_ERR_UNSUPPORTED, {"\"scoring_func\"", "softmax"});
+  expect_config_error(v3, colibri::Status::kUnsupported, {"\"scoring_func\"", "softmax"});
   v3.erase("scoring_func");
   v3["topk_method"] = "group_limited_greedy";
-  expect_config_error(v3, COLIBRI_ERR_UNSUPPORTED, {"\"topk_method\"", "noaux_tc"});
+  expect_config_error(v3, colibri::Status::kUnsupported, {"\"topk_method\"", "noaux_tc"});
   v3["topk_method"] = "noaux_tc";
   v3["routed_scaling_factor"] = -1;
-  expect_config_error(v3, COLIBRI_ERR_FORMAT, {"\"routed_scaling_factor\""});
+  expect_config_error(v3, colibri::Status::kFormat, {"\"routed_scaling_factor\""});
   v3.erase("n_routed_experts");
-  expect_config_error(v3, COLIBRI_ERR_FORMAT, {"missing field \"n_routed_experts\""});
+  expect_config_error(v3, colibri::Status::kFormat, {"missing field \"n_routed_experts\""});
 }
 
 // A conversion that must fail: status, every needle in the message, and no
 // output directory (final or temporary) left behind.
-void expect_convert_error(const std::string& hf, const std::string& out, colibri_status_t status,
+void expect_convert_error(const std::string& hf, const std::string& out, colibri::Status status,
                           const std::vector<std::string>& needles) {
   try {
     convert(hf, out);
@@ -754,7 +754,7 @@ class BadCheckpointTest : public ::testing::Test {
     out_ = tmp_.path() + "/out";
   }
   // Writes the (modified) checkpoint and expects conversion to fail.
-  void expect_error(colibri_status_t status, const std::vector<std::string>& needles, int shards = 1) {
+  void expect_error(colibri::Status status, const std::vector<std::string>& needles, int shards = 1) {
     fs::remove_all(hf_);
     ck_.write(hf_, shards);
     expect_convert_error(hf_, out_, status, needles);
@@ -773,50 +773,50 @@ class BadCheckpointTest : public ::testing::Test {
 TEST_F(BadCheckpointTest, WrongShape) {
   ck_.tensors[expert(1, 2, "w3")].shape = {8, 17};
   ck_.tensors[expert(1, 2, "w3")].values.resize(8 * 17);
-  expect_error(COLIBRI_ERR_FORMAT, {"model.safetensors", expert(1, 2, "w3"), "shape [8, 17], expected [8, 16]"});
+  expect_error(colibri::Status::kFormat, {"model.safetensors", expert(1, 2, "w3"), "shape [8, 17], expected [8, 16]"});
 }
 
 TEST_F(BadCheckpointTest, WrongRouterShape) {
   Tensor& t = ck_.tensors["model.layers.2.block_sparse_moe.gate.weight"];
   t.shape = {kD, 4};  // transposed
-  expect_error(COLIBRI_ERR_FORMAT, {"model.layers.2.block_sparse_moe.gate.weight", "expected [4, 16]"});
+  expect_error(colibri::Status::kFormat, {"model.layers.2.block_sparse_moe.gate.weight", "expected [4, 16]"});
 }
 
 TEST_F(BadCheckpointTest, WrongDtype) {
   Tensor& t = ck_.tensors[expert(0, 1, "w2")];
   t.dtype = "I32";
   t.raw = std::string(t.values.size() * 4, '\0');
-  expect_error(COLIBRI_ERR_FORMAT, {expert(0, 1, "w2"), "dtype I32 is not supported"});
+  expect_error(colibri::Status::kFormat, {expert(0, 1, "w2"), "dtype I32 is not supported"});
   t.dtype = "F8_E4M3";
   t.raw = std::string(t.values.size(), '\0');
-  expect_error(COLIBRI_ERR_FORMAT, {expert(0, 1, "w2"), "F8_E4M3", "dequantize"});
+  expect_error(colibri::Status::kFormat, {expert(0, 1, "w2"), "F8_E4M3", "dequantize"});
 }
 
 TEST_F(BadCheckpointTest, MissingExpertTensor) {
   ck_.tensors.erase(expert(2, 3, "w2"));
-  expect_error(COLIBRI_ERR_FORMAT, {"model.safetensors", "missing tensor \"" + expert(2, 3, "w2") + "\""});
+  expect_error(colibri::Status::kFormat, {"model.safetensors", "missing tensor \"" + expert(2, 3, "w2") + "\""});
   ck_ = build(c_);
   for (const char* w : {"w1", "w2", "w3"}) ck_.tensors.erase(expert(1, 0, w));
-  expect_error(COLIBRI_ERR_FORMAT, {expert(1, 0, "w1"), "gate_up_proj"});
+  expect_error(colibri::Status::kFormat, {expert(1, 0, "w1"), "gate_up_proj"});
 }
 
 TEST_F(BadCheckpointTest, MissingTensorInShardedCheckpoint) {
   ck_.tensors.erase("model.layers.1.block_sparse_moe.gate.weight");
-  expect_error(COLIBRI_ERR_FORMAT, {"model.safetensors.index.json", "model.layers.1.block_sparse_moe.gate.weight"}, 3);
+  expect_error(colibri::Status::kFormat, {"model.safetensors.index.json", "model.layers.1.block_sparse_moe.gate.weight"}, 3);
 }
 
 TEST_F(BadCheckpointTest, BothLayoutsInOneLayer) {
   ck_.add("model.layers.1.block_sparse_moe.experts.gate_up_proj", "BF16", {4, 16, kD});
-  expect_error(COLIBRI_ERR_FORMAT, {"layer 1", "both per-expert", "fused"});
+  expect_error(colibri::Status::kFormat, {"layer 1", "both per-expert", "fused"});
 }
 
 TEST_F(BadCheckpointTest, TruncatedShard) {
   ck_.write(hf_, 2);
   const std::string shard = hf_ + "/" + Checkpoint::shard_name(1, 2);
   fs::resize_file(shard, fs::file_size(shard) - 100);
-  expect_convert_error(hf_, out_, COLIBRI_ERR_FORMAT, {Checkpoint::shard_name(1, 2), "past the end", "truncated"});
+  expect_convert_error(hf_, out_, colibri::Status::kFormat, {Checkpoint::shard_name(1, 2), "past the end", "truncated"});
   fs::resize_file(shard, 5);
-  expect_convert_error(hf_, out_, COLIBRI_ERR_FORMAT, {Checkpoint::shard_name(1, 2), "too short"});
+  expect_convert_error(hf_, out_, colibri::Status::kFormat, {Checkpoint::shard_name(1, 2), "too short"});
   EXPECT_FALSE(fs::exists(out_));
 }
 
@@ -829,42 +829,42 @@ TEST_F(BadCheckpointTest, BadIndex) {
   json bad = doc;
   bad["weight_map"][victim] = "../elsewhere.safetensors";
   colibri_test::write_bytes(index, bad.dump());
-  expect_convert_error(hf_, out_, COLIBRI_ERR_FORMAT, {index, victim, "not a file name"});
+  expect_convert_error(hf_, out_, colibri::Status::kFormat, {index, victim, "not a file name"});
 
   bad = doc;
   bad["weight_map"][victim] = "model-00009-of-00009.safetensors";
   colibri_test::write_bytes(index, bad.dump());
-  expect_convert_error(hf_, out_, COLIBRI_ERR_IO, {"model-00009-of-00009.safetensors", "cannot open"});
+  expect_convert_error(hf_, out_, colibri::Status::kIo, {"model-00009-of-00009.safetensors", "cannot open"});
 
   bad = doc;  // listed in the other shard than the one that has it
   const std::string other = doc["weight_map"][victim] == Checkpoint::shard_name(0, 2) ? Checkpoint::shard_name(1, 2)
                                                                                      : Checkpoint::shard_name(0, 2);
   bad["weight_map"][victim] = other;
   colibri_test::write_bytes(index, bad.dump());
-  expect_convert_error(hf_, out_, COLIBRI_ERR_FORMAT, {victim, other, "no such tensor"});
+  expect_convert_error(hf_, out_, colibri::Status::kFormat, {victim, other, "no such tensor"});
 
   colibri_test::write_bytes(index, json{{"metadata", json::object()}}.dump());
-  expect_convert_error(hf_, out_, COLIBRI_ERR_FORMAT, {index, "weight_map"});
+  expect_convert_error(hf_, out_, colibri::Status::kFormat, {index, "weight_map"});
   colibri_test::write_bytes(index, "{\"weight_map\": ");
-  expect_convert_error(hf_, out_, COLIBRI_ERR_FORMAT, {index, "invalid JSON"});
+  expect_convert_error(hf_, out_, colibri::Status::kFormat, {index, "invalid JSON"});
   EXPECT_FALSE(fs::exists(out_));
 }
 
 TEST_F(BadCheckpointTest, MissingFiles) {
   ck_.write(hf_);
   fs::remove(hf_ + "/model.safetensors");
-  expect_convert_error(hf_, out_, COLIBRI_ERR_IO, {hf_, "no model.safetensors or model.safetensors.index.json"});
+  expect_convert_error(hf_, out_, colibri::Status::kIo, {hf_, "no model.safetensors or model.safetensors.index.json"});
   fs::remove(hf_ + "/config.json");
-  expect_convert_error(hf_, out_, COLIBRI_ERR_IO, {hf_ + "/config.json"});
+  expect_convert_error(hf_, out_, colibri::Status::kIo, {hf_ + "/config.json"});
   EXPECT_FALSE(fs::exists(out_));
 }
 
 TEST_F(BadCheckpointTest, ConfigWithoutMoeFieldsAndUnsupportedArchitecture) {
   ck_.config.erase("num_local_experts");
-  expect_error(COLIBRI_ERR_FORMAT, {"config.json", "num_local_experts"});
+  expect_error(colibri::Status::kFormat, {"config.json", "num_local_experts"});
   ck_.config = c_.config;
   ck_.config["model_type"] = "gpt_oss";
-  expect_error(COLIBRI_ERR_UNSUPPORTED, {"gpt_oss", "supported: mixtral"});
+  expect_error(colibri::Status::kUnsupported, {"gpt_oss", "supported: mixtral"});
 }
 
 TEST_F(BadCheckpointTest, FamilySpecificTensors) {
@@ -873,34 +873,34 @@ TEST_F(BadCheckpointTest, FamilySpecificTensors) {
   c_ = q2;
   ck_ = build(q2);
   ck_.tensors.erase("model.layers.3.mlp.shared_expert_gate.weight");
-  expect_error(COLIBRI_ERR_FORMAT, {"model.layers.3.mlp.shared_expert_gate.weight"});
+  expect_error(colibri::Status::kFormat, {"model.layers.3.mlp.shared_expert_gate.weight"});
   ck_ = build(q2);
   ck_.tensors["model.layers.0.mlp.shared_expert.down_proj.weight"].shape = {12, kD};
-  expect_error(COLIBRI_ERR_FORMAT, {"model.layers.0.mlp.shared_expert.down_proj.weight", "expected [16, 12]"});
+  expect_error(colibri::Status::kFormat, {"model.layers.0.mlp.shared_expert.down_proj.weight", "expected [16, 12]"});
 
   const Case& v3 = cases[8];  // fused experts
   ASSERT_TRUE(v3.fused);
   ck_ = build(v3);
   ck_.tensors.erase("model.layers.4.mlp.gate.e_score_correction_bias");
-  expect_error(COLIBRI_ERR_FORMAT, {"model.layers.4.mlp.gate.e_score_correction_bias"});
+  expect_error(colibri::Status::kFormat, {"model.layers.4.mlp.gate.e_score_correction_bias"});
   ck_ = build(v3);
   ck_.tensors["model.layers.2.mlp.experts.down_proj"].shape = {8, 8, kD};  // [E, F, D]: transposed
-  expect_error(COLIBRI_ERR_FORMAT, {"model.layers.2.mlp.experts.down_proj", "expected [8, 16, 8]"});
+  expect_error(colibri::Status::kFormat, {"model.layers.2.mlp.experts.down_proj", "expected [8, 16, 8]"});
   ck_ = build(v3);
   ck_.tensors.erase("model.layers.2.mlp.experts.down_proj");
-  expect_error(COLIBRI_ERR_FORMAT, {"missing tensor \"model.layers.2.mlp.experts.down_proj\""});
+  expect_error(colibri::Status::kFormat, {"missing tensor \"model.layers.2.mlp.experts.down_proj\""});
 }
 
 TEST_F(BadCheckpointTest, OutputDirectoryRules) {
   ck_.write(hf_);
   fs::create_directories(out_);
   colibri_test::write_bytes(out_ + "/keep.txt", "mine");
-  expect_convert_error(hf_, out_, COLIBRI_ERR_IO, {out_, "not empty", "refusing"});
+  expect_convert_error(hf_, out_, colibri::Status::kIo, {out_, "not empty", "refusing"});
   EXPECT_EQ(slurp(out_ + "/keep.txt"), "mine");
 
   const std::string file = tmp_.path() + "/afile";
   colibri_test::write_bytes(file, "x");
-  expect_convert_error(hf_, file, COLIBRI_ERR_IO, {file, "not a directory"});
+  expect_convert_error(hf_, file, colibri::Status::kIo, {file, "not a directory"});
 
   // An empty directory is taken over; a trailing slash changes nothing.
   const std::string empty = tmp_.path() + "/empty";
@@ -917,7 +917,7 @@ TEST_F(BadCheckpointTest, FailureWhileWritingRemovesEverything) {
   o.out_dir = out_;
   int calls = 0;
   o.progress = [&](const colibri::HfConvertProgress& p) {
-    if (++calls == 5) throw colibri::Error(COLIBRI_ERR_IO, "disk full (simulated)");
+    if (++calls == 5) throw colibri::Error(colibri::Status::kIo, "disk full (simulated)");
   };
   try {
     colibri::convert_hf_checkpoint(o);

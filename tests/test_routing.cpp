@@ -30,20 +30,20 @@ Error error_from(const std::function<void()>& f) {
   } catch (const Error& e) {
     return e;
   }
-  return Error(COLIBRI_OK, "(no error thrown)");
+  return Error(colibri::Status::kOk, "(no error thrown)");
 }
 
 bool starts_with(const std::string& s, const std::string& prefix) {
   return s.compare(0, prefix.size(), prefix) == 0;
 }
 
-// Parses text that must fail with COLIBRI_ERR_FORMAT at `line` (0: no line)
+// Parses text that must fail with Status::kFormat at `line` (0: no line)
 // with a message containing `needle`.
 void expect_text_error(const std::string& text, uint64_t line, const std::string& needle,
                        int32_t n_experts = 8, bool q4 = false) {
   SCOPED_TRACE("text: " + text.substr(0, 80));
   const Error e = error_from([&] { parse_route_text(text, kText, n_experts, q4); });
-  EXPECT_EQ(e.status(), COLIBRI_ERR_FORMAT) << e.what();
+  EXPECT_EQ(e.status(), colibri::Status::kFormat) << e.what();
   const std::string msg = e.what();
   const std::string prefix =
       std::string(kText) + (line > 0 ? ":" + std::to_string(line) + ": " : ": ");
@@ -52,7 +52,7 @@ void expect_text_error(const std::string& text, uint64_t line, const std::string
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
-void expect_bin_error(const std::vector<uint8_t>& blob, colibri_status_t status,
+void expect_bin_error(const std::vector<uint8_t>& blob, colibri::Status status,
                       const std::string& needle, int32_t model_experts = 0) {
   const Error e =
       error_from([&] { decode_routing(blob.data(), blob.size(), model_experts, kBin); });
@@ -274,13 +274,13 @@ TEST(RoutingRoundTrip, CompactQuantisesToQ15) {
 TEST(RoutingRoundTrip, CompactNeedsFourExpertsAndTopTwo) {
   const Routing wide = make_routing(3, 8, 2, 6);
   Error e = error_from([&] { encode_routing(wide, true, WeightEncoding::kF32, kBin); });
-  EXPECT_EQ(e.status(), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(e.status(), colibri::Status::kInvalidArgument);
   EXPECT_TRUE(starts_with(e.what(), "r.bin: compact")) << e.what();
   EXPECT_NE(std::string(e.what()).find("n_experts is 8"), std::string::npos) << e.what();
 
   const Routing top3 = make_routing(3, 4, 3, 6);
   e = error_from([&] { encode_routing(top3, true, WeightEncoding::kF32, kBin); });
-  EXPECT_EQ(e.status(), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(e.status(), colibri::Status::kInvalidArgument);
   EXPECT_NE(std::string(e.what()).find("top_k is 3"), std::string::npos) << e.what();
 }
 
@@ -463,7 +463,7 @@ TEST(RoutingTextErrors, BinaryGarbage) {
 TEST(RoutingTextErrors, ExpertCountArgument) {
   for (const int32_t n : {0, -3, kMaxRoutingExperts + 1}) {
     const Error e = error_from([&] { parse_route_text("0, 0, 1\n", kText, n, false); });
-    EXPECT_EQ(e.status(), COLIBRI_ERR_INVALID_ARGUMENT) << e.what();
+    EXPECT_EQ(e.status(), colibri::Status::kInvalidArgument) << e.what();
     EXPECT_TRUE(starts_with(e.what(), "t.route: n_experts")) << e.what();
   }
   EXPECT_NO_THROW(parse_route_text("0, 65535, 1\n", kText, kMaxRoutingExperts, false));
@@ -501,7 +501,7 @@ TEST(RoutingTextErrors, RandomEditsFailCleanly) {
     try {
       expect_valid(parse_route_text(text, kText, 6, false));
     } catch (const Error& err) {
-      ASSERT_EQ(err.status(), COLIBRI_ERR_FORMAT) << err.what();
+      ASSERT_EQ(err.status(), colibri::Status::kFormat) << err.what();
       ASSERT_TRUE(starts_with(err.what(), "t.route:")) << err.what();
     }
   }
@@ -513,7 +513,7 @@ TEST(RoutingEncodeErrors, InvalidRoutingIsRejected) {
   const Routing good = make_routing(3, 8, 2, 10);
   const auto expect_bad = [](const Routing& r, WeightEncoding enc, const std::string& needle) {
     const Error e = error_from([&] { encode_routing(r, false, enc, kBin); });
-    EXPECT_EQ(e.status(), COLIBRI_ERR_INVALID_ARGUMENT) << e.what();
+    EXPECT_EQ(e.status(), colibri::Status::kInvalidArgument) << e.what();
     EXPECT_TRUE(starts_with(e.what(), "r.bin: ")) << e.what();
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   };
@@ -627,52 +627,52 @@ TEST(RoutingBlob, LargeTopKIsLinear) {
 TEST(RoutingBlobErrors, BadMagic) {
   std::vector<uint8_t> b = small_blob();
   b[0] = 'R';
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "not a routing.bin file: bad magic");
+  expect_bin_error(b, colibri::Status::kFormat, "not a routing.bin file: bad magic");
   const std::string text = "0, 1, 0.5\n";
-  expect_bin_error(std::vector<uint8_t>(text.begin(), text.end()), COLIBRI_ERR_FORMAT, "bad magic");
-  expect_bin_error({0x00}, COLIBRI_ERR_FORMAT, "bad magic");
+  expect_bin_error(std::vector<uint8_t>(text.begin(), text.end()), colibri::Status::kFormat, "bad magic");
+  expect_bin_error({0x00}, colibri::Status::kFormat, "bad magic");
 }
 
 TEST(RoutingBlobErrors, Truncated) {
-  expect_bin_error({}, COLIBRI_ERR_FORMAT, "truncated: 0 bytes");
+  expect_bin_error({}, colibri::Status::kFormat, "truncated: 0 bytes");
   std::vector<uint8_t> b = small_blob();
-  expect_bin_error(std::vector<uint8_t>(b.begin(), b.begin() + 39), COLIBRI_ERR_FORMAT,
+  expect_bin_error(std::vector<uint8_t>(b.begin(), b.begin() + 39), colibri::Status::kFormat,
                    "truncated: 39 bytes, shorter than the 40-byte header");
-  expect_bin_error(std::vector<uint8_t>(b.begin(), b.end() - 1), COLIBRI_ERR_FORMAT,
+  expect_bin_error(std::vector<uint8_t>(b.begin(), b.end() - 1), colibri::Status::kFormat,
                    "truncated: header promises 30 payload bytes but only 29 follow");
 }
 
 TEST(RoutingBlobErrors, TrailingBytes) {
   std::vector<uint8_t> b = small_blob();
   b.push_back(0);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "1 unexpected bytes after the payload");
+  expect_bin_error(b, colibri::Status::kFormat, "1 unexpected bytes after the payload");
 }
 
 TEST(RoutingBlobErrors, VersionAndHeaderBytes) {
   std::vector<uint8_t> b = small_blob();
   put_le(b, 4, 2, 2);
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "unknown version 2");
+  expect_bin_error(b, colibri::Status::kFormat, "unknown version 2");
   b = small_blob();
   put_le(b, 6, 2, 48);
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "header_bytes 48, expected 40");
+  expect_bin_error(b, colibri::Status::kFormat, "header_bytes 48, expected 40");
 }
 
 TEST(RoutingBlobErrors, ChecksumMismatch) {
   std::vector<uint8_t> b = small_blob();
   b[45] ^= 0x10;
-  expect_bin_error(b, COLIBRI_ERR_CHECKSUM, "checksum mismatch");
+  expect_bin_error(b, colibri::Status::kChecksum, "checksum mismatch");
   b = small_blob();
   b[35] ^= 1;
-  expect_bin_error(b, COLIBRI_ERR_CHECKSUM, "checksum mismatch");
+  expect_bin_error(b, colibri::Status::kChecksum, "checksum mismatch");
 }
 
 TEST(RoutingBlobErrors, Flags) {
   std::vector<uint8_t> b = small_blob();
   put_le(b, 20, 4, 1);
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "flags 1 must be 0");
+  expect_bin_error(b, colibri::Status::kFormat, "flags 1 must be 0");
 }
 
 TEST(RoutingBlobErrors, PayloadSizeDisagreesWithCounts) {
@@ -680,84 +680,84 @@ TEST(RoutingBlobErrors, PayloadSizeDisagreesWithCounts) {
   b.push_back(0);
   put_le(b, 24, 8, 31);
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT,
+  expect_bin_error(b, colibri::Status::kFormat,
                    "payload_bytes 31 but 3 tokens x top_k 2 with u8 ids and f32 weights need 30");
   b = small_blob();
   put_le(b, 8, 4, 4);  // claims 4 tokens
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "need 40");
+  expect_bin_error(b, colibri::Status::kFormat, "need 40");
   b = small_blob();
   b[19] = 2;  // f16 would need 18 bytes
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "f16 weights need 18");
+  expect_bin_error(b, colibri::Status::kFormat, "f16 weights need 18");
 }
 
 TEST(RoutingBlobErrors, HugeCountsDoNotOverflowOrAllocate) {
   std::vector<uint8_t> b = small_blob();
   put_le(b, 8, 4, 0xffffffffu);
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "n_tokens 4294967295 exceeds the limit");
+  expect_bin_error(b, colibri::Status::kFormat, "n_tokens 4294967295 exceeds the limit");
   b = small_blob();
   put_le(b, 8, 4, static_cast<uint64_t>(kMaxRoutingTokens));
   put_le(b, 12, 4, 65536);
   put_le(b, 16, 2, 65535);
   b[18] = 2;
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "payload_bytes 30 but 268435456 tokens");
+  expect_bin_error(b, colibri::Status::kFormat, "payload_bytes 30 but 268435456 tokens");
   b = small_blob();
   put_le(b, 24, 8, ~uint64_t{0});
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "truncated: header promises 18446744073709551615");
+  expect_bin_error(b, colibri::Status::kFormat, "truncated: header promises 18446744073709551615");
 }
 
 TEST(RoutingBlobErrors, Encodings) {
   std::vector<uint8_t> b = small_blob();
   b[18] = 3;
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "unknown id_encoding 3");
+  expect_bin_error(b, colibri::Status::kFormat, "unknown id_encoding 3");
   b = small_blob();
   b[19] = 9;
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "unknown weight_encoding 9");
+  expect_bin_error(b, colibri::Status::kFormat, "unknown weight_encoding 9");
   b = small_blob();
   b[18] = 0;
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "disagree");
+  expect_bin_error(b, colibri::Status::kFormat, "disagree");
   b = small_blob();
   b[18] = 2;  // u16 ids for 8 experts
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "id_encoding 2 does not match 8 experts");
+  expect_bin_error(b, colibri::Status::kFormat, "id_encoding 2 does not match 8 experts");
   b = small_blob();
   b[18] = 0;
   b[19] = 0;  // compact, but 8 experts
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "compact encoding needs n_experts <= 4");
+  expect_bin_error(b, colibri::Status::kFormat, "compact encoding needs n_experts <= 4");
 }
 
 TEST(RoutingBlobErrors, TopK) {
   std::vector<uint8_t> b = small_blob();
   put_le(b, 16, 2, 0);
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "top_k 0 out of range");
+  expect_bin_error(b, colibri::Status::kFormat, "top_k 0 out of range");
   b = small_blob();
   put_le(b, 16, 2, 9);
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "top_k 9 out of range [1, n_experts 8]");
+  expect_bin_error(b, colibri::Status::kFormat, "top_k 9 out of range [1, n_experts 8]");
 }
 
 TEST(RoutingBlobErrors, ExpertCounts) {
   std::vector<uint8_t> b = small_blob();
   put_le(b, 12, 4, 0);
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "n_experts 0 out of range");
+  expect_bin_error(b, colibri::Status::kFormat, "n_experts 0 out of range");
   b = small_blob();
   put_le(b, 12, 4, 70000);
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "n_experts 70000 out of range [1, 65536]");
+  expect_bin_error(b, colibri::Status::kFormat, "n_experts 70000 out of range [1, 65536]");
 
   const std::vector<uint8_t> for16 =
       encode_routing(make_routing(2, 16, 2, 13), false, WeightEncoding::kF32, kBin);
-  expect_bin_error(for16, COLIBRI_ERR_FORMAT, "routing is for 16 experts but the model has 8", 8);
+  expect_bin_error(for16, colibri::Status::kFormat, "routing is for 16 experts but the model has 8", 8);
   EXPECT_NO_THROW(decode_routing(for16.data(), for16.size(), 16, kBin));
   EXPECT_NO_THROW(decode_routing(for16.data(), for16.size(), 0, kBin));
 }
@@ -766,33 +766,33 @@ TEST(RoutingBlobErrors, IdsInPayload) {
   std::vector<uint8_t> b = small_blob();  // ids at 40..45
   b[42] = 8;
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "token 1: expert id 8 out of range [0, 8)");
+  expect_bin_error(b, colibri::Status::kFormat, "token 1: expert id 8 out of range [0, 8)");
   b = small_blob();
   b[45] = b[44];
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT,
+  expect_bin_error(b, colibri::Status::kFormat,
                    "token 2: expert id " + std::to_string(b[44]) + " appears twice");
   std::vector<uint8_t> wide =
       encode_routing(make_routing(2, 300, 2, 14), false, WeightEncoding::kF32, kBin);
   put_le(wide, 42, 2, 300);
   reseal(wide);
-  expect_bin_error(wide, COLIBRI_ERR_FORMAT, "token 0: expert id 300 out of range [0, 300)");
+  expect_bin_error(wide, colibri::Status::kFormat, "token 0: expert id 300 out of range [0, 300)");
 }
 
 TEST(RoutingBlobErrors, NonFiniteWeights) {
   std::vector<uint8_t> b = small_blob();  // f32 weights at 46..69
   put_le(b, 46 + 4 * 3, 4, 0x7fc00000u);  // NaN: token 1, slot 1
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "token 1: weight in slot 1 is not finite");
+  expect_bin_error(b, colibri::Status::kFormat, "token 1: weight in slot 1 is not finite");
   b = small_blob();
   put_le(b, 46, 4, 0xff800000u);  // -inf
   reseal(b);
-  expect_bin_error(b, COLIBRI_ERR_FORMAT, "token 0: weight in slot 0 is not finite");
+  expect_bin_error(b, colibri::Status::kFormat, "token 0: weight in slot 0 is not finite");
   std::vector<uint8_t> half =
       encode_routing(make_routing(2, 8, 2, 15), false, WeightEncoding::kF16, kBin);
   put_le(half, 44 + 2 * 2, 2, 0x7c00);  // +inf: token 1, slot 0
   reseal(half);
-  expect_bin_error(half, COLIBRI_ERR_FORMAT, "token 1: weight in slot 0 is not finite");
+  expect_bin_error(half, colibri::Status::kFormat, "token 1: weight in slot 0 is not finite");
 }
 
 TEST(RoutingBlobErrors, CompactIds) {
@@ -801,17 +801,17 @@ TEST(RoutingBlobErrors, CompactIds) {
   std::vector<uint8_t> same = b;
   same[41] = static_cast<uint8_t>(2 | (2 << 2) | (5 << 4));
   reseal(same);
-  expect_bin_error(same, COLIBRI_ERR_FORMAT, "token 1: expert id 2 appears twice");
+  expect_bin_error(same, colibri::Status::kFormat, "token 1: expert id 2 appears twice");
   std::vector<uint8_t> high = b;
   high[40] = static_cast<uint8_t>(0 | (3 << 2));  // id 3 with 3 experts
   reseal(high);
-  expect_bin_error(high, COLIBRI_ERR_FORMAT, "token 0: expert id 3 out of range [0, 3)");
+  expect_bin_error(high, colibri::Status::kFormat, "token 0: expert id 3 out of range [0, 3)");
 }
 
 TEST(RoutingBlobErrors, NullData) {
   const Error e = error_from([] { decode_routing(nullptr, 40, 0, kBin); });
-  EXPECT_EQ(e.status(), COLIBRI_ERR_INVALID_ARGUMENT);
-  expect_bin_error({}, COLIBRI_ERR_FORMAT, "truncated");
+  EXPECT_EQ(e.status(), colibri::Status::kInvalidArgument);
+  expect_bin_error({}, colibri::Status::kFormat, "truncated");
   EXPECT_FALSE(has_routing_magic(nullptr, 10));
 }
 
@@ -833,7 +833,7 @@ TEST(RoutingBlobErrors, EveryBitFlipIsRejected) {
         std::vector<uint8_t> b = good;
         b[i] ^= static_cast<uint8_t>(1u << bit);
         const Error e = error_from([&] { decode_routing(b.data(), b.size(), 0, kBin); });
-        ASSERT_TRUE(e.status() == COLIBRI_ERR_CHECKSUM || e.status() == COLIBRI_ERR_FORMAT)
+        ASSERT_TRUE(e.status() == colibri::Status::kChecksum || e.status() == colibri::Status::kFormat)
             << "byte " << i << " bit " << bit << ": " << e.what();
         ASSERT_TRUE(starts_with(e.what(), "r.bin: ")) << e.what();
       }
@@ -848,7 +848,7 @@ TEST(RoutingBlobErrors, EveryTruncationIsRejected) {
       // A fresh exact-size copy, so ASan catches any read past the end.
       std::vector<uint8_t> cut(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(n));
       const Error e = error_from([&] { decode_routing(cut.data(), cut.size(), 0, kBin); });
-      ASSERT_EQ(e.status(), COLIBRI_ERR_FORMAT) << "length " << n << ": " << e.what();
+      ASSERT_EQ(e.status(), colibri::Status::kFormat) << "length " << n << ": " << e.what();
       ASSERT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
     }
   }
@@ -875,7 +875,7 @@ TEST(RoutingBlobErrors, ResealedRandomEditsFailCleanly) {
     try {
       expect_valid(decode_routing(b.data(), b.size(), static_cast<int32_t>(rng() % 400), kBin));
     } catch (const Error& err) {
-      ASSERT_EQ(err.status(), COLIBRI_ERR_FORMAT) << err.what();
+      ASSERT_EQ(err.status(), colibri::Status::kFormat) << err.what();
       ASSERT_TRUE(starts_with(err.what(), "r.bin: ")) << err.what();
     }
   }

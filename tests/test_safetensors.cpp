@@ -37,7 +37,7 @@ void expect_format_error(const std::string& bytes, const std::vector<std::string
     parse(bytes);
     ADD_FAILURE() << "accepted";
   } catch (const colibri::Error& e) {
-    EXPECT_EQ(e.status(), COLIBRI_ERR_FORMAT) << e.what();
+    EXPECT_EQ(e.status(), colibri::Status::kFormat) << e.what();
     const std::string msg = e.what();
     EXPECT_EQ(msg.rfind("x.safetensors: ", 0), 0u) << msg;
     for (const std::string& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "no \"" << n << "\" in: " << msg;
@@ -104,7 +104,7 @@ TEST(Safetensors, ReadsEveryFloatDtypeExactly) {
     f.read_floats(*f.find("model.ids"), 0, 2, got.data());
     ADD_FAILURE() << "I64 converted";
   } catch (const colibri::Error& e) {
-    EXPECT_EQ(e.status(), COLIBRI_ERR_FORMAT);
+    EXPECT_EQ(e.status(), colibri::Status::kFormat);
     EXPECT_NE(std::string(e.what()).find("model.ids"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("I64"), std::string::npos) << e.what();
   }
@@ -128,7 +128,7 @@ TEST(Safetensors, FileTruncatedAfterOpenIsAnErrorNotACrash) {
     f.read_floats(*w, 0, 4096, out.data());
     FAIL() << "read past the new end of file succeeded";
   } catch (const colibri::Error& e) {
-    EXPECT_EQ(e.status(), COLIBRI_ERR_FORMAT);
+    EXPECT_EQ(e.status(), colibri::Status::kFormat);
     EXPECT_NE(std::string(e.what()).find("m.safetensors"), std::string::npos) << e.what();
   }
 }
@@ -264,7 +264,7 @@ TEST(Safetensors, OpenErrorsNameThePath) {
       colibri::SafetensorsFile f(path);
       ADD_FAILURE() << "opened " << path;
     } catch (const colibri::Error& e) {
-      EXPECT_EQ(e.status(), COLIBRI_ERR_IO);
+      EXPECT_EQ(e.status(), colibri::Status::kIo);
       EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
     }
   }
@@ -274,7 +274,7 @@ TEST(Safetensors, OpenErrorsNameThePath) {
     colibri::SafetensorsFile f(empty);
     ADD_FAILURE() << "opened an empty file";
   } catch (const colibri::Error& e) {
-    EXPECT_EQ(e.status(), COLIBRI_ERR_FORMAT);
+    EXPECT_EQ(e.status(), colibri::Status::kFormat);
     EXPECT_NE(std::string(e.what()).find(empty), std::string::npos) << e.what();
   }
 }
@@ -298,7 +298,7 @@ void parse_or_refuse(const std::string& bytes) {
   try {
     check_invariants(parse(bytes), bytes.size());
   } catch (const colibri::Error& e) {
-    ASSERT_EQ(e.status(), COLIBRI_ERR_FORMAT) << e.what();
+    ASSERT_EQ(e.status(), colibri::Status::kFormat) << e.what();
   }
 }
 

@@ -15,6 +15,7 @@
 #include "kernels/kernels.h"
 #include "moe/model.h"
 #include "moe/routing.h"
+#include "runtime/memory.h"
 #include "util/c_enum.h"
 #include "util/error.h"
 
@@ -75,6 +76,26 @@ colibri_status_t set_error(colibri_status_t status, std::initializer_list<const 
   return status;
 }
 
+// The internal status is the C ABI's, value for value.
+colibri_status_t to_c_status(colibri::Status s) { return static_cast<colibri_status_t>(static_cast<int>(s)); }
+static_assert(static_cast<int>(colibri::Status::kOk) == COLIBRI_OK);
+static_assert(static_cast<int>(colibri::Status::kInvalidArgument) == COLIBRI_ERR_INVALID_ARGUMENT);
+static_assert(static_cast<int>(colibri::Status::kIo) == COLIBRI_ERR_IO);
+static_assert(static_cast<int>(colibri::Status::kFormat) == COLIBRI_ERR_FORMAT);
+static_assert(static_cast<int>(colibri::Status::kChecksum) == COLIBRI_ERR_CHECKSUM);
+static_assert(static_cast<int>(colibri::Status::kOutOfMemory) == COLIBRI_ERR_OUT_OF_MEMORY);
+static_assert(static_cast<int>(colibri::Status::kUnsupported) == COLIBRI_ERR_UNSUPPORTED);
+static_assert(static_cast<int>(colibri::Status::kInternal) == COLIBRI_ERR_INTERNAL);
+
+colibri_huge_page_kind_t to_c_huge_pages(colibri::HugePageKind k) {
+  switch (k) {
+    case colibri::HugePageKind::kHugetlbfs: return COLIBRI_HUGE_PAGES_HUGETLBFS;
+    case colibri::HugePageKind::kTransparent: return COLIBRI_HUGE_PAGES_TRANSPARENT;
+    case colibri::HugePageKind::kNone: break;
+  }
+  return COLIBRI_HUGE_PAGES_NONE;
+}
+
 // Runs body; maps every exception to a status and message. body returns a
 // status itself for the rare non-throwing failure.
 template <typename Body>
@@ -83,7 +104,7 @@ colibri_status_t guarded(const char* function, Body&& body) {
     t_last_error.clear();
     return body();
   } catch (const colibri::Error& e) {
-    return set_error(e.status(), {e.what()});
+    return set_error(to_c_status(e.status()), {e.what()});
   } catch (const std::bad_alloc&) {
     return set_error(COLIBRI_ERR_OUT_OF_MEMORY, {function, ": out of memory"});
   } catch (const std::exception& e) {
@@ -145,12 +166,12 @@ bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLI
 // Checks a conversion's arguments; the byte count of its rows.
 size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) {
   if (!known_dtype(dtype)) {
-    colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, std::string(function) + ": unknown dtype " + std::to_string(dtype));
+    colibri::fail(colibri::Status::kInvalidArgument, std::string(function) + ": unknown dtype " + std::to_string(dtype));
   }
   const size_t row = colibri::weight_row_bytes(colibri::weight_type_of(static_cast<colibri_dtype_t>(dtype)), n);
   size_t total = 0;
   if (__builtin_mul_overflow(row, rows, &total) || n > (size_t{1} << 40)) {
-    colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, std::string(function) + ": rows * n too large");
+    colibri::fail(colibri::Status::kInvalidArgument, std::string(function) + ": rows * n too large");
   }
   return total;
 }
@@ -167,10 +188,10 @@ colibri_status_t colibri_quantize(colibri_dtype_t dtype, const float* src, size_
   return guarded("colibri_quantize", [&] {
     const size_t bytes = conversion_bytes("colibri_quantize", colibri::raw_enum(dtype), rows, n);
     if (rows != 0 && n != 0 && (src == nullptr || dst == nullptr)) {
-      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_quantize: src or dst is NULL");
+      colibri::fail(colibri::Status::kInvalidArgument, "colibri_quantize: src or dst is NULL");
     }
     if (dst_bytes < bytes) {
-      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_quantize: dst holds " + std::to_string(dst_bytes) +
+      colibri::fail(colibri::Status::kInvalidArgument, "colibri_quantize: dst holds " + std::to_string(dst_bytes) +
                                                       " bytes, the rows need " + std::to_string(bytes));
     }
     colibri::convert_rows_from_float(colibri::weight_type_of(dtype), src, rows, n, dst, colibri::conversion_threads());
@@ -183,10 +204,10 @@ colibri_status_t colibri_dequantize(colibri_dtype_t dtype, const void* src, size
   return guarded("colibri_dequantize", [&] {
     const size_t bytes = conversion_bytes("colibri_dequantize", colibri::raw_enum(dtype), rows, n);
     if (rows != 0 && n != 0 && (src == nullptr || dst == nullptr)) {
-      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_dequantize: src or dst is NULL");
+      colibri::fail(colibri::Status::kInvalidArgument, "colibri_dequantize: src or dst is NULL");
     }
     if (src_bytes != bytes) {
-      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_dequantize: src holds " + std::to_string(src_bytes) +
+      colibri::fail(colibri::Status::kInvalidArgument, "colibri_dequantize: src holds " + std::to_string(src_bytes) +
                                                       " bytes, " + std::to_string(rows) + " rows of " +
                                                       std::to_string(n) + " need " + std::to_string(bytes));
     }
@@ -318,20 +339,20 @@ colibri_status_t colibri_infer(colibri_model_t* model, const colibri_infer_t* in
       return COLIBRI_OK;
     }
     if (in.expert_ids == nullptr && in.expert_weights == nullptr) {
-      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT,
+      colibri::fail(colibri::Status::kInvalidArgument,
                     "colibri_infer: no routing given (expert_ids, expert_weights and routing_blob are NULL) and "
                     "the model has no built-in router");
     }
     if (in.top_k < 1 || in.top_k > m.n_experts) {
-      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_infer: top_k " + std::to_string(in.top_k) +
+      colibri::fail(colibri::Status::kInvalidArgument, "colibri_infer: top_k " + std::to_string(in.top_k) +
                                                       " is out of range [1, " +
                                                       std::to_string(m.n_experts) + "]");
     }
     if (in.n_tokens > 0 && in.expert_ids == nullptr) {
-      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_infer: infer->expert_ids is NULL (and no routing_blob)");
+      colibri::fail(colibri::Status::kInvalidArgument, "colibri_infer: infer->expert_ids is NULL (and no routing_blob)");
     }
     if (in.n_tokens > 0 && in.expert_weights == nullptr) {
-      colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_infer: infer->expert_weights is NULL");
+      colibri::fail(colibri::Status::kInvalidArgument, "colibri_infer: infer->expert_weights is NULL");
     }
     a.top_k = in.top_k;
     a.expert_ids = in.expert_ids;
@@ -381,12 +402,12 @@ colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int3
                               source->path, checksum, &warnings);
     } else {
       if (source->data == nullptr) {
-        colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_swap_expert: source has neither path nor data");
+        colibri::fail(colibri::Status::kInvalidArgument, "colibri_swap_expert: source has neither path nor data");
       }
       const int dtype = colibri::raw_enum(source->dtype);
       if (dtype != static_cast<int>(m.dtype)) {
         const bool known = dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_Q6_K;
-        colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT,
+        colibri::fail(colibri::Status::kInvalidArgument,
                       std::string("colibri_swap_expert: source dtype ") +
                           (known ? colibri_dtype_name(static_cast<colibri_dtype_t>(dtype)) : std::to_string(dtype)) +
                           " is not the model's " + colibri_dtype_name(m.dtype));
@@ -426,7 +447,7 @@ colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* ou
   out->bytes_mapped = store.region().size();
   out->bytes_locked = store.stats().bytes_locked;
   out->bytes_huge_pages = store.stats().bytes_huge_pages;
-  out->huge_page_kind = out->bytes_huge_pages > 0 ? store.region().huge_page_kind() : COLIBRI_HUGE_PAGES_NONE;
+  out->huge_page_kind = out->bytes_huge_pages > 0 ? to_c_huge_pages(store.region().huge_page_kind()) : COLIBRI_HUGE_PAGES_NONE;
   out->bytes_files = store.stats().bytes_files;
   out->load_seconds = model->impl.load_seconds();
   out->verify_seconds = store.stats().verify_seconds;
@@ -463,7 +484,7 @@ colibri::WeightEncoding general_encoding(const colibri_route_weight_encoding_t& 
   const int e = colibri::raw_enum(field);
   if (e == COLIBRI_ROUTE_WEIGHTS_F16) return colibri::WeightEncoding::kF16;
   if (e == COLIBRI_ROUTE_WEIGHTS_F32) return colibri::WeightEncoding::kF32;
-  colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT, "weight_encoding " + std::to_string(e) + " is not F32 (1) or F16 (2)");
+  colibri::fail(colibri::Status::kInvalidArgument, "weight_encoding " + std::to_string(e) + " is not F32 (1) or F16 (2)");
 }
 
 std::vector<uint8_t> compile_text(const char* text, size_t size, const std::string& source,
@@ -538,7 +559,7 @@ colibri_status_t colibri_routing_load(const char* path, int32_t n_experts, int32
       routing = colibri::decode_routing(data.data(), data.size(), n_experts, path);
     } else {
       if (n_experts <= 0) {
-        colibri::fail(COLIBRI_ERR_INVALID_ARGUMENT,
+        colibri::fail(colibri::Status::kInvalidArgument,
                       std::string(path) + ": a .route text file needs the model's expert count");
       }
       routing = colibri::parse_route_text(data, path, n_experts, q4_weights != 0);

@@ -20,12 +20,12 @@ constexpr size_t kMaxManifestBytes = 64u << 20;
 
 [[noreturn]] void bad_field(const std::string& source, const std::string& field,
                             const std::string& what) {
-  fail(COLIBRI_ERR_FORMAT, source + ": field \"" + field + "\": " + what);
+  fail(Status::kFormat, source + ": field \"" + field + "\": " + what);
 }
 
 const json& require(const json& doc, const std::string& source, const char* field) {
   auto it = doc.find(field);
-  if (it == doc.end()) fail(COLIBRI_ERR_FORMAT, source + ": missing field \"" + field + "\"");
+  if (it == doc.end()) fail(Status::kFormat, source + ": missing field \"" + field + "\"");
   return *it;
 }
 
@@ -99,7 +99,7 @@ colibri_router_desc_t parse_router(const json& r, const std::string& source, int
     if (!it->is_number()) bad_field(where, "routed_scaling_factor", "must be a number");
     d.routed_scaling_factor = it->get<float>();
   }
-  validate_router(d, n_experts, where, COLIBRI_ERR_FORMAT);
+  validate_router(d, n_experts, where, Status::kFormat);
   return d;
 }
 
@@ -130,7 +130,7 @@ bool parse_router_family(const std::string& name, colibri_router_family_t* out) 
 }
 
 void validate_router(const colibri_router_desc_t& r, int32_t n_experts, const std::string& where,
-                     colibri_status_t status) {
+                     Status status) {
   auto bad = [&](const std::string& what) { fail(status, where + ": " + what); };
   if (r.family < COLIBRI_ROUTER_NONE || r.family > COLIBRI_ROUTER_DEEPSEEK_V3) {
     bad("unknown family " + std::to_string(static_cast<int>(r.family)));
@@ -243,14 +243,14 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
     doc = json::parse(text);
   } catch (const json::parse_error& e) {
     // e.what() carries the byte offset; keep only that part of the message.
-    fail(COLIBRI_ERR_FORMAT, source + ": invalid JSON at byte " + std::to_string(e.byte) + ": " +
+    fail(Status::kFormat, source + ": invalid JSON at byte " + std::to_string(e.byte) + ": " +
                                  std::string(e.what()));
   } catch (const json::exception& e) {
     // Not only syntax: a number too large for a double ("2e4708314") is an
     // out_of_range thrown by the parser. Found by fuzz_manifest.
-    fail(COLIBRI_ERR_FORMAT, source + ": invalid JSON: " + std::string(e.what()));
+    fail(Status::kFormat, source + ": invalid JSON: " + std::string(e.what()));
   }
-  if (!doc.is_object()) fail(COLIBRI_ERR_FORMAT, source + ": top level must be a JSON object");
+  if (!doc.is_object()) fail(Status::kFormat, source + ": top level must be a JSON object");
 
   const json& format = require(doc, source, "format");
   if (!format.is_string() || format.get<std::string>() != kManifestFormat) {
@@ -292,7 +292,7 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
   uint64_t total = m.expert_file_bytes();  // < 3 * 2^40 * 4: fits
   for (const uint64_t factor : {static_cast<uint64_t>(m.n_experts), static_cast<uint64_t>(m.n_layers)}) {
     if (total > kMaxModelBytes || total > kMaxModelBytes / factor) {
-      fail(COLIBRI_ERR_FORMAT, source + ": dimensions too large: n_layers * n_experts * 3 * d_model * "
+      fail(Status::kFormat, source + ": dimensions too large: n_layers * n_experts * 3 * d_model * "
                                         "d_ff * sizeof(dtype) exceeds " + std::to_string(kMaxModelBytes) +
                                         " bytes");
     }
@@ -308,7 +308,7 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
       m.shared_d_ff = require_dim(*it, source + ": shared_expert", "d_ff", kMaxDim);
       m.shared_gate = require_bool(*it, source + ": shared_expert", "gate", false);
       if (m.shared_file_bytes() > kMaxModelBytes / static_cast<uint64_t>(m.n_layers)) {
-        fail(COLIBRI_ERR_FORMAT, source + ": shared expert too large");
+        fail(Status::kFormat, source + ": shared expert too large");
       }
     }
     if (auto it = doc.find("source"); it != doc.end()) m.source_json = it->dump();
@@ -346,12 +346,12 @@ bool verify_manifest_checksum(const std::string& model_dir) {
   std::string text = read_small_file(sum_path, 256);
   while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
   const auto want = parse_checksum(text);
-  if (!want) fail(COLIBRI_ERR_FORMAT, sum_path + ": malformed checksum (expected \"xxh64:<16 hex>\")");
+  if (!want) fail(Status::kFormat, sum_path + ": malformed checksum (expected \"xxh64:<16 hex>\")");
   const std::string path = model_dir + "/" + kManifestName;
   const std::string manifest = read_small_file(path, kMaxManifestBytes);
   const uint64_t actual = xxh64(manifest.data(), manifest.size());
   if (actual != *want) {
-    fail(COLIBRI_ERR_CHECKSUM, path + ": checksum mismatch: " + kManifestChecksumName + " says " +
+    fail(Status::kChecksum, path + ": checksum mismatch: " + kManifestChecksumName + " says " +
                                    format_checksum(*want) + ", file is " + format_checksum(actual));
   }
   return true;

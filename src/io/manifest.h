@@ -7,6 +7,7 @@
 
 #include "colibri.h"
 #include "util/weight_format.h"
+#include "util/error.h"
 
 namespace colibri {
 
@@ -86,17 +87,17 @@ struct Manifest {
 // "mixtral", "qwen2_moe", ... (the Hugging Face model_type); "none".
 const char* router_family_name(colibri_router_family_t family);
 bool parse_router_family(const std::string& name, colibri_router_family_t* out);
-// Throws Error(COLIBRI_ERR_INVALID_ARGUMENT or `status`) with `where`
+// Throws Error(Status::kInvalidArgument or `status`) with `where`
 // prefixed when the router's parameters do not fit n_experts.
 void validate_router(const colibri_router_desc_t& router, int32_t n_experts, const std::string& where,
-                     colibri_status_t status);
+                     Status status);
 
 // Parses and validates manifest JSON text; `source` names it in errors.
-// Throws Error(COLIBRI_ERR_FORMAT) naming the field at fault.
+// Throws Error(Status::kFormat) naming the field at fault.
 Manifest parse_manifest(const std::string& text, const std::string& source);
 Manifest load_manifest(const std::string& model_dir);
 // Checks colibri.json against colibri.json.xxh64 when that file exists.
-// Throws Error(COLIBRI_ERR_CHECKSUM) on a mismatch, Error(COLIBRI_ERR_FORMAT)
+// Throws Error(Status::kChecksum) on a mismatch, Error(Status::kFormat)
 // for a malformed checksum file. Returns whether a checksum was checked.
 bool verify_manifest_checksum(const std::string& model_dir);
 // Writes colibri.json, then its checksum file (both atomically).

@@ -26,16 +26,16 @@ struct FdCloser {
 
 int open_regular_file(const std::string& path, uint64_t* size) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open", errno));
+  if (fd < 0) fail(Status::kIo, errno_message(path + ": cannot open", errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
-    fail(COLIBRI_ERR_IO, errno_message(path + ": cannot stat", err));
+    fail(Status::kIo, errno_message(path + ": cannot stat", err));
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    fail(COLIBRI_ERR_IO, path + ": not a regular file");
+    fail(Status::kIo, path + ": not a regular file");
   }
   *size = static_cast<uint64_t>(st.st_size);
   return fd;
@@ -47,7 +47,7 @@ size_t read_at(int fd, const std::string& path, uint64_t offset, uint8_t* out, s
     const ssize_t got = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
     if (got < 0) {
       if (errno == EINTR) continue;
-      fail(COLIBRI_ERR_IO, errno_message(path + ": read failed", errno));
+      fail(Status::kIo, errno_message(path + ": read failed", errno));
     }
     if (got == 0) break;  // end of file
     done += static_cast<size_t>(got);
@@ -62,7 +62,7 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
   size_ = static_cast<size_t>(bytes);
   if (size_ == 0) return;  // mmap of length 0 is invalid; an empty view is enough
   void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  if (p == MAP_FAILED) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot map", errno));
+  if (p == MAP_FAILED) fail(Status::kIo, errno_message(path + ": cannot map", errno));
   ::madvise(p, size_, MADV_SEQUENTIAL);
   data_ = static_cast<const uint8_t*>(p);
 }
@@ -98,7 +98,7 @@ std::string read_small_file(const std::string& path, size_t max_bytes) {
   const int fd = open_regular_file(path, &size);
   FdCloser closer{fd};
   if (size > max_bytes) {
-    fail(COLIBRI_ERR_FORMAT, path + ": file too large (" + std::to_string(size) + " bytes, limit " +
+    fail(Status::kFormat, path + ": file too large (" + std::to_string(size) + " bytes, limit " +
                                  std::to_string(max_bytes) + ")");
   }
   std::string out(static_cast<size_t>(size), '\0');
@@ -112,14 +112,14 @@ void read_file_exact(const std::string& path, uint64_t expected_bytes, std::vect
   const int fd = open_regular_file(path, &size);
   FdCloser closer{fd};
   if (size != expected_bytes) {
-    fail(COLIBRI_ERR_FORMAT, path + ": " + std::to_string(size) + " bytes, expected " +
+    fail(Status::kFormat, path + ": " + std::to_string(size) + " bytes, expected " +
                                  std::to_string(expected_bytes) + " (it changed since it was checked)");
   }
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   buffer.resize(static_cast<size_t>(expected_bytes));
   const size_t got = read_at(fd, path, 0, buffer.data(), buffer.size());
   if (got != buffer.size()) {
-    fail(COLIBRI_ERR_FORMAT, path + ": file shrank while being read (" + std::to_string(got) + " of " +
+    fail(Status::kFormat, path + ": file shrank while being read (" + std::to_string(got) + " of " +
                                  std::to_string(expected_bytes) + " bytes)");
   }
 }
@@ -127,7 +127,7 @@ void read_file_exact(const std::string& path, uint64_t expected_bytes, std::vect
 void write_file_atomic(const std::string& path, const void* data, size_t size) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(COLIBRI_ERR_IO, errno_message(path + ": cannot create", errno));
+  if (fd < 0) fail(Status::kIo, errno_message(path + ": cannot create", errno));
   const auto* bytes = static_cast<const uint8_t*>(data);
   size_t done = 0;
   while (done < size) {
@@ -137,19 +137,19 @@ void write_file_atomic(const std::string& path, const void* data, size_t size) {
       const int err = errno;
       ::close(fd);
       ::unlink(tmp.c_str());
-      fail(COLIBRI_ERR_IO, errno_message(path + ": write failed", err));
+      fail(Status::kIo, errno_message(path + ": write failed", err));
     }
     done += static_cast<size_t>(n);
   }
   if (::close(fd) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
-    fail(COLIBRI_ERR_IO, errno_message(path + ": write failed", err));
+    fail(Status::kIo, errno_message(path + ": write failed", err));
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
-    fail(COLIBRI_ERR_IO, errno_message(path + ": cannot rename into place", err));
+    fail(Status::kIo, errno_message(path + ": cannot rename into place", err));
   }
 }
 

@@ -8,13 +8,14 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+#include "util/error.h"
 
 namespace colibri {
 
 class MappedFile {
  public:
   MappedFile() = default;
-  // Throws Error(COLIBRI_ERR_IO) naming the path when it cannot be opened.
+  // Throws Error(Status::kIo) naming the path when it cannot be opened.
   explicit MappedFile(const std::string& path);
   ~MappedFile();
   MappedFile(MappedFile&& other) noexcept;
@@ -34,22 +35,22 @@ class MappedFile {
 };
 
 // Opens a regular file read-only; *size receives its size. Throws
-// Error(COLIBRI_ERR_IO) naming the path. The caller closes the descriptor.
+// Error(Status::kIo) naming the path. The caller closes the descriptor.
 int open_regular_file(const std::string& path, uint64_t* size);
 
 // Reads up to n bytes at offset (retrying short reads); returns how many
-// were read, fewer only at the end of the file. Throws Error(COLIBRI_ERR_IO).
+// were read, fewer only at the end of the file. Throws Error(Status::kIo).
 size_t read_at(int fd, const std::string& path, uint64_t offset, uint8_t* out, size_t n);
 
 // Whole file into memory (for small files: manifests, routing). Throws
-// Error(COLIBRI_ERR_IO) on failure, Error(COLIBRI_ERR_FORMAT) if larger than
+// Error(Status::kIo) on failure, Error(Status::kFormat) if larger than
 // max_bytes.
 std::string read_small_file(const std::string& path, size_t max_bytes);
 
 // Reads exactly `expected_bytes` of `path` into `buffer` (resized). Read,
 // not mapped: a file truncated or replaced while we read it gives an error
-// (Error(COLIBRI_ERR_FORMAT) naming the path), never SIGBUS. Throws
-// Error(COLIBRI_ERR_IO) when the file cannot be opened or read.
+// (Error(Status::kFormat) naming the path), never SIGBUS. Throws
+// Error(Status::kIo) when the file cannot be opened or read.
 void read_file_exact(const std::string& path, uint64_t expected_bytes, std::vector<uint8_t>& buffer);
 
 // Writes `data` to `path` through a temporary file in the same directory and

@@ -11,7 +11,7 @@ namespace colibri {
 
 void verify_model_dir(const std::string& dir, const std::function<void(const FileReport&)>& on_file) {
   const Manifest m = load_manifest(dir);
-  colibri_status_t first_status = COLIBRI_OK;
+  Status first_status = Status::kOk;
   std::string first_problem;
   {
     FileReport r;
@@ -32,12 +32,12 @@ void verify_model_dir(const std::string& dir, const std::function<void(const Fil
     FileReport r;
     r.file = name;
     const std::string path = dir + "/" + r.file;
-    colibri_status_t status = COLIBRI_OK;
+    Status status = Status::kOk;
     try {
       MappedFile f(path);
       r.bytes = f.size();
       if (f.size() != expected) {
-        status = COLIBRI_ERR_FORMAT;
+        status = Status::kFormat;
         r.problem = path + ": " + (f.size() < expected ? "truncated" : "oversized") + ": " +
                     std::to_string(f.size()) + " bytes, expected " + std::to_string(expected);
       } else if (auto it = m.checksums.find(r.file); it != m.checksums.end()) {
@@ -46,7 +46,7 @@ void verify_model_dir(const std::string& dir, const std::function<void(const Fil
         const uint64_t actual = xxh64(f.data(), f.size());
         r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (actual != it->second) {
-          status = COLIBRI_ERR_CHECKSUM;
+          status = Status::kChecksum;
           r.problem = path + ": checksum mismatch: manifest says " + format_checksum(it->second) +
                       ", file is " + format_checksum(actual);
         }
@@ -55,14 +55,14 @@ void verify_model_dir(const std::string& dir, const std::function<void(const Fil
       status = err.status();
       r.problem = err.what();
     }
-    r.ok = status == COLIBRI_OK;
-    if (!r.ok && first_status == COLIBRI_OK) {
+    r.ok = status == Status::kOk;
+    if (!r.ok && first_status == Status::kOk) {
       first_status = status;
       first_problem = r.problem;
     }
     if (on_file) on_file(r);
   });
-  if (first_status != COLIBRI_OK) fail(first_status, first_problem);
+  if (first_status != Status::kOk) fail(first_status, first_problem);
 }
 
 }  // namespace colibri

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include "util/error.h"
 
 namespace colibri {
 
@@ -20,7 +21,7 @@ struct FileReport {
 // Calls on_file for every expert file (if non-null), in layer/expert order,
 // and continues past bad files. Throws Error for a bad manifest, or after
 // visiting everything, for the first bad file (checksum mismatch ->
-// COLIBRI_ERR_CHECKSUM, size -> COLIBRI_ERR_FORMAT, missing -> COLIBRI_ERR_IO).
+// Status::kChecksum, size -> Status::kFormat, missing -> Status::kIo).
 void verify_model_dir(const std::string& dir, const std::function<void(const FileReport&)>& on_file);
 
 }  // namespace colibri

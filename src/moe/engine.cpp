@@ -72,7 +72,7 @@ void Engine::reserve_tokens_locked(int32_t tokens) {
 
 void Engine::check_layer(int32_t layer) const {
   if (layer < 0 || layer >= n_layers_) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) +
+    fail(Status::kInvalidArgument, "layer " + std::to_string(layer) +
                                            " is out of range [0, " + std::to_string(n_layers_) + ")");
   }
 }
@@ -106,7 +106,7 @@ void Engine::route_locked(int32_t layer, int32_t n_tokens, const float* input, i
 
 void Engine::route(int32_t layer, int32_t n_tokens, const float* input, int32_t* ids, float* weights, int threads) {
   check_layer(layer);
-  if (!has_router()) fail(COLIBRI_ERR_INVALID_ARGUMENT, "this model has no built-in router");
+  if (!has_router()) fail(Status::kInvalidArgument, "this model has no built-in router");
   if (n_tokens == 0) return;
   std::lock_guard<FairMutex> lock(call_mutex_);
   if (threads <= 0 || threads > pool_.size()) threads = pool_.size();
@@ -271,7 +271,7 @@ void Engine::bucket(const InferArgs& a) {
     const int32_t e = a.expert_ids[s];
     if (e == -1) continue;
     if (e < 0 || e >= n_experts_) {
-      fail(COLIBRI_ERR_INVALID_ARGUMENT,
+      fail(Status::kInvalidArgument,
            "expert_ids[" + std::to_string(s) + "] (token " + std::to_string(s / a.top_k) +
                ", slot " + std::to_string(s % a.top_k) + ") = " + std::to_string(e) +
                " is out of range [0, " + std::to_string(n_experts_) + ") (-1 means no expert)");
@@ -447,7 +447,7 @@ void Engine::infer(const InferArgs& args) {
   check_layer(args.layer);
   if (args.n_tokens == 0) return;
   if (args.expert_ids == nullptr && !has_router()) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "no routing given (expert_ids and routing_blob are NULL) and this model "
+    fail(Status::kInvalidArgument, "no routing given (expert_ids and routing_blob are NULL) and this model "
                                        "has no built-in router");
   }
   std::lock_guard<FairMutex> lock(call_mutex_);
@@ -468,7 +468,7 @@ void Engine::infer_blob(const InferArgs& args, const void* blob, size_t blob_siz
   check_layer(args.layer);
   const RoutingHeader header = parse_routing_header(blob, blob_size, n_experts_, "routing blob");
   if (header.n_tokens != args.n_tokens) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "routing blob: has " + std::to_string(header.n_tokens) +
+    fail(Status::kInvalidArgument, "routing blob: has " + std::to_string(header.n_tokens) +
                                            " tokens but n_tokens is " + std::to_string(args.n_tokens));
   }
   if (args.n_tokens == 0) return;

@@ -21,6 +21,7 @@
 #include "runtime/fair_mutex.h"
 #include "runtime/thread_pool.h"
 #include "util/aligned_vector.h"
+#include "util/error.h"
 
 namespace colibri {
 
@@ -45,7 +46,7 @@ class Engine {
   // scratch once, inside the call, and keep it.
   void reserve(int32_t tokens, int32_t top_k);
 
-  // Validates ids (throws Error(COLIBRI_ERR_INVALID_ARGUMENT) before touching
+  // Validates ids (throws Error(Status::kInvalidArgument) before touching
   // the output) and runs the layer. Concurrent calls are serialised.
   void infer(const InferArgs& args);
 

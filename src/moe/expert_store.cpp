@@ -186,10 +186,10 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
     const std::string path = model_dir + "/" + part.name;
     struct stat st {};
     if (::stat(path.c_str(), &st) != 0) {
-      fail(COLIBRI_ERR_IO, errno_message(path + ": cannot open weight file", errno));
+      fail(Status::kIo, errno_message(path + ": cannot open weight file", errno));
     }
     if (static_cast<uint64_t>(st.st_size) != part.bytes) {
-      fail(COLIBRI_ERR_FORMAT,
+      fail(Status::kFormat,
            path + ": " + (static_cast<uint64_t>(st.st_size) < part.bytes ? "truncated" : "oversized") +
                " weight file: " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(part.bytes) +
                (part.bytes == m.expert_file_bytes()
@@ -221,7 +221,7 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
           const uint64_t actual = xxh64(buffer.data(), buffer.size());
           stats_.verify_seconds += seconds_since(t0);
           if (actual != it->second) {
-            fail(COLIBRI_ERR_CHECKSUM, path + ": checksum mismatch: manifest says " + format_checksum(it->second) +
+            fail(Status::kChecksum, path + ": checksum mismatch: manifest says " + format_checksum(it->second) +
                                            ", file is " + format_checksum(actual));
           }
         }

@@ -24,7 +24,7 @@ int online_cores() {
 Model::Model(const std::string& dir, const colibri_open_options_t& o, std::string* warnings) {
   const auto t0 = std::chrono::steady_clock::now();
   if (o.n_threads < 0) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "options.n_threads must be >= 0 (0 = one per core), got " +
+    fail(Status::kInvalidArgument, "options.n_threads must be >= 0 (0 = one per core), got " +
                                            std::to_string(o.n_threads));
   }
   manifest_ = load_manifest(dir);
@@ -41,7 +41,7 @@ Model::Model(const std::string& dir, const colibri_open_options_t& o, std::strin
 namespace {
 
 [[noreturn]] void bad_desc(const std::string& what) {
-  fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_open_memory: " + what);
+  fail(Status::kInvalidArgument, "colibri_open_memory: " + what);
 }
 
 void require_expert(const colibri_expert_weights_t& w, const std::string& name) {
@@ -85,9 +85,9 @@ Manifest manifest_of(const colibri_model_desc_t& d) {
   try {
     parse_manifest(manifest_to_json(m), "colibri_open_memory: desc");
   } catch (const Error& e) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, e.what());
+    fail(Status::kInvalidArgument, e.what());
   }
-  validate_router(d.router, d.n_experts, "colibri_open_memory: router", COLIBRI_ERR_INVALID_ARGUMENT);
+  validate_router(d.router, d.n_experts, "colibri_open_memory: router", Status::kInvalidArgument);
   bool any_gate = false, all_gate = true;
   for (int64_t l = 0; l < d.n_layers; ++l) {
     const colibri_layer_weights_t& lw = d.layers[l];
@@ -113,7 +113,7 @@ Manifest manifest_of(const colibri_model_desc_t& d) {
 Model::Model(const colibri_model_desc_t& desc, const colibri_open_options_t& o, std::string* warnings) {
   const auto t0 = std::chrono::steady_clock::now();
   if (o.n_threads < 0) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "options.n_threads must be >= 0 (0 = one per core), got " +
+    fail(Status::kInvalidArgument, "options.n_threads must be >= 0 (0 = one per core), got " +
                                            std::to_string(o.n_threads));
   }
   manifest_ = manifest_of(desc);
@@ -129,23 +129,23 @@ Model::Model(const colibri_model_desc_t& desc, const colibri_open_options_t& o, 
 void Model::swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, size_t size, const std::string& what,
                         const uint64_t* checksum, std::string* warnings) {
   if (layer < 0 || layer >= manifest_.n_layers) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_swap_expert: layer " + std::to_string(layer) + " is out of range [0, " +
+    fail(Status::kInvalidArgument, "colibri_swap_expert: layer " + std::to_string(layer) + " is out of range [0, " +
                                            std::to_string(manifest_.n_layers) + ")");
   }
   if (expert < 0 || expert >= manifest_.n_experts) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "colibri_swap_expert: expert " + std::to_string(expert) +
+    fail(Status::kInvalidArgument, "colibri_swap_expert: expert " + std::to_string(expert) +
                                            " is out of range [0, " + std::to_string(manifest_.n_experts) + ")");
   }
   const uint64_t want = manifest_.expert_file_bytes();
   if (size != want) {
-    fail(COLIBRI_ERR_FORMAT, what + ": " + std::to_string(size) + " bytes, expected " + std::to_string(want) +
+    fail(Status::kFormat, what + ": " + std::to_string(size) + " bytes, expected " + std::to_string(want) +
                                  " (gate, up [d_ff " + std::to_string(manifest_.d_ff) + "][d_model " +
                                  std::to_string(manifest_.d_model) + "] and down, " + expert_types(manifest_) + ")");
   }
   if (checksum != nullptr) {
     const uint64_t actual = xxh64(bytes, size);
     if (actual != *checksum) {
-      fail(COLIBRI_ERR_CHECKSUM, what + ": checksum mismatch: expected " + format_checksum(*checksum) + ", got " +
+      fail(Status::kChecksum, what + ": checksum mismatch: expected " + format_checksum(*checksum) + ", got " +
                                      format_checksum(actual));
     }
   }
@@ -165,7 +165,7 @@ void Model::start(const colibri_open_options_t& o) {
   if (threads > cores) threads = cores;
   pool_ = std::make_unique<ThreadPool>(threads, o.pin_threads != 0);
   if (o.bf16_compute != 0 && o.exact_prefill != 0) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT,
+    fail(Status::kInvalidArgument,
          "options.bf16_compute and options.exact_prefill are both set; they ask for opposite precisions");
   }
   // Decode is fp32-grade for every weight type; prefill precision follows the
@@ -190,7 +190,7 @@ void Model::start(const colibri_open_options_t& o) {
                             std::to_string(prefill.tier[i].min_tokens) + " tokens/expert";
   }
   if (o.reserve_tokens < 0) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "options.reserve_tokens must be >= 0, got " +
+    fail(Status::kInvalidArgument, "options.reserve_tokens must be >= 0, got " +
                                            std::to_string(o.reserve_tokens));
   }
   engine_->reserve(o.reserve_tokens, std::min(manifest_.n_experts, 8));

@@ -168,7 +168,7 @@ FloatParse parse_float(std::string_view field, float& value) {
 }
 
 [[noreturn]] void fail_line(const std::string& src, uint64_t line, const std::string& what) {
-  fail(COLIBRI_ERR_FORMAT, src + ":" + std::to_string(line) + ": " + what);
+  fail(Status::kFormat, src + ":" + std::to_string(line) + ": " + what);
 }
 
 std::string column(size_t index0) { return " (column " + std::to_string(index0 + 1) + ")"; }
@@ -220,7 +220,7 @@ void check_token_ids(const TextRows& rows, const std::string& src) {
 
 void check_routing_shape(const Routing& r, const std::string& src) {
   const auto bad = [&](const std::string& what) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, src + ": " + what);
+    fail(Status::kInvalidArgument, src + ": " + what);
   };
   if (r.n_experts < 1 || r.n_experts > kMaxRoutingExperts)
     bad("n_experts " + std::to_string(r.n_experts) + " out of range [1, " +
@@ -262,7 +262,7 @@ Routing parse_route_text(std::string_view text, std::string_view source, int32_t
                          bool q4_weights) {
   const std::string src = source_name(source, "<route text>");
   if (n_experts < 1 || n_experts > kMaxRoutingExperts) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, src + ": n_experts " + std::to_string(n_experts) +
+    fail(Status::kInvalidArgument, src + ": n_experts " + std::to_string(n_experts) +
                                            " out of range [1, " +
                                            std::to_string(kMaxRoutingExperts) + "]");
   }
@@ -398,7 +398,7 @@ Routing parse_route_text(std::string_view text, std::string_view source, int32_t
     rows.line.push_back(line_no);
   }
 
-  if (rows.token.empty()) fail(COLIBRI_ERR_FORMAT, src + ": no data lines");
+  if (rows.token.empty()) fail(Status::kFormat, src + ": no data lines");
   check_token_ids(rows, src);
 
   // Every token id is now known to appear exactly once in [0, T).
@@ -432,7 +432,7 @@ std::vector<uint8_t> encode_routing(const Routing& routing, bool compact,
   WeightEncoding weights_enc;
   if (compact) {
     if (routing.n_experts > 4 || routing.top_k != 2) {
-      fail(COLIBRI_ERR_INVALID_ARGUMENT,
+      fail(Status::kInvalidArgument,
            src + ": compact encoding needs n_experts <= 4 and top_k == 2, but n_experts is " +
                std::to_string(routing.n_experts) + " and top_k is " +
                std::to_string(routing.top_k));
@@ -441,7 +441,7 @@ std::vector<uint8_t> encode_routing(const Routing& routing, bool compact,
     weights_enc = WeightEncoding::kCompactQ4;
   } else {
     if (general_weights != WeightEncoding::kF32 && general_weights != WeightEncoding::kF16) {
-      fail(COLIBRI_ERR_INVALID_ARGUMENT, src + ": weight encoding " +
+      fail(Status::kInvalidArgument, src + ": weight encoding " +
                                              std::to_string(static_cast<int>(general_weights)) +
                                              " is not a general-mode encoding (f32 or f16)");
     }
@@ -494,7 +494,7 @@ std::vector<uint8_t> encode_routing(const Routing& routing, bool compact,
       } else {
         const uint16_t half = float_to_f16(w);
         if (!std::isfinite(f16_to_float(half))) {
-          fail(COLIBRI_ERR_INVALID_ARGUMENT,
+          fail(Status::kInvalidArgument,
                src + ": token " + std::to_string(i / static_cast<size_t>(routing.top_k)) +
                    ": weight " + std::to_string(w) + " does not fit in f16 (|w| < 65520)");
         }
@@ -519,34 +519,34 @@ bool has_routing_magic(const void* data, size_t size) {
 RoutingHeader parse_routing_header(const void* data, size_t size, int32_t model_experts,
                                    std::string_view source) {
   // Messages are built only on failure, so the success path does not allocate.
-  const auto err = [&](colibri_status_t status, const std::string& what) {
+  const auto err = [&](Status status, const std::string& what) {
     fail(status, source_name(source, "<routing.bin>") + ": " + what);
   };
-  if (data == nullptr && size > 0) err(COLIBRI_ERR_INVALID_ARGUMENT, "NULL routing data");
+  if (data == nullptr && size > 0) err(Status::kInvalidArgument, "NULL routing data");
   const auto* b = static_cast<const uint8_t*>(data);
 
   if (size > 0 && std::memcmp(b, kRoutingMagic, std::min<size_t>(size, 4)) != 0)
-    err(COLIBRI_ERR_FORMAT, "not a routing.bin file: bad magic");
+    err(Status::kFormat, "not a routing.bin file: bad magic");
   if (size < kRoutingHeaderBytes)
-    err(COLIBRI_ERR_FORMAT, "truncated: " + std::to_string(size) + " bytes, shorter than the " +
+    err(Status::kFormat, "truncated: " + std::to_string(size) + " bytes, shorter than the " +
                                 std::to_string(kRoutingHeaderBytes) + "-byte header");
   const uint16_t version = load_u16(b + 4);
   if (version != kRoutingVersion)
-    err(COLIBRI_ERR_FORMAT, "unknown version " + std::to_string(version) +
+    err(Status::kFormat, "unknown version " + std::to_string(version) +
                                 " (this build reads version " + std::to_string(kRoutingVersion) +
                                 ")");
   const uint16_t header_bytes = load_u16(b + 6);
   if (header_bytes != kRoutingHeaderBytes)
-    err(COLIBRI_ERR_FORMAT, "header_bytes " + std::to_string(header_bytes) + ", expected " +
+    err(Status::kFormat, "header_bytes " + std::to_string(header_bytes) + ", expected " +
                                 std::to_string(kRoutingHeaderBytes));
   const uint64_t payload = load_u64(b + 24);
   const uint64_t available = size - kRoutingHeaderBytes;
   if (payload > available)
-    err(COLIBRI_ERR_FORMAT, "truncated: header promises " + std::to_string(payload) +
+    err(Status::kFormat, "truncated: header promises " + std::to_string(payload) +
                                 " payload bytes but only " + std::to_string(available) +
                                 " follow the header");
   if (payload < available)
-    err(COLIBRI_ERR_FORMAT, std::to_string(available - payload) +
+    err(Status::kFormat, std::to_string(available - payload) +
                                 " unexpected bytes after the payload (payload_bytes " +
                                 std::to_string(payload) + ")");
 
@@ -562,7 +562,7 @@ RoutingHeader parse_routing_header(const void* data, size_t size, int32_t model_
     std::snprintf(buf, sizeof buf, "checksum mismatch: stored %016llx, computed %016llx",
                   static_cast<unsigned long long>(stored),
                   static_cast<unsigned long long>(computed));
-    err(COLIBRI_ERR_CHECKSUM, buf);
+    err(Status::kChecksum, buf);
   }
 
   const uint32_t n_tokens = load_u32(b + 8);
@@ -571,23 +571,23 @@ RoutingHeader parse_routing_header(const void* data, size_t size, int32_t model_
   const uint8_t id_enc = b[18];
   const uint8_t weight_enc = b[19];
   const uint32_t flags = load_u32(b + 20);
-  if (flags != 0) err(COLIBRI_ERR_FORMAT, "flags " + std::to_string(flags) + " must be 0");
+  if (flags != 0) err(Status::kFormat, "flags " + std::to_string(flags) + " must be 0");
   if (n_experts == 0 || n_experts > static_cast<uint32_t>(kMaxRoutingExperts))
-    err(COLIBRI_ERR_FORMAT, "n_experts " + std::to_string(n_experts) + " out of range [1, " +
+    err(Status::kFormat, "n_experts " + std::to_string(n_experts) + " out of range [1, " +
                                 std::to_string(kMaxRoutingExperts) + "]");
   if (n_tokens > static_cast<uint64_t>(kMaxRoutingTokens))
-    err(COLIBRI_ERR_FORMAT, "n_tokens " + std::to_string(n_tokens) + " exceeds the limit of " +
+    err(Status::kFormat, "n_tokens " + std::to_string(n_tokens) + " exceeds the limit of " +
                                 std::to_string(kMaxRoutingTokens));
   if (top_k == 0 || top_k > n_experts)
-    err(COLIBRI_ERR_FORMAT, "top_k " + std::to_string(top_k) + " out of range [1, n_experts " +
+    err(Status::kFormat, "top_k " + std::to_string(top_k) + " out of range [1, n_experts " +
                                 std::to_string(n_experts) + "]");
   if (model_experts > 0 && n_experts > static_cast<uint32_t>(model_experts))
-    err(COLIBRI_ERR_FORMAT, "routing is for " + std::to_string(n_experts) +
+    err(Status::kFormat, "routing is for " + std::to_string(n_experts) +
                                 " experts but the model has " + std::to_string(model_experts));
   if (id_enc > static_cast<uint8_t>(IdEncoding::kU16))
-    err(COLIBRI_ERR_FORMAT, "unknown id_encoding " + std::to_string(id_enc));
+    err(Status::kFormat, "unknown id_encoding " + std::to_string(id_enc));
   if (weight_enc > static_cast<uint8_t>(WeightEncoding::kF16))
-    err(COLIBRI_ERR_FORMAT, "unknown weight_encoding " + std::to_string(weight_enc));
+    err(Status::kFormat, "unknown weight_encoding " + std::to_string(weight_enc));
 
   RoutingHeader h;
   h.n_tokens = static_cast<int32_t>(n_tokens);
@@ -602,20 +602,20 @@ RoutingHeader parse_routing_header(const void* data, size_t size, int32_t model_
   const bool compact_ids = h.id_encoding == IdEncoding::kCompact;
   const bool compact_weights = h.weight_encoding == WeightEncoding::kCompactQ4;
   if (compact_ids != compact_weights)
-    err(COLIBRI_ERR_FORMAT, "id_encoding " + std::to_string(id_enc) + " and weight_encoding " +
+    err(Status::kFormat, "id_encoding " + std::to_string(id_enc) + " and weight_encoding " +
                                 std::to_string(weight_enc) +
                                 " disagree (compact mode needs both 0)");
   if (compact_ids && (n_experts > 4 || top_k != 2))
-    err(COLIBRI_ERR_FORMAT, "compact encoding needs n_experts <= 4 and top_k == 2, not " +
+    err(Status::kFormat, "compact encoding needs n_experts <= 4 and top_k == 2, not " +
                                 std::to_string(n_experts) + " and " + std::to_string(top_k));
   if (!compact_ids && h.id_encoding != general_id_encoding(h.n_experts))
-    err(COLIBRI_ERR_FORMAT, "id_encoding " + std::to_string(id_enc) + " does not match " +
+    err(Status::kFormat, "id_encoding " + std::to_string(id_enc) + " does not match " +
                                 std::to_string(n_experts) + " experts (u8 up to " +
                                 std::to_string(kMaxU8Experts) + ", else u16)");
   const uint64_t expected =
       implied_payload_bytes(n_tokens, top_k, h.id_encoding, h.weight_encoding);
   if (payload != expected) {
-    err(COLIBRI_ERR_FORMAT,
+    err(Status::kFormat,
         "payload_bytes " + std::to_string(payload) + " but " + std::to_string(n_tokens) +
             " tokens x top_k " + std::to_string(top_k) +
             (compact_ids ? std::string(" in compact mode")
@@ -629,7 +629,7 @@ RoutingHeader parse_routing_header(const void* data, size_t size, int32_t model_
 void decode_routing_payload(const RoutingHeader& header, const void* data, int32_t* ids,
                             float* weights, std::string_view source) {
   const auto err = [&](size_t token, const std::string& what) {
-    fail(COLIBRI_ERR_FORMAT,
+    fail(Status::kFormat,
          source_name(source, "<routing.bin>") + ": token " + std::to_string(token) + ": " + what);
   };
   const auto* p = static_cast<const uint8_t*>(data) + kRoutingHeaderBytes;

@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-#include "colibri.h"
+#include "util/error.h"
 
 namespace colibri {
 
@@ -36,7 +36,7 @@ struct Routing {
 };
 
 // Parses `.route` text. n_experts bounds the ids. q4_weights: weights are
-// integer codes 0..15 meaning q/15. Throws Error(COLIBRI_ERR_FORMAT, "<source>:<line>: ...").
+// integer codes 0..15 meaning q/15. Throws Error(Status::kFormat, "<source>:<line>: ...").
 Routing parse_route_text(std::string_view text, std::string_view source, int32_t n_experts,
                          bool q4_weights);
 

@@ -39,7 +39,7 @@ WeightRegion::WeightRegion(size_t bytes, bool want_huge_pages) {
       map_base_ = p;
       map_size_ = rounded;
       data_ = static_cast<uint8_t*>(p);
-      kind_ = COLIBRI_HUGE_PAGES_HUGETLBFS;
+      kind_ = HugePageKind::kHugetlbfs;
       return;
     }
   }
@@ -50,14 +50,14 @@ WeightRegion::WeightRegion(size_t bytes, bool want_huge_pages) {
   void* p = ::mmap(nullptr, map_size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
     map_size_ = 0;
-    fail(COLIBRI_ERR_OUT_OF_MEMORY,
+    fail(Status::kOutOfMemory,
          errno_message("cannot map " + std::to_string(bytes) + " bytes for expert weights", errno));
   }
   map_base_ = p;
   const uintptr_t aligned = round_up(reinterpret_cast<uintptr_t>(p), kHugePageBytes);
   data_ = reinterpret_cast<uint8_t*>(aligned);
   if (want_huge_pages && thp_allowed() && ::madvise(data_, rounded, MADV_HUGEPAGE) == 0) {
-    kind_ = COLIBRI_HUGE_PAGES_TRANSPARENT;
+    kind_ = HugePageKind::kTransparent;
   }
 }
 
@@ -117,8 +117,8 @@ bool WeightRegion::lock(std::string* why) {
 
 uint64_t WeightRegion::measure_huge_pages() const {
   if (data_ == nullptr) return 0;
-  if (kind_ == COLIBRI_HUGE_PAGES_HUGETLBFS) return size_;
-  if (kind_ != COLIBRI_HUGE_PAGES_TRANSPARENT) return 0;
+  if (kind_ == HugePageKind::kHugetlbfs) return size_;
+  if (kind_ != HugePageKind::kTransparent) return 0;
   // Find our mapping's block in smaps and sum its AnonHugePages.
   std::ifstream smaps("/proc/self/smaps");
   std::string line;

@@ -12,16 +12,19 @@
 #include <cstdint>
 #include <string>
 
-#include "colibri.h"
+#include "util/error.h"
 
 namespace colibri {
+
+// How a region's pages were backed (src/api maps it to colibri_huge_page_kind_t).
+enum class HugePageKind { kNone, kTransparent, kHugetlbfs };
 
 inline constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 class WeightRegion {
  public:
   WeightRegion() = default;
-  // Throws Error(COLIBRI_ERR_OUT_OF_MEMORY) if no memory can be mapped.
+  // Throws Error(Status::kOutOfMemory) if no memory can be mapped.
   WeightRegion(size_t bytes, bool want_huge_pages);
   ~WeightRegion();
   WeightRegion(WeightRegion&& other) noexcept;
@@ -31,7 +34,7 @@ class WeightRegion {
 
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
-  colibri_huge_page_kind_t huge_page_kind() const { return kind_; }
+  HugePageKind huge_page_kind() const { return kind_; }
 
   // Best effort mlock. Returns true on success; on failure fills *why.
   bool lock(std::string* why);
@@ -48,7 +51,7 @@ class WeightRegion {
   size_t size_ = 0;          // usable bytes
   void* map_base_ = nullptr; // what munmap needs
   size_t map_size_ = 0;
-  colibri_huge_page_kind_t kind_ = COLIBRI_HUGE_PAGES_NONE;
+  HugePageKind kind_ = HugePageKind::kNone;
   bool locked_ = false;
 };
 

@@ -83,7 +83,7 @@ class ConfigReader {
 
   int64_t integer(const char* field, int64_t min, int64_t max) const {
     if (!has(field)) {
-      fail(COLIBRI_ERR_FORMAT, source_ + ": missing field \"" + field + "\", which model_type \"" +
+      fail(Status::kFormat, source_ + ": missing field \"" + field + "\", which model_type \"" +
                                    model_type_ + "\" needs (is this an MoE checkpoint?)");
     }
     return to_integer(doc_.at(field), field, min, max);
@@ -124,7 +124,7 @@ class ConfigReader {
   }
 
   [[noreturn]] void bad(const char* field, const std::string& what) const {
-    fail(COLIBRI_ERR_FORMAT, source_ + ": field \"" + field + "\": " + what);
+    fail(Status::kFormat, source_ + ": field \"" + field + "\": " + what);
   }
 
  private:
@@ -179,7 +179,7 @@ class Checkpoint {
       return;
     }
     if (!is_regular_file(index)) {
-      fail(COLIBRI_ERR_IO, dir + ": no model.safetensors or model.safetensors.index.json");
+      fail(Status::kIo, dir + ": no model.safetensors or model.safetensors.index.json");
     }
     where_ = index;
     indexed_ = true;
@@ -187,12 +187,12 @@ class Checkpoint {
     try {
       doc = json::parse(read_small_file(index, kMaxIndexBytes));
     } catch (const json::exception& e) {
-      fail(COLIBRI_ERR_FORMAT, index + ": invalid JSON: " + e.what());
+      fail(Status::kFormat, index + ": invalid JSON: " + e.what());
     }
-    if (!doc.is_object()) fail(COLIBRI_ERR_FORMAT, index + ": top level must be a JSON object");
+    if (!doc.is_object()) fail(Status::kFormat, index + ": top level must be a JSON object");
     const auto map = doc.find("weight_map");
     if (map == doc.end() || !map->is_object()) {
-      fail(COLIBRI_ERR_FORMAT, index + ": missing object \"weight_map\"");
+      fail(Status::kFormat, index + ": missing object \"weight_map\"");
     }
     std::map<std::string, size_t> shard_ids;
     for (const auto& [name, value] : map->items()) {
@@ -201,7 +201,7 @@ class Checkpoint {
       const std::string shard = value.is_string() ? value.get<std::string>() : std::string();
       if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos ||
           shard.find('\0') != std::string::npos) {
-        fail(COLIBRI_ERR_FORMAT, index + ": weight_map \"" + name + "\": " + value.dump() +
+        fail(Status::kFormat, index + ": weight_map \"" + name + "\": " + value.dump() +
                                      " is not a file name in the checkpoint directory");
       }
       const auto [it, added] = shard_ids.emplace(shard, shard_names_.size());
@@ -223,7 +223,7 @@ class Checkpoint {
     if (!shards_[shard]) shards_[shard] = std::make_unique<SafetensorsFile>(dir_ + "/" + shard_names_[shard]);
     const StTensor* t = shards_[shard]->find(name);
     if (t == nullptr) {
-      fail(COLIBRI_ERR_FORMAT, where_ + ": weight_map puts tensor \"" + name + "\" in " + shard_names_[shard] +
+      fail(Status::kFormat, where_ + ": weight_map puts tensor \"" + name + "\" in " + shard_names_[shard] +
                                    ", which has no such tensor");
     }
     return {shards_[shard].get(), t};
@@ -289,7 +289,7 @@ class Planner {
     const TensorRef per_expert = ckpt_.find(first);
     const TensorRef gate_up = find_either(block + ".experts.gate_up_proj");
     if (per_expert && gate_up) {
-      fail(COLIBRI_ERR_FORMAT, ckpt_.where() + ": layer " + std::to_string(hf) + " has both per-expert (\"" +
+      fail(Status::kFormat, ckpt_.where() + ": layer " + std::to_string(hf) + " has both per-expert (\"" +
                                    first + "\") and fused (\"" + gate_up.tensor->name +
                                    "\") expert tensors");
     }
@@ -301,7 +301,7 @@ class Planner {
       p.down = checked(down, {E, D, F}, ex + ", hidden_size, " + ff);
     } else {
       if (!per_expert) {
-        fail(COLIBRI_ERR_FORMAT, ckpt_.where() + ": missing tensor \"" + first + "\" (nor fused \"" + block +
+        fail(Status::kFormat, ckpt_.where() + ": missing tensor \"" + first + "\" (nor fused \"" + block +
                                      ".experts.gate_up_proj\")");
       }
       p.experts.resize(static_cast<size_t>(E));
@@ -344,7 +344,7 @@ class Planner {
   }
 
   [[noreturn]] void missing(const std::string& name) const {
-    fail(COLIBRI_ERR_FORMAT, ckpt_.where() + ": missing tensor \"" + name + "\"");
+    fail(Status::kFormat, ckpt_.where() + ": missing tensor \"" + name + "\"");
   }
 
   TensorRef require(const std::string& name, const std::vector<uint64_t>& shape, const std::string& dims) const {
@@ -358,12 +358,12 @@ class Planner {
     const std::string where = r.file->path() + ": tensor \"" + t.name + "\": ";
     if (t.dtype != StDtype::kBF16 && t.dtype != StDtype::kF16 && t.dtype != StDtype::kF32) {
       const bool fp8 = t.dtype == StDtype::kF8E4M3 || t.dtype == StDtype::kF8E5M2;
-      fail(COLIBRI_ERR_FORMAT, where + "dtype " + st_dtype_name(t.dtype) +
+      fail(Status::kFormat, where + "dtype " + st_dtype_name(t.dtype) +
                                    " is not supported (expected BF16, F16 or F32" +
                                    (fp8 ? "; dequantize FP8 checkpoints first)" : ")"));
     }
     if (t.shape != shape) {
-      fail(COLIBRI_ERR_FORMAT, where + "shape " + shape_string(t.shape) + ", expected " + shape_string(shape) +
+      fail(Status::kFormat, where + "shape " + shape_string(t.shape) + ", expected " + shape_string(shape) +
                                    " (" + dims + " from config.json)");
     }
     return r;
@@ -390,14 +390,14 @@ void check_out_dir(const std::string& out) {
   struct stat st {};
   if (::stat(out.c_str(), &st) != 0) {
     if (errno == ENOENT) return;
-    fail(COLIBRI_ERR_IO, errno_message(out + ": cannot stat", errno));
+    fail(Status::kIo, errno_message(out + ": cannot stat", errno));
   }
-  if (!S_ISDIR(st.st_mode)) fail(COLIBRI_ERR_IO, out + ": exists and is not a directory; refusing to overwrite it");
+  if (!S_ISDIR(st.st_mode)) fail(Status::kIo, out + ": exists and is not a directory; refusing to overwrite it");
   std::error_code ec;
   const std::filesystem::directory_iterator it(out, ec);
-  if (ec) fail(COLIBRI_ERR_IO, out + ": cannot list: " + ec.message());
+  if (ec) fail(Status::kIo, out + ": cannot list: " + ec.message());
   if (it != std::filesystem::directory_iterator()) {
-    fail(COLIBRI_ERR_IO, out + ": exists and is not empty; refusing to overwrite it");
+    fail(Status::kIo, out + ": exists and is not empty; refusing to overwrite it");
   }
 }
 
@@ -414,19 +414,19 @@ HfMoeConfig parse_hf_config(const std::string& text, const std::string& source) 
   try {
     doc = json::parse(text);
   } catch (const json::exception& e) {
-    fail(COLIBRI_ERR_FORMAT, source + ": invalid JSON: " + e.what());
+    fail(Status::kFormat, source + ": invalid JSON: " + e.what());
   }
-  if (!doc.is_object()) fail(COLIBRI_ERR_FORMAT, source + ": top level must be a JSON object");
+  if (!doc.is_object()) fail(Status::kFormat, source + ": top level must be a JSON object");
   const auto type = doc.find("model_type");
   if (type == doc.end() || !type->is_string()) {
-    fail(COLIBRI_ERR_FORMAT, source + ": missing string field \"model_type\" (supported: " +
+    fail(Status::kFormat, source + ": missing string field \"model_type\" (supported: " +
                                  hf_supported_model_types() + ")");
   }
   HfMoeConfig c;
   c.model_type = type->get<std::string>();
   const Family* family = find_family(c.model_type);
   if (family == nullptr) {
-    fail(COLIBRI_ERR_UNSUPPORTED, source + ": model_type \"" + c.model_type +
+    fail(Status::kUnsupported, source + ": model_type \"" + c.model_type +
                                       "\" is not supported (supported: " + hf_supported_model_types() + ")");
   }
   const ConfigReader r(doc, source, c.model_type);
@@ -464,12 +464,12 @@ HfMoeConfig parse_hf_config(const std::string& text, const std::string& source) 
     const std::string method = r.string_or("topk_method", v3 ? "noaux_tc" : "greedy");
     const char* grouped = v3 ? "noaux_tc" : "group_limited_greedy";
     if (method != "greedy" && method != grouped) {
-      fail(COLIBRI_ERR_UNSUPPORTED, source + ": field \"topk_method\": \"" + method + "\" is not supported for " +
+      fail(Status::kUnsupported, source + ": field \"topk_method\": \"" + method + "\" is not supported for " +
                                         c.model_type + " (expected \"greedy\" or \"" + grouped + "\")");
     }
     const std::string scoring = r.string_or("scoring_func", v3 ? "sigmoid" : "softmax");
     if (scoring != (v3 ? "sigmoid" : "softmax")) {
-      fail(COLIBRI_ERR_UNSUPPORTED, source + ": field \"scoring_func\": \"" + scoring + "\" is not supported for " +
+      fail(Status::kUnsupported, source + ": field \"scoring_func\": \"" + scoring + "\" is not supported for " +
                                         c.model_type + " (expected \"" + (v3 ? "sigmoid" : "softmax") + "\")");
     }
     if (method != "greedy") {
@@ -486,7 +486,7 @@ HfMoeConfig parse_hf_config(const std::string& text, const std::string& source) 
     }
     c.router.routed_scaling_factor = static_cast<float>(scale);
   }
-  validate_router(c.router, c.n_experts, source, COLIBRI_ERR_FORMAT);
+  validate_router(c.router, c.n_experts, source, Status::kFormat);
 
   switch (family->layers) {
     case LayerRule::kEvery:
@@ -510,7 +510,7 @@ HfMoeConfig parse_hf_config(const std::string& text, const std::string& source) 
     }
   }
   if (c.moe_layers.empty()) {
-    fail(COLIBRI_ERR_FORMAT, source + ": no MoE layer among the " + std::to_string(c.n_hidden_layers) +
+    fail(Status::kFormat, source + ": no MoE layer among the " + std::to_string(c.n_hidden_layers) +
                                  " decoder layers (check decoder_sparse_step, mlp_only_layers, "
                                  "first_k_dense_replace, moe_layer_freq)");
   }
@@ -522,7 +522,7 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
   // "out/" would otherwise put the temporary directory inside out.
   while (out.size() > 1 && out.back() == '/') out.pop_back();
   if (out.empty() || out == "/") {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "output directory \"" + options.out_dir + "\" is not usable");
+    fail(Status::kInvalidArgument, "output directory \"" + options.out_dir + "\" is not usable");
   }
   check_out_dir(out);
 
@@ -536,7 +536,7 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
   const int32_t last = options.last_layer.value_or(c.n_hidden_layers - 1);
   const std::string range = std::to_string(first) + "-" + std::to_string(last);
   if (first < 0 || last < first || last >= c.n_hidden_layers) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layers " + range + ": not a range within the model's " +
+    fail(Status::kInvalidArgument, "layers " + range + ": not a range within the model's " +
                                            std::to_string(c.n_hidden_layers) + " decoder layers (0-" +
                                            std::to_string(c.n_hidden_layers - 1) + ")");
   }
@@ -544,12 +544,12 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
     if (i >= first && i <= last) result.layers.push_back(i);
   }
   if (result.layers.empty()) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layers " + range + ": no MoE layer in that range (the first is " +
+    fail(Status::kInvalidArgument, "layers " + range + ": no MoE layer in that range (the first is " +
                                            std::to_string(c.moe_layers.front()) + ", the last " +
                                            std::to_string(c.moe_layers.back()) + ")");
   }
   if (static_cast<int64_t>(result.layers.size()) > kMaxLayers) {
-    fail(COLIBRI_ERR_INVALID_ARGUMENT, "layers " + range + ": " + std::to_string(result.layers.size()) +
+    fail(Status::kInvalidArgument, "layers " + range + ": " + std::to_string(result.layers.size()) +
                                            " MoE layers, more than " + std::to_string(kMaxLayers) +
                                            " in one model; convert a smaller range");
   }
@@ -636,7 +636,7 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
   try {
     write_model_dir(tmp, spec, fill);
     if (::rename(tmp.c_str(), out.c_str()) != 0) {
-      fail(COLIBRI_ERR_IO, errno_message(out + ": cannot move the converted model into place from " + tmp, errno));
+      fail(Status::kIo, errno_message(out + ": cannot move the converted model into place from " + tmp, errno));
     }
   } catch (...) {
     std::filesystem::remove_all(tmp, ec);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "colibri.h"
+#include "util/error.h"
 
 namespace colibri {
 
@@ -37,8 +38,8 @@ struct HfMoeConfig {
 std::string hf_supported_model_types();
 
 // Parses config.json text; `source` names it in errors. Throws
-// Error(COLIBRI_ERR_FORMAT) naming the field at fault, or
-// Error(COLIBRI_ERR_UNSUPPORTED) for a model_type or setting Colibri cannot
+// Error(Status::kFormat) naming the field at fault, or
+// Error(Status::kUnsupported) for a model_type or setting Colibri cannot
 // run.
 HfMoeConfig parse_hf_config(const std::string& text, const std::string& source);
 
@@ -77,10 +78,10 @@ struct HfConvertResult {
 };
 
 // Reads, checks every needed tensor (names, dtypes, shapes) before writing
-// anything, then writes. Throws Error: COLIBRI_ERR_FORMAT for bad input
-// (naming the file and tensor or field), COLIBRI_ERR_IO for files that
+// anything, then writes. Throws Error: Status::kFormat for bad input
+// (naming the file and tensor or field), Status::kIo for files that
 // cannot be read or written and for an existing, non-empty out_dir,
-// COLIBRI_ERR_UNSUPPORTED for an unknown architecture, COLIBRI_ERR_INVALID_ARGUMENT
+// Status::kUnsupported for an unknown architecture, Status::kInvalidArgument
 // for a layer range that selects nothing.
 HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options);
 

@@ -63,12 +63,12 @@ void make_directories(const std::string& dir) {
     partial = dir.substr(0, pos);
     if (partial.empty()) continue;
     if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-      fail(COLIBRI_ERR_IO, errno_message(partial + ": cannot create directory", errno));
+      fail(Status::kIo, errno_message(partial + ": cannot create directory", errno));
     }
   }
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    fail(COLIBRI_ERR_IO, dir + ": not a directory");
+    fail(Status::kIo, dir + ": not a directory");
   }
 }
 
@@ -83,7 +83,7 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
   if (m.quantized()) {
     m.down_dtype = spec.down_dtype == COLIBRI_DTYPE_F16 ? spec.dtype : spec.down_dtype;
     if (const std::string why = dtype_pair_problem(m.dtype, m.down_dtype); !why.empty()) {
-      fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: " + why);
+      fail(Status::kInvalidArgument, "model being written: " + why);
     }
   }
   m.router = spec.router;
@@ -92,15 +92,15 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
   m.version = m.has_router() || m.has_shared() ? 2 : 1;
   if (!spec.source_json.empty()) {
     if (!nlohmann::json::accept(spec.source_json)) {
-      fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: source_json is not valid JSON");
+      fail(Status::kInvalidArgument, "model being written: source_json is not valid JSON");
     }
     if (m.version == 1) m.version = 2;
     m.source_json = spec.source_json;
   }
   if (m.quantized()) m.version = 3;
-  if (!fill.expert) fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: no expert fill function");
-  if (m.has_router() && !fill.router) fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: no router fill function");
-  if (m.has_shared() && !fill.shared) fail(COLIBRI_ERR_INVALID_ARGUMENT, "model being written: no shared fill function");
+  if (!fill.expert) fail(Status::kInvalidArgument, "model being written: no expert fill function");
+  if (m.has_router() && !fill.router) fail(Status::kInvalidArgument, "model being written: no router fill function");
+  if (m.has_shared() && !fill.shared) fail(Status::kInvalidArgument, "model being written: no shared fill function");
   // Round-trip through the parser's checks, so we never write a manifest we
   // would refuse to read.
   parse_manifest(manifest_to_json(m), "model being written");
@@ -160,11 +160,11 @@ namespace {
 MappedFile open_weight_file(const std::string& dir, const Manifest& m, const std::string& name, uint64_t bytes) {
   MappedFile f(dir + "/" + name);
   if (f.size() != bytes) {
-    fail(COLIBRI_ERR_FORMAT, f.path() + ": " + std::to_string(f.size()) + " bytes, expected " + std::to_string(bytes) +
+    fail(Status::kFormat, f.path() + ": " + std::to_string(f.size()) + " bytes, expected " + std::to_string(bytes) +
                                  " (" + expert_types(m) + ")");
   }
   if (auto it = m.checksums.find(name); it != m.checksums.end() && xxh64(f.data(), f.size()) != it->second) {
-    fail(COLIBRI_ERR_CHECKSUM, f.path() + ": checksum mismatch: manifest says " + format_checksum(it->second));
+    fail(Status::kChecksum, f.path() + ": checksum mismatch: manifest says " + format_checksum(it->second));
   }
   return f;
 }

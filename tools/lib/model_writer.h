@@ -8,6 +8,7 @@
 #include <string>
 
 #include "colibri.h"
+#include "util/error.h"
 
 namespace colibri {
 
@@ -71,7 +72,7 @@ void requantize_model_dir(const std::string& in_dir, const std::string& out_dir,
 void random_expert_weights(const ModelWriteSpec& spec, uint64_t seed, int32_t layer, int32_t expert,
                            float* w);
 
-// mkdir -p; throws Error(COLIBRI_ERR_IO).
+// mkdir -p; throws Error(Status::kIo).
 void make_directories(const std::string& dir);
 
 }  // namespace colibri

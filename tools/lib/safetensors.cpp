@@ -45,7 +45,7 @@ uint64_t load_le64(const uint8_t* p) {
 }
 
 [[noreturn]] void bad_tensor(const std::string& source, const std::string& name, const std::string& what) {
-  fail(COLIBRI_ERR_FORMAT, source + ": tensor \"" + name + "\": " + what);
+  fail(Status::kFormat, source + ": tensor \"" + name + "\": " + what);
 }
 
 // A JSON value as a non-negative integer. Numbers beyond uint64 are parsed
@@ -102,22 +102,22 @@ StHeader parse_safetensors(const uint8_t* data, size_t size, const std::string& 
 
 StHeader parse_safetensors(const uint8_t* data, size_t size, size_t available, const std::string& source) {
   if (size < 8) {
-    fail(COLIBRI_ERR_FORMAT, source + ": not a safetensors file: " + std::to_string(size) +
+    fail(Status::kFormat, source + ": not a safetensors file: " + std::to_string(size) +
                                  " bytes, too short for the 8-byte header length");
   }
   const uint64_t header_len = load_le64(data);
   if (header_len > kMaxSafetensorsHeaderBytes) {
-    fail(COLIBRI_ERR_FORMAT, source + ": header length " + std::to_string(header_len) +
+    fail(Status::kFormat, source + ": header length " + std::to_string(header_len) +
                                  " exceeds the limit of " + std::to_string(kMaxSafetensorsHeaderBytes) +
                                  " bytes (not a safetensors file?)");
   }
   if (header_len > size - 8) {
-    fail(COLIBRI_ERR_FORMAT, source + ": header length " + std::to_string(header_len) +
+    fail(Status::kFormat, source + ": header length " + std::to_string(header_len) +
                                  " runs past the end of the file (" + std::to_string(size) +
                                  " bytes; truncated?)");
   }
   if (available < 8 + header_len) {
-    fail(COLIBRI_ERR_FORMAT, source + ": header (" + std::to_string(header_len) + " bytes) could not be read whole");
+    fail(Status::kFormat, source + ": header (" + std::to_string(header_len) + " bytes) could not be read whole");
   }
   StHeader h;
   h.data_start = 8 + header_len;
@@ -138,26 +138,26 @@ StHeader parse_safetensors(const uint8_t* data, size_t size, size_t available, c
   // nlohmann stops at a NUL as if the input ended there, which would accept
   // "{...}\0<anything>". Valid JSON never holds a raw NUL.
   if (const void* nul = std::memchr(text, 0, header_len)) {
-    fail(COLIBRI_ERR_FORMAT, source + ": header is not valid JSON: NUL byte at header offset " +
+    fail(Status::kFormat, source + ": header is not valid JSON: NUL byte at header offset " +
                                  std::to_string(static_cast<const char*>(nul) - text));
   }
   json doc;
   try {
     doc = json::parse(text, text + header_len, on_event);
   } catch (const json::exception& e) {
-    fail(COLIBRI_ERR_FORMAT, source + ": header is not valid JSON: " + e.what());
+    fail(Status::kFormat, source + ": header is not valid JSON: " + e.what());
   }
   if (!doc.is_object()) {
-    fail(COLIBRI_ERR_FORMAT, source + ": header must be a JSON object, not " + std::string(doc.type_name()));
+    fail(Status::kFormat, source + ": header must be a JSON object, not " + std::string(doc.type_name()));
   }
   if (!repeated.empty()) bad_tensor(source, repeated, "named more than once in the header");
 
   for (const auto& [name, entry] : doc.items()) {
     if (name == "__metadata__") {
-      if (!entry.is_object()) fail(COLIBRI_ERR_FORMAT, source + ": \"__metadata__\" must be an object");
+      if (!entry.is_object()) fail(Status::kFormat, source + ": \"__metadata__\" must be an object");
       for (const auto& [key, value] : entry.items()) {
         if (!value.is_string()) {
-          fail(COLIBRI_ERR_FORMAT, source + ": \"__metadata__\".\"" + key + "\" must be a string");
+          fail(Status::kFormat, source + ": \"__metadata__\".\"" + key + "\" must be a string");
         }
       }
       continue;
@@ -258,7 +258,7 @@ void st_to_floats(StDtype dtype, const uint8_t* src, size_t count, float* out) {
       }
       return;
     default:
-      fail(COLIBRI_ERR_FORMAT, std::string("cannot convert ") + st_dtype_name(dtype) + " to float32");
+      fail(Status::kFormat, std::string("cannot convert ") + st_dtype_name(dtype) + " to float32");
   }
 }
 
@@ -268,7 +268,7 @@ namespace {
 // was checked: an error naming it, never SIGBUS as a mapping would give.
 void pread_exact(int fd, const std::string& path, uint64_t offset, size_t n, uint8_t* out) {
   if (read_at(fd, path, offset, out, n) != n) {
-    fail(COLIBRI_ERR_FORMAT, path + ": file shrank while being read (truncated by someone else?)");
+    fail(Status::kFormat, path + ": file shrank while being read (truncated by someone else?)");
   }
 }
 
@@ -309,11 +309,11 @@ const StTensor* SafetensorsFile::find(const std::string& name) const {
 
 void SafetensorsFile::read_floats(const StTensor& t, uint64_t first, uint64_t count, float* out) const {
   if (t.dtype != StDtype::kF32 && t.dtype != StDtype::kF16 && t.dtype != StDtype::kBF16) {
-    fail(COLIBRI_ERR_FORMAT, path() + ": tensor \"" + t.name + "\": dtype " + st_dtype_name(t.dtype) +
+    fail(Status::kFormat, path() + ": tensor \"" + t.name + "\": dtype " + st_dtype_name(t.dtype) +
                                  " cannot be converted (expected BF16, F16 or F32)");
   }
   if (first > t.n_elements || count > t.n_elements - first) {
-    fail(COLIBRI_ERR_INTERNAL, path() + ": tensor \"" + t.name + "\": read of elements [" +
+    fail(Status::kInternal, path() + ": tensor \"" + t.name + "\": read of elements [" +
                                    std::to_string(first) + ", +" + std::to_string(count) + ") out of range");
   }
   const size_t esize = st_dtype_size(t.dtype);

@@ -7,7 +7,7 @@
 // length, every tensor's dtype, shape and offsets are checked (offsets inside
 // the file, size == product(shape) * dtype size with no overflow, no two
 // tensors overlapping) before any tensor byte is touched. Every violation is
-// an Error(COLIBRI_ERR_FORMAT) naming the file and the tensor.
+// an Error(Status::kFormat) naming the file and the tensor.
 #pragma once
 
 #include <cstddef>
@@ -15,6 +15,7 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
+#include "util/error.h"
 
 
 namespace colibri {
@@ -62,8 +63,8 @@ StHeader parse_safetensors(const uint8_t* data, size_t size, size_t available, c
 // needs more than the slice in memory.
 class SafetensorsFile {
  public:
-  // Throws Error(COLIBRI_ERR_IO) when the file cannot be opened or read,
-  // Error(COLIBRI_ERR_FORMAT) for a malformed one.
+  // Throws Error(Status::kIo) when the file cannot be opened or read,
+  // Error(Status::kFormat) for a malformed one.
   explicit SafetensorsFile(const std::string& path);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
@@ -75,7 +76,7 @@ class SafetensorsFile {
 
   // Converts elements [first, first + count) of `t` (a tensor of this file)
   // to float32, exactly; only F32, F16 and BF16 are accepted
-  // (Error(COLIBRI_ERR_FORMAT) otherwise).
+  // (Error(Status::kFormat) otherwise).
   void read_floats(const StTensor& t, uint64_t first, uint64_t count, float* out) const;
 
  private:
