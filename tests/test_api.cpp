@@ -72,7 +72,7 @@ class ApiTest : public ::testing::Test {
     spec.n_experts = kE;
     spec.d_model = kD;
     spec.d_ff = kF;
-    spec.dtype = COLIBRI_DTYPE_F16;
+    spec.dtype = colibri::WeightType::kF16;
     colibri::write_random_model(dir_, spec, 5);
     manifest_path_ = dir_ + "/colibri.json";
     manifest_ = json::parse(read_file(manifest_path_));
@@ -847,7 +847,7 @@ TEST_F(ApiTest, MultiLayerModelInfo) {
   spec.n_experts = 2;
   spec.d_model = 5;
   spec.d_ff = 3;
-  spec.dtype = COLIBRI_DTYPE_BF16;
+  spec.dtype = colibri::WeightType::kBF16;
   colibri::write_random_model(other.path(), spec, 9);
   colibri_model_t* m = nullptr;
   ASSERT_EQ(colibri_open(other.path().c_str(), nullptr, &m), COLIBRI_OK) << colibri_last_error();

@@ -104,7 +104,7 @@ struct Case {
   bool fused_suffix = false;       // fused tensors named with ".weight"
   int shards = 1;
   std::vector<int32_t> moe_layers;
-  colibri_router_family_t family = COLIBRI_ROUTER_NONE;
+  colibri::RouterFamily family = colibri::RouterFamily::kNone;
   int32_t n_experts = 4, d_ff = 8, top_k = 2, norm = 0, n_group = 1, topk_group = 1;
   float scale = 1.0f;
   int32_t shared_d_ff = 0;
@@ -197,8 +197,8 @@ std::vector<float> shared_values(const Checkpoint& ck, const Case& c, int32_t i)
   return w;
 }
 
-std::string st_name(colibri_dtype_t d) {
-  return d == COLIBRI_DTYPE_F32 ? "F32" : d == COLIBRI_DTYPE_F16 ? "F16" : "BF16";
+std::string st_name(colibri::WeightType d) {
+  return d == colibri::WeightType::kF32 ? "F32" : d == colibri::WeightType::kF16 ? "F16" : "BF16";
 }
 
 std::string slurp(const std::string& path) {
@@ -208,10 +208,10 @@ std::string slurp(const std::string& path) {
   return ss.str();
 }
 
-std::vector<double> decode(const std::string& bytes, colibri_dtype_t d) {
+std::vector<double> decode(const std::string& bytes, colibri::WeightType d) {
   const auto* b = reinterpret_cast<const uint8_t*>(bytes.data());
   std::vector<double> out;
-  if (d == COLIBRI_DTYPE_F32) {
+  if (d == colibri::WeightType::kF32) {
     for (size_t i = 0; i + 4 <= bytes.size(); i += 4) {
       out.push_back(colibri::bits_float(static_cast<uint32_t>(b[i]) | static_cast<uint32_t>(b[i + 1]) << 8 |
                                         static_cast<uint32_t>(b[i + 2]) << 16 | static_cast<uint32_t>(b[i + 3]) << 24));
@@ -220,7 +220,7 @@ std::vector<double> decode(const std::string& bytes, colibri_dtype_t d) {
   }
   for (size_t i = 0; i + 2 <= bytes.size(); i += 2) {
     const uint16_t h = static_cast<uint16_t>(b[i] | b[i + 1] << 8);
-    out.push_back(d == COLIBRI_DTYPE_F16 ? colibri::f16_to_float(h) : colibri::bf16_to_float(h));
+    out.push_back(d == colibri::WeightType::kF16 ? colibri::f16_to_float(h) : colibri::bf16_to_float(h));
   }
   return out;
 }
@@ -252,7 +252,7 @@ bool no_partial_left(const std::string& out) {
 }
 
 colibri::HfConvertResult convert(const std::string& hf, const std::string& out,
-                                 std::optional<colibri_dtype_t> dtype = std::nullopt) {
+                                 std::optional<colibri::WeightType> dtype = std::nullopt) {
   colibri::HfConvertOptions o;
   o.hf_dir = hf;
   o.out_dir = out;
@@ -262,7 +262,7 @@ colibri::HfConvertResult convert(const std::string& hf, const std::string& out,
 
 // Everything the converted model at `out` must hold, checked byte by byte
 // against the checkpoint, then by running it.
-void check_model(const std::string& out, const Checkpoint& ck, const Case& c, colibri_dtype_t dtype,
+void check_model(const std::string& out, const Checkpoint& ck, const Case& c, colibri::WeightType dtype,
                  const std::vector<int32_t>& hf_layers) {
   const colibri::Manifest m = colibri::load_manifest(out);
   ASSERT_EQ(m.n_layers, static_cast<int32_t>(hf_layers.size()));
@@ -324,7 +324,7 @@ void check_model(const std::string& out, const Checkpoint& ck, const Case& c, co
   colibri_model_info_t info;
   ASSERT_EQ(colibri_model_info(model, &info), COLIBRI_OK);
   EXPECT_EQ(info.n_layers, static_cast<int32_t>(hf_layers.size()));
-  EXPECT_EQ(info.router_family, c.family);
+  EXPECT_EQ(static_cast<int>(info.router_family), static_cast<int>(c.family));
   EXPECT_EQ(info.router_top_k, c.top_k);
   EXPECT_EQ(info.shared_d_ff, c.shared_d_ff);
 
@@ -343,7 +343,7 @@ void check_model(const std::string& out, const Checkpoint& ck, const Case& c, co
   if (c.shared_d_ff > 0) {
     const std::vector<double> sw = decode(slurp(out + "/" + m.shared_file(layer)), dtype);
     std::vector<double> gate;
-    if (c.shared_gate) gate = decode(slurp(out + "/" + m.shared_gate_file(layer)), COLIBRI_DTYPE_F32);
+    if (c.shared_gate) gate = decode(slurp(out + "/" + m.shared_gate_file(layer)), colibri::WeightType::kF32);
     for (int32_t t = 0; t < T; ++t) {
       const float* xt = x.data() + static_cast<size_t>(t) * kD;
       double s = 1.0;
@@ -367,11 +367,11 @@ void check_model(const std::string& out, const Checkpoint& ck, const Case& c, co
   inf.expert_ids = ids.data();
   inf.expert_weights = wts.data();
   ASSERT_EQ(colibri_infer(model, &inf), COLIBRI_OK) << colibri_last_error();
-  EXPECT_LE(colibri_test::relative_l2(y.data(), ref), dtype == COLIBRI_DTYPE_F32 ? 1e-5 : 5e-3);
+  EXPECT_LE(colibri_test::relative_l2(y.data(), ref), dtype == colibri::WeightType::kF32 ? 1e-5 : 5e-3);
 
   // Mixtral's rule is simple enough to restate here: this checks the router
   // file's orientation ([E][D], not transposed) through the engine.
-  if (c.family == COLIBRI_ROUTER_MIXTRAL) {
+  if (c.family == colibri::RouterFamily::kMixtral) {
     const std::vector<float>& gw = ck.values(layer_block(c, hf_layers.back()) + ".gate.weight");
     const size_t E = static_cast<size_t>(c.n_experts), K = static_cast<size_t>(c.top_k);
     std::vector<int32_t> rid(static_cast<size_t>(T) * K);
@@ -412,7 +412,7 @@ Case mixtral_case() {
   c.block = "block_sparse_moe";
   c.mixtral_proj = true;
   c.moe_layers = {0, 1, 2};
-  c.family = COLIBRI_ROUTER_MIXTRAL;
+  c.family = colibri::RouterFamily::kMixtral;
   c.norm = 1;
   return c;
 }
@@ -437,7 +437,7 @@ std::vector<Case> family_cases() {
     c.config.update({{"num_experts", 4}, {"moe_intermediate_size", 8}, {"intermediate_size", 24},
                      {"shared_expert_intermediate_size", 12}, {"decoder_sparse_step", 1}, {"mlp_only_layers", {2}}});
     c.moe_layers = {0, 1, 3};
-    c.family = COLIBRI_ROUTER_QWEN2_MOE;
+    c.family = colibri::RouterFamily::kQwen2Moe;
     c.shared_d_ff = 12;
     c.shared_gate = true;
     cases.push_back(c);
@@ -463,7 +463,7 @@ std::vector<Case> family_cases() {
                      {"norm_topk_prob", true}, {"mlp_only_layers", {0}}});
     c.dtype = "F16";
     c.moe_layers = {1, 2};
-    c.family = COLIBRI_ROUTER_QWEN3_MOE;
+    c.family = colibri::RouterFamily::kQwen3Moe;
     c.norm = 1;
     cases.push_back(c);
   }
@@ -480,7 +480,7 @@ std::vector<Case> family_cases() {
     c.config = base_config("olmoe", 2);
     c.config.update({{"num_experts", 4}, {"intermediate_size", 8}});
     c.moe_layers = {0, 1};
-    c.family = COLIBRI_ROUTER_OLMOE;
+    c.family = colibri::RouterFamily::kOlmoe;
     cases.push_back(c);
   }
   {
@@ -493,7 +493,7 @@ std::vector<Case> family_cases() {
                      {"routed_scaling_factor", 2.5}, {"scoring_func", "softmax"}});
     c.n_experts = 8;
     c.moe_layers = {1, 2};
-    c.family = COLIBRI_ROUTER_DEEPSEEK_V2;
+    c.family = colibri::RouterFamily::kDeepseekV2;
     c.n_group = 4;
     c.topk_group = 2;
     c.scale = 2.5f;
@@ -511,7 +511,7 @@ std::vector<Case> family_cases() {
                      {"routed_scaling_factor", 2.5}, {"scoring_func", "sigmoid"}});
     c.n_experts = 8;
     c.moe_layers = {2, 4};
-    c.family = COLIBRI_ROUTER_DEEPSEEK_V3;
+    c.family = colibri::RouterFamily::kDeepseekV3;
     c.norm = 1;  // V3's default
     c.n_group = 4;
     c.topk_group = 2;
@@ -534,8 +534,8 @@ std::vector<Case> family_cases() {
   return cases;
 }
 
-colibri_dtype_t colibri_dtype_of(const std::string& st) {
-  return st == "F32" ? COLIBRI_DTYPE_F32 : st == "F16" ? COLIBRI_DTYPE_F16 : COLIBRI_DTYPE_BF16;
+colibri::WeightType weight_type_of_st(const std::string& st) {
+  return st == "F32" ? colibri::WeightType::kF32 : st == "F16" ? colibri::WeightType::kF16 : colibri::WeightType::kBF16;
 }
 
 class FamilyTest : public ::testing::TestWithParam<Case> {};
@@ -553,7 +553,7 @@ TEST_P(FamilyTest, ConvertsEveryMoeLayerExactly) {
   o.progress = [&](const colibri::HfConvertProgress& p) { seen.push_back(p); };
   const colibri::HfConvertResult r = colibri::convert_hf_checkpoint(o);
   EXPECT_EQ(r.layers, c.moe_layers);
-  EXPECT_EQ(r.dtype, colibri_dtype_of(c.dtype));  // default: the checkpoint's
+  EXPECT_EQ(r.dtype, weight_type_of_st(c.dtype));  // default: the checkpoint's
   EXPECT_EQ(r.fused_layers, c.fused ? static_cast<int32_t>(c.moe_layers.size()) : 0);
   EXPECT_EQ(r.n_shards, c.shards);
   ASSERT_FALSE(seen.empty());
@@ -577,9 +577,9 @@ TEST(Convert, DtypeOverrideRoundsLikeTheWriter) {
   colibri_test::TempDir tmp("convert");
   const Checkpoint ck = build(c);
   ck.write(tmp.path() + "/hf");
-  for (colibri_dtype_t d : {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16}) {
-    SCOPED_TRACE(colibri_dtype_name(d));
-    const std::string out = tmp.path() + "/m_" + colibri_dtype_name(d);
+  for (colibri::WeightType d : {colibri::WeightType::kF32, colibri::WeightType::kF16, colibri::WeightType::kBF16}) {
+    SCOPED_TRACE(colibri::weight_format(d).name);
+    const std::string out = tmp.path() + "/m_" + colibri::weight_format(d).name;
     EXPECT_EQ(convert(tmp.path() + "/hf", out, d).dtype, d);
     check_model(out, ck, c, d, c.moe_layers);
   }
@@ -597,12 +597,12 @@ TEST(Convert, LayerRangeSelectsMoeLayers) {
   o.first_layer = 1;
   o.last_layer = 3;
   EXPECT_EQ(colibri::convert_hf_checkpoint(o).layers, (std::vector<int32_t>{1, 3}));
-  check_model(o.out_dir, ck, c, COLIBRI_DTYPE_BF16, {1, 3});
+  check_model(o.out_dir, ck, c, colibri::WeightType::kBF16, {1, 3});
 
   o.out_dir = tmp.path() + "/b";
   o.first_layer = o.last_layer = 3;
   EXPECT_EQ(colibri::convert_hf_checkpoint(o).layers, (std::vector<int32_t>{3}));
-  check_model(o.out_dir, ck, c, COLIBRI_DTYPE_BF16, {3});  // one layer: files at the top
+  check_model(o.out_dir, ck, c, colibri::WeightType::kBF16, {3});  // one layer: files at the top
 
   for (const auto& [first, last, needle] : {std::tuple{2, 2, "no MoE layer"}, std::tuple{1, 4, "4 decoder layers"},
                                             std::tuple{3, 1, "not a range"}}) {
@@ -654,7 +654,7 @@ TEST(Convert, ConfigDefaultsAndLayerRules) {
   mx.update({{"num_local_experts", 8}, {"intermediate_size", 32}, {"norm_topk_prob", false}});
   c = colibri::parse_hf_config(mx.dump(), "config.json");
   EXPECT_EQ(c.router.norm_topk_prob, 1);  // Mixtral always renormalises
-  EXPECT_EQ(c.router.family, COLIBRI_ROUTER_MIXTRAL);
+  EXPECT_EQ(c.router.family, colibri::RouterFamily::kMixtral);
 }
 
 void expect_config_error(const json& config, colibri::Status status, const std::vector<std::string>& needles) {
@@ -906,7 +906,7 @@ TEST_F(BadCheckpointTest, OutputDirectoryRules) {
   const std::string empty = tmp_.path() + "/empty";
   fs::create_directories(empty);
   convert(hf_, empty + "/");
-  check_model(empty, ck_, c_, COLIBRI_DTYPE_BF16, c_.moe_layers);
+  check_model(empty, ck_, c_, colibri::WeightType::kBF16, c_.moe_layers);
   EXPECT_TRUE(no_partial_left(empty));
 }
 
@@ -962,7 +962,7 @@ TEST(ConvertCli, ConvertsWithSummaryAndOptionalProgress) {
                              "d_ff 8", "top-2", "bf16"}) {
     EXPECT_NE(r.out.find(needle), std::string::npos) << needle << " not in: " << r.out;
   }
-  check_model(tmp.path() + "/m1", ck, c, COLIBRI_DTYPE_BF16, c.moe_layers);
+  check_model(tmp.path() + "/m1", ck, c, colibri::WeightType::kBF16, c.moe_layers);
 
   r = run_cli(tmp.path(), "convert --hf " + hf + " --out " + tmp.path() + "/m2 --progress --layers 1-2 --dtype f32");
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -970,7 +970,7 @@ TEST(ConvertCli, ConvertsWithSummaryAndOptionalProgress) {
   EXPECT_NE(r.err.find("100%"), std::string::npos) << r.err;
   EXPECT_NE(r.out.find("HF 1-2"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("f32 from bf16"), std::string::npos) << r.out;
-  check_model(tmp.path() + "/m2", ck, c, COLIBRI_DTYPE_F32, {1, 2});
+  check_model(tmp.path() + "/m2", ck, c, colibri::WeightType::kF32, {1, 2});
 
   EXPECT_EQ(run_cli(tmp.path(), "convert --help").exit_code, 0);
 }

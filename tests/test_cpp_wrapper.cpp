@@ -18,9 +18,8 @@ TEST(CppWrapper, OpenRouteInferAndErrors) {
   spec.n_experts = 8;
   spec.d_model = 48;
   spec.d_ff = 32;
-  spec.dtype = COLIBRI_DTYPE_F32;
-  colibri_router_desc_default(&spec.router);
-  spec.router.family = COLIBRI_ROUTER_MIXTRAL;
+  spec.dtype = colibri::WeightType::kF32;
+  spec.router.family = colibri::RouterFamily::kMixtral;
   spec.router.top_k = 2;
   spec.router.norm_topk_prob = 1;
   colibri::write_random_model(dir.path(), spec, 4);

@@ -40,11 +40,11 @@ struct TempDir : colibri_test::TempDir {
   TempDir() : colibri_test::TempDir("colibri_engine") {}
 };
 
-const char* dtype_str(colibri_dtype_t d) {
+const char* dtype_str(colibri::WeightType d) {
   switch (d) {
-    case COLIBRI_DTYPE_F32: return "f32";
-    case COLIBRI_DTYPE_F16: return "f16";
-    case COLIBRI_DTYPE_BF16: return "bf16";
+    case colibri::WeightType::kF32: return "f32";
+    case colibri::WeightType::kF16: return "f16";
+    case colibri::WeightType::kBF16: return "bf16";
     default: break;
   }
   return "?";
@@ -84,9 +84,9 @@ std::string expert_file_name(int32_t n_layers, int32_t layer, int32_t expert) {
   return buf;
 }
 
-std::vector<float> decode_stored(const std::vector<uint8_t>& bytes, colibri_dtype_t dtype) {
+std::vector<float> decode_stored(const std::vector<uint8_t>& bytes, colibri::WeightType dtype) {
   std::vector<float> out;
-  if (dtype == COLIBRI_DTYPE_F32) {
+  if (dtype == colibri::WeightType::kF32) {
     out.resize(bytes.size() / 4);
     for (size_t i = 0; i < out.size(); ++i) {
       const uint32_t u = static_cast<uint32_t>(bytes[4 * i]) |
@@ -99,7 +99,7 @@ std::vector<float> decode_stored(const std::vector<uint8_t>& bytes, colibri_dtyp
     out.resize(bytes.size() / 2);
     for (size_t i = 0; i < out.size(); ++i) {
       const uint16_t h = static_cast<uint16_t>(bytes[2 * i] | (bytes[2 * i + 1] << 8));
-      out[i] = dtype == COLIBRI_DTYPE_F16 ? colibri::f16_to_float(h) : colibri::bf16_to_float(h);
+      out[i] = dtype == colibri::WeightType::kF16 ? colibri::f16_to_float(h) : colibri::bf16_to_float(h);
     }
   }
   return out;
@@ -111,7 +111,7 @@ RefLayer load_ref_layer(const std::string& dir, const colibri::ModelWriteSpec& s
   r.D = spec.d_model;
   r.F = spec.d_ff;
   const size_t DF = static_cast<size_t>(r.D) * static_cast<size_t>(r.F);
-  const size_t elem = spec.dtype == COLIBRI_DTYPE_F32 ? 4 : 2;
+  const size_t elem = spec.dtype == colibri::WeightType::kF32 ? 4 : 2;
   r.experts.resize(static_cast<size_t>(spec.n_experts));
   for (int32_t e = 0; e < spec.n_experts; ++e) {
     const std::string path = dir + "/" + expert_file_name(spec.n_layers, layer, e);
@@ -160,7 +160,7 @@ std::vector<double> reference(const RefLayer& L, int32_t T, int32_t k, const flo
   return y;
 }
 
-double tolerance(colibri_dtype_t dtype) { return dtype == COLIBRI_DTYPE_F32 ? 1e-5 : 5e-3; }
+double tolerance(colibri::WeightType dtype) { return dtype == colibri::WeightType::kF32 ? 1e-5 : 5e-3; }
 
 // Relative L2 error check; on failure describes the worst element.
 ::testing::AssertionResult close_to_reference(const std::vector<float>& y,
@@ -316,9 +316,9 @@ const Case kCases[] = {
     {256, 8, 1, 1, 0, true},
 };
 
-using CaseParam = std::tuple<Case, colibri_dtype_t>;
+using CaseParam = std::tuple<Case, colibri::WeightType>;
 
-std::string case_string(const Case& c, colibri_dtype_t dtype) {
+std::string case_string(const Case& c, colibri::WeightType dtype) {
   std::ostringstream s;
   s << "E=" << c.E << " k=" << c.k << " D=" << c.D << " F=" << c.F << " T=" << c.T
     << " dtype=" << dtype_str(dtype) << (c.holes ? " holes" : "");
@@ -329,7 +329,7 @@ class EngineCase : public ::testing::TestWithParam<CaseParam> {};
 
 TEST_P(EngineCase, MatchesFloat64Reference) {
   const Case c = std::get<0>(GetParam());
-  const colibri_dtype_t dtype = std::get<1>(GetParam());
+  const colibri::WeightType dtype = std::get<1>(GetParam());
   const std::string what = case_string(c, dtype);
   SCOPED_TRACE(what);
   // The scalar kernels are a correctness baseline, not fast (and this binary
@@ -393,8 +393,8 @@ std::string case_name(const ::testing::TestParamInfo<CaseParam>& info) {
 
 INSTANTIATE_TEST_SUITE_P(Randomized, EngineCase,
                          ::testing::Combine(::testing::ValuesIn(kCases),
-                                            ::testing::Values(COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16,
-                                                              COLIBRI_DTYPE_BF16)),
+                                            ::testing::Values(colibri::WeightType::kF32, colibri::WeightType::kF16,
+                                                              colibri::WeightType::kBF16)),
                          case_name);
 
 // ------------------------------------------------------- focused properties
@@ -409,7 +409,7 @@ TEST_F(EngineTest, ZeroTokensAcceptsNullPointers) {
   spec.n_experts = 4;
   spec.d_model = 8;
   spec.d_ff = 16;
-  spec.dtype = COLIBRI_DTYPE_F16;
+  spec.dtype = colibri::WeightType::kF16;
   colibri::write_random_model(tmp_.path(), spec, 7);
   colibri_model_t* m = open_model(tmp_.path());
   ASSERT_NE(m, nullptr);
@@ -438,7 +438,7 @@ TEST_F(EngineTest, AllSlotsEmptyGivesZeros) {
   spec.n_experts = 4;
   spec.d_model = 33;
   spec.d_ff = 17;
-  spec.dtype = COLIBRI_DTYPE_BF16;
+  spec.dtype = colibri::WeightType::kBF16;
   colibri::write_random_model(tmp_.path(), spec, 8);
   colibri_model_t* m = open_model(tmp_.path());
   ASSERT_NE(m, nullptr);
@@ -458,12 +458,12 @@ TEST_F(EngineTest, AllSlotsEmptyGivesZeros) {
 TEST_F(EngineTest, ThreadCountDoesNotChangeBits) {
   struct Shape {
     int32_t E, k, D, F, T;
-    colibri_dtype_t dtype;
+    colibri::WeightType dtype;
   };
   const Shape shapes[] = {
-      {8, 4, 192, 320, 37, COLIBRI_DTYPE_F32},
-      {8, 2, 129, 100, 1024, COLIBRI_DTYPE_F16},
-      {60, 6, 100, 64, 3, COLIBRI_DTYPE_BF16},
+      {8, 4, 192, 320, 37, colibri::WeightType::kF32},
+      {8, 2, 129, 100, 1024, colibri::WeightType::kF16},
+      {60, 6, 100, 64, 3, colibri::WeightType::kBF16},
   };
   for (const Shape& s : shapes) {
     SCOPED_TRACE("E=" + std::to_string(s.E) + " D=" + std::to_string(s.D) + " T=" + std::to_string(s.T));
@@ -499,7 +499,7 @@ TEST_F(EngineTest, LayerIndexSelectsItsWeights) {
   spec.n_experts = 5;
   spec.d_model = 40;
   spec.d_ff = 24;
-  spec.dtype = COLIBRI_DTYPE_F32;
+  spec.dtype = colibri::WeightType::kF32;
   // Layers differ in scale and sign pattern, so a wrong layer cannot pass.
   colibri::write_model_dir(tmp_.path(), spec, [&](int32_t layer, int32_t expert, float* w) {
     std::mt19937 g(static_cast<uint32_t>(1000 * layer + expert));
@@ -540,7 +540,7 @@ TEST_F(EngineTest, MoreThanHundredLayers) {
   spec.n_experts = 2;
   spec.d_model = 3;
   spec.d_ff = 2;
-  spec.dtype = COLIBRI_DTYPE_F32;
+  spec.dtype = colibri::WeightType::kF32;
   ASSERT_NO_THROW(colibri::write_random_model(tmp_.path(), spec, 41));
   colibri_model_t* m = open_model(tmp_.path());
   ASSERT_NE(m, nullptr);
@@ -578,16 +578,16 @@ TEST_F(EngineTest, RoutingBlobMatchesExplicitArrays) {
   enum Mode { kF32Weights, kF16Weights, kCompact };
   struct Shape {
     int32_t E, k, D, F, T;
-    colibri_dtype_t dtype;
+    colibri::WeightType dtype;
     Mode mode;
   };
   const Shape shapes[] = {
-      {8, 2, 64, 96, 37, COLIBRI_DTYPE_F16, kF32Weights},
-      {256, 8, 5, 3, 20, COLIBRI_DTYPE_F32, kF32Weights},   // ids up to 255: 8-bit
-      {300, 6, 7, 9, 50, COLIBRI_DTYPE_BF16, kF32Weights},  // > 256 experts: 16-bit ids
-      {3, 3, 33, 5, 1, COLIBRI_DTYPE_F32, kF32Weights},
-      {16, 4, 24, 40, 9, COLIBRI_DTYPE_F16, kF16Weights},
-      {4, 2, 31, 17, 37, COLIBRI_DTYPE_BF16, kCompact},
+      {8, 2, 64, 96, 37, colibri::WeightType::kF16, kF32Weights},
+      {256, 8, 5, 3, 20, colibri::WeightType::kF32, kF32Weights},   // ids up to 255: 8-bit
+      {300, 6, 7, 9, 50, colibri::WeightType::kBF16, kF32Weights},  // > 256 experts: 16-bit ids
+      {3, 3, 33, 5, 1, colibri::WeightType::kF32, kF32Weights},
+      {16, 4, 24, 40, 9, colibri::WeightType::kF16, kF16Weights},
+      {4, 2, 31, 17, 37, colibri::WeightType::kBF16, kCompact},
   };
   for (const Shape& s : shapes) {
     SCOPED_TRACE("E=" + std::to_string(s.E) + " k=" + std::to_string(s.k) + " mode " +
@@ -662,7 +662,7 @@ TEST_F(EngineTest, ConcurrentCallsFromFourThreads) {
   spec.n_experts = 16;
   spec.d_model = 96;
   spec.d_ff = 80;
-  spec.dtype = COLIBRI_DTYPE_F16;
+  spec.dtype = colibri::WeightType::kF16;
   colibri::write_random_model(tmp_.path(), spec, 31);
   const RefLayer L = load_ref_layer(tmp_.path(), spec, 0);
   colibri_model_t* m = open_model(tmp_.path());
@@ -727,7 +727,7 @@ TEST_F(EngineTest, ConcurrentCallsFromFourThreads) {
 // bf16 weights on AVX512_BF16 CPUs, which get the fp32-grade split table.
 TEST_F(EngineTest, KernelTableFollowsWeightType) {
   namespace k = colibri::kernels;
-  for (const colibri_dtype_t dtype : {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16}) {
+  for (const colibri::WeightType dtype : {colibri::WeightType::kF32, colibri::WeightType::kF16, colibri::WeightType::kBF16}) {
     SCOPED_TRACE(dtype_str(dtype));
     TempDir dir;
     colibri::ModelWriteSpec spec;
@@ -744,7 +744,7 @@ TEST_F(EngineTest, KernelTableFollowsWeightType) {
     const k::KernelTable& table = model.engine().kernels();
     // The AMX level decodes with the AVX-512 kernels.
     const k::Isa decode_isa = std::min(k::default_isa(), k::Isa::kAvx512);
-    const bool split = dtype == COLIBRI_DTYPE_BF16 && k::bf16_compute_available(k::default_isa());
+    const bool split = dtype == colibri::WeightType::kBF16 && k::bf16_compute_available(k::default_isa());
     EXPECT_STREQ(table.name, split ? "avx512-bf16-split" : k::isa_name(decode_isa));
     EXPECT_EQ(table.isa, decode_isa);
     std::printf("%s weights: %s kernels\n", dtype_str(dtype), table.name);
@@ -755,7 +755,7 @@ TEST_F(EngineTest, KernelTableFollowsWeightType) {
 // layer (numbers quoted in docs/PRECISION.md), printed and recorded as test
 // properties, and held to the same tolerance as the other engine tests.
 TEST_F(EngineTest, PrecisionPerWeightType) {
-  for (const colibri_dtype_t dtype : {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16}) {
+  for (const colibri::WeightType dtype : {colibri::WeightType::kF32, colibri::WeightType::kF16, colibri::WeightType::kBF16}) {
     SCOPED_TRACE(dtype_str(dtype));
     TempDir dir;
     colibri::ModelWriteSpec spec;

@@ -45,7 +45,7 @@ class FaultTest : public ::testing::Test {
     spec_.n_experts = 8;
     spec_.d_model = 256;
     spec_.d_ff = 512;  // 8 experts x 768 KiB f16: several MiB packed
-    spec_.dtype = COLIBRI_DTYPE_F16;
+    spec_.dtype = colibri::WeightType::kF16;
     colibri::write_random_model(dir_.path(), spec_, 3);
     x_.resize(static_cast<size_t>(kTokens) * 256);
     for (size_t i = 0; i < x_.size(); ++i) x_[i] = std::sin(0.1f * static_cast<float>(i));
@@ -247,7 +247,7 @@ TEST_F(FaultTest, PrefillCallsWithinReserveAllocateNothing) {
     spec.n_experts = kExperts;
     spec.d_model = kD;
     spec.d_ff = kF;
-    spec.dtype = dtype;
+    spec.dtype = colibri_test::weight_type(dtype);
     colibri::write_random_model(dir.path(), spec, 11);
     std::vector<float> x(static_cast<size_t>(kT) * kD), w(kT, 1.0f);
     for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i));

@@ -60,7 +60,7 @@ void write_precision_model(const std::string& dir, colibri_dtype_t dtype, uint64
   spec.n_experts = 4;
   spec.d_model = 160;
   spec.d_ff = 144;
-  spec.dtype = dtype;
+  spec.dtype = colibri_test::weight_type(dtype);
   colibri::write_random_model(dir, spec, seed);
 }
 
@@ -118,7 +118,7 @@ TEST(OpenOptions, ReserveTokensZeroAndLargeCallsStillCorrect) {
   spec.n_experts = 3;
   spec.d_model = 33;
   spec.d_ff = 47;
-  spec.dtype = COLIBRI_DTYPE_F32;
+  spec.dtype = colibri::WeightType::kF32;
   colibri::write_random_model(dir.path, spec, 4);
   colibri_open_options_t o;
   colibri_open_options_default(&o);
@@ -143,7 +143,7 @@ TEST(EngineRouting, SkewedEmptyExpertsAndSingleToken) {
     spec.n_experts = 16;
     spec.d_model = 72;
     spec.d_ff = 40;
-    spec.dtype = dtype;
+    spec.dtype = colibri_test::weight_type(dtype);
     colibri::write_random_model(dir.path, spec, 11);
     colibri_model_t* m = nullptr;
     ASSERT_EQ(colibri_open(dir.path.c_str(), nullptr, &m), COLIBRI_OK) << colibri_last_error();

@@ -118,8 +118,8 @@ TEST_P(QuantModel, MatchesReferenceOnDequantisedWeights) {
   spec.n_experts = 8;
   spec.d_model = 320;
   spec.d_ff = 200;
-  spec.dtype = c.dtype;
-  spec.down_dtype = c.down_dtype;
+  spec.dtype = colibri_test::weight_type(c.dtype);
+  spec.down_dtype = colibri_test::weight_type(c.down_dtype);
   colibri::write_random_model(tmp.path(), spec, 7);
   for (bool exact : {false, true}) {
     Opened m;
@@ -156,8 +156,8 @@ TEST(QuantModelWide, Q4KMixAtWholeBlocks) {
   spec.n_experts = 4;
   spec.d_model = 1024;
   spec.d_ff = 512;
-  spec.dtype = COLIBRI_DTYPE_Q4_K;
-  spec.down_dtype = COLIBRI_DTYPE_Q6_K;
+  spec.dtype = colibri::WeightType::kQ4_K;
+  spec.down_dtype = colibri::WeightType::kQ6_K;
   colibri::write_random_model(tmp.path(), spec, 11);
   Opened m;
   m.model = open_model(tmp.path(), false);
@@ -176,7 +176,7 @@ TEST(QuantModelFiles, SizesAndMessages) {
   spec.n_experts = 2;
   spec.d_model = 64;
   spec.d_ff = 40;
-  spec.dtype = COLIBRI_DTYPE_Q4_0;
+  spec.dtype = colibri::WeightType::kQ4_0;
   colibri::write_random_model(tmp.path(), spec, 3);
   const colibri::Manifest man = colibri::load_manifest(tmp.path());
   EXPECT_EQ(man.version, 3);
@@ -205,8 +205,8 @@ TEST(QuantModelFiles, ManifestRules) {
   const std::string base = R"({"format": "colibri-moe", "n_layers": 1, "n_experts": 2, "d_model": 64, "d_ff": 32,
                                "activation": "swiglu", )";
   auto parse = [&](const std::string& rest) { return colibri::parse_manifest(base + rest, "m.json"); };
-  EXPECT_EQ(parse(R"("version": 3, "dtype": "q4_k", "down_dtype": "q6_k"})").down_dtype, COLIBRI_DTYPE_Q6_K);
-  EXPECT_EQ(parse(R"("version": 3, "dtype": "q8_0"})").down_dtype, COLIBRI_DTYPE_Q8_0);
+  EXPECT_EQ(parse(R"("version": 3, "dtype": "q4_k", "down_dtype": "q6_k"})").down_dtype, colibri::WeightType::kQ6_K);
+  EXPECT_EQ(parse(R"("version": 3, "dtype": "q8_0"})").down_dtype, colibri::WeightType::kQ8_0);
   auto refused = [&](const std::string& rest, const char* field) {
     try {
       parse(rest);

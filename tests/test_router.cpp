@@ -36,9 +36,9 @@ struct Choice {
 
 // Float64 reference of the rules in include/colibri.h, written from the
 // families' published forward code, not from src/moe/router.cpp.
-Choice reference_choice(const colibri_router_desc_t& r, const std::vector<double>& logits, const double* bias) {
+Choice reference_choice(const colibri::RouterDesc& r, const std::vector<double>& logits, const double* bias) {
   const int E = static_cast<int>(logits.size());
-  const bool v3 = r.family == COLIBRI_ROUTER_DEEPSEEK_V3;
+  const bool v3 = r.family == colibri::RouterFamily::kDeepseekV3;
   std::vector<double> score(E), rank(E);
   if (v3) {
     for (int e = 0; e < E; ++e) score[e] = 1.0 / (1.0 + std::exp(-logits[e]));
@@ -49,7 +49,7 @@ Choice reference_choice(const colibri_router_desc_t& r, const std::vector<double
     for (double& v : score) v /= sum;
   }
   for (int e = 0; e < E; ++e) rank[e] = score[e] + (v3 && bias ? bias[e] : 0.0);
-  const bool deepseek = v3 || r.family == COLIBRI_ROUTER_DEEPSEEK_V2;
+  const bool deepseek = v3 || r.family == colibri::RouterFamily::kDeepseekV2;
   if (deepseek && r.n_group > 1) {
     const int per = E / r.n_group;
     std::vector<std::pair<double, int>> groups;
@@ -79,16 +79,16 @@ Choice reference_choice(const colibri_router_desc_t& r, const std::vector<double
   const bool norm = r.norm_topk_prob != 0;
   for (double& w : c.weights) {
     switch (r.family) {
-      case COLIBRI_ROUTER_MIXTRAL: w /= sum; break;
-      case COLIBRI_ROUTER_QWEN2_MOE:
-      case COLIBRI_ROUTER_QWEN3_MOE:
-      case COLIBRI_ROUTER_OLMOE:
+      case colibri::RouterFamily::kMixtral: w /= sum; break;
+      case colibri::RouterFamily::kQwen2Moe:
+      case colibri::RouterFamily::kQwen3Moe:
+      case colibri::RouterFamily::kOlmoe:
         if (norm) w /= sum;
         break;
-      case COLIBRI_ROUTER_DEEPSEEK_V2:
+      case colibri::RouterFamily::kDeepseekV2:
         w = r.top_k > 1 && norm ? w / (sum + 1e-20) : w * r.routed_scaling_factor;
         break;
-      case COLIBRI_ROUTER_DEEPSEEK_V3:
+      case colibri::RouterFamily::kDeepseekV3:
         if (norm) w /= sum + 1e-20;
         w *= r.routed_scaling_factor;
         break;
@@ -98,10 +98,9 @@ Choice reference_choice(const colibri_router_desc_t& r, const std::vector<double
   return c;
 }
 
-colibri_router_desc_t make_router(colibri_router_family_t family, int32_t top_k, int32_t norm, int32_t n_group = 1,
+colibri::RouterDesc make_router(colibri::RouterFamily family, int32_t top_k, int32_t norm, int32_t n_group = 1,
                                   int32_t topk_group = 1, float scale = 1.0f) {
-  colibri_router_desc_t r;
-  colibri_router_desc_default(&r);
+  colibri::RouterDesc r;
   r.family = family;
   r.top_k = top_k;
   r.norm_topk_prob = norm;
@@ -111,18 +110,18 @@ colibri_router_desc_t make_router(colibri_router_family_t family, int32_t top_k,
   return r;
 }
 
-std::vector<colibri_router_desc_t> all_rules(int32_t E) {
+std::vector<colibri::RouterDesc> all_rules(int32_t E) {
   return {
-      make_router(COLIBRI_ROUTER_MIXTRAL, 2, 1),
-      make_router(COLIBRI_ROUTER_QWEN2_MOE, 4, 0),
-      make_router(COLIBRI_ROUTER_QWEN2_MOE, 4, 1),
-      make_router(COLIBRI_ROUTER_QWEN3_MOE, 8, 1),
-      make_router(COLIBRI_ROUTER_OLMOE, 8, 0),
-      make_router(COLIBRI_ROUTER_DEEPSEEK_V2, 6, 0, 1, 1, 16.0f),  // greedy, scaled
-      make_router(COLIBRI_ROUTER_DEEPSEEK_V2, 6, 0, 8, 3, 16.0f),  // group-limited
-      make_router(COLIBRI_ROUTER_DEEPSEEK_V2, 6, 1, 8, 3, 16.0f),  // renormalised
-      make_router(COLIBRI_ROUTER_DEEPSEEK_V3, 8, 1, 8, 4, 2.5f),
-      make_router(COLIBRI_ROUTER_DEEPSEEK_V3, 8, 0, 1, 1, 2.5f),
+      make_router(colibri::RouterFamily::kMixtral, 2, 1),
+      make_router(colibri::RouterFamily::kQwen2Moe, 4, 0),
+      make_router(colibri::RouterFamily::kQwen2Moe, 4, 1),
+      make_router(colibri::RouterFamily::kQwen3Moe, 8, 1),
+      make_router(colibri::RouterFamily::kOlmoe, 8, 0),
+      make_router(colibri::RouterFamily::kDeepseekV2, 6, 0, 1, 1, 16.0f),  // greedy, scaled
+      make_router(colibri::RouterFamily::kDeepseekV2, 6, 0, 8, 3, 16.0f),  // group-limited
+      make_router(colibri::RouterFamily::kDeepseekV2, 6, 1, 8, 3, 16.0f),  // renormalised
+      make_router(colibri::RouterFamily::kDeepseekV3, 8, 1, 8, 4, 2.5f),
+      make_router(colibri::RouterFamily::kDeepseekV3, 8, 0, 1, 1, 2.5f),
   };
 }
 
@@ -131,7 +130,7 @@ TEST(RouterRule, MatchesFloat64ReferenceOnRandomLogits) {
   std::mt19937 rng(7);
   std::normal_distribution<float> n01(0.0f, 2.0f);
   std::uniform_real_distribution<float> ub(-0.3f, 0.3f);
-  for (const colibri_router_desc_t& r : all_rules(E)) {
+  for (const colibri::RouterDesc& r : all_rules(E)) {
     colibri::RouterRule rule(r, E);
     std::vector<float> bias(E);
     std::vector<double> bias64(E);
@@ -148,18 +147,18 @@ TEST(RouterRule, MatchesFloat64ReferenceOnRandomLogits) {
       rule.select(logits.data(), bias.data(), ids.data(), w.data());
       ++checked;
       for (int j = 0; j < r.top_k; ++j) {
-        ASSERT_EQ(ids[j], want.ids[j]) << colibri_router_family_name(r.family) << " trial " << trial << " slot " << j;
+        ASSERT_EQ(ids[j], want.ids[j]) << colibri::router_family_name(r.family) << " trial " << trial << " slot " << j;
         ASSERT_NEAR(w[j], want.weights[j], 1e-5 * std::max(1.0, std::fabs(want.weights[j])))
-            << colibri_router_family_name(r.family) << " trial " << trial;
+            << colibri::router_family_name(r.family) << " trial " << trial;
       }
     }
-    EXPECT_GT(checked, 250) << colibri_router_family_name(r.family);
+    EXPECT_GT(checked, 250) << colibri::router_family_name(r.family);
   }
 }
 
 TEST(RouterRule, TiesGoToTheLowerExpertIndex) {
   const int32_t E = 8;
-  colibri::RouterRule rule(make_router(COLIBRI_ROUTER_QWEN3_MOE, 3, 0), E);
+  colibri::RouterRule rule(make_router(colibri::RouterFamily::kQwen3Moe, 3, 0), E);
   const std::vector<float> logits = {0.5f, 1.0f, 0.0f, 1.0f, 1.0f, 0.2f, 1.0f, -1.0f};
   int32_t ids[3];
   float w[3];
@@ -168,7 +167,7 @@ TEST(RouterRule, TiesGoToTheLowerExpertIndex) {
   EXPECT_EQ(ids[1], 3);
   EXPECT_EQ(ids[2], 4);
   // Tied groups too: groups {0,1} and {2,3} score the same; group 0 wins.
-  colibri::RouterRule grouped(make_router(COLIBRI_ROUTER_DEEPSEEK_V2, 2, 0, 4, 1), E);
+  colibri::RouterRule grouped(make_router(colibri::RouterFamily::kDeepseekV2, 2, 0, 4, 1), E);
   const std::vector<float> flat = {1.0f, 0.0f, 0.0f, 1.0f, -2.0f, -2.0f, -2.0f, -2.0f};
   grouped.select(flat.data(), nullptr, ids, w);
   EXPECT_EQ(ids[0], 0);
@@ -179,7 +178,7 @@ TEST(RouterRule, DeepSeekV3NeverChoosesExpertsOfDroppedGroups) {
   // Biased scores of the kept group all negative: a rule that zero-fills
   // dropped groups (instead of excluding them) would pick from them.
   const int32_t E = 8;
-  colibri::RouterRule rule(make_router(COLIBRI_ROUTER_DEEPSEEK_V3, 4, 1, 2, 1, 1.0f), E);
+  colibri::RouterRule rule(make_router(colibri::RouterFamily::kDeepseekV3, 4, 1, 2, 1, 1.0f), E);
   const std::vector<float> logits(E, 0.0f);  // sigmoid 0.5 everywhere
   const std::vector<float> bias = {-0.6f, -0.7f, -0.8f, -0.9f, -1.5f, -1.5f, -1.5f, -1.5f};
   int32_t ids[4];
@@ -247,13 +246,13 @@ std::vector<double> reference_routed_layer(const std::string& dir, int32_t layer
     const size_t F = static_cast<size_t>(m.shared_d_ff);
     std::vector<double> all(3 * F * D);
     for (size_t i = 0; i < all.size(); ++i) {
-      if (m.dtype == COLIBRI_DTYPE_F32) {
+      if (m.dtype == colibri::WeightType::kF32) {
         float v;
         std::memcpy(&v, f.data() + 4 * i, 4);
         all[i] = v;
       } else {
         const uint16_t h = static_cast<uint16_t>(f.data()[2 * i] | (f.data()[2 * i + 1] << 8));
-        all[i] = m.dtype == COLIBRI_DTYPE_F16 ? colibri::f16_to_float(h) : colibri::bf16_to_float(h);
+        all[i] = m.dtype == colibri::WeightType::kF16 ? colibri::f16_to_float(h) : colibri::bf16_to_float(h);
       }
     }
     std::vector<double> gate;
@@ -295,19 +294,19 @@ std::vector<float> random_input(size_t n, uint32_t seed) {
 
 struct FamilyCase {
   const char* name;
-  colibri_router_desc_t router;
+  colibri::RouterDesc router;
   int32_t shared_d_ff;
   bool shared_gate;
 };
 
 std::vector<FamilyCase> family_cases() {
   return {
-      {"mixtral", make_router(COLIBRI_ROUTER_MIXTRAL, 2, 1), 0, false},
-      {"qwen2_moe", make_router(COLIBRI_ROUTER_QWEN2_MOE, 4, 0), 96, true},
-      {"qwen3_moe", make_router(COLIBRI_ROUTER_QWEN3_MOE, 4, 1), 0, false},
-      {"olmoe", make_router(COLIBRI_ROUTER_OLMOE, 4, 0), 0, false},
-      {"deepseek_v2", make_router(COLIBRI_ROUTER_DEEPSEEK_V2, 3, 0, 4, 2, 16.0f), 160, false},
-      {"deepseek_v3", make_router(COLIBRI_ROUTER_DEEPSEEK_V3, 4, 1, 4, 2, 2.5f), 64, false},
+      {"mixtral", make_router(colibri::RouterFamily::kMixtral, 2, 1), 0, false},
+      {"qwen2_moe", make_router(colibri::RouterFamily::kQwen2Moe, 4, 0), 96, true},
+      {"qwen3_moe", make_router(colibri::RouterFamily::kQwen3Moe, 4, 1), 0, false},
+      {"olmoe", make_router(colibri::RouterFamily::kOlmoe, 4, 0), 0, false},
+      {"deepseek_v2", make_router(colibri::RouterFamily::kDeepseekV2, 3, 0, 4, 2, 16.0f), 160, false},
+      {"deepseek_v3", make_router(colibri::RouterFamily::kDeepseekV3, 4, 1, 4, 2, 2.5f), 64, false},
   };
 }
 
@@ -321,7 +320,7 @@ TEST(BuiltInRouter, EachFamilyMatchesTheFloat64ReferenceEndToEnd) {
       spec.n_experts = 16;
       spec.d_model = 80;
       spec.d_ff = 48;
-      spec.dtype = dtype;
+      spec.dtype = colibri_test::weight_type(dtype);
       spec.router = fc.router;
       spec.shared_d_ff = fc.shared_d_ff;
       spec.shared_gate = fc.shared_gate;
@@ -331,7 +330,7 @@ TEST(BuiltInRouter, EachFamilyMatchesTheFloat64ReferenceEndToEnd) {
       colibri_model_info_t info;
       ASSERT_EQ(colibri_model_info(model, &info), COLIBRI_OK);
       EXPECT_EQ(info.format_version, 2);
-      EXPECT_EQ(info.router_family, fc.router.family);
+      EXPECT_EQ(static_cast<int>(info.router_family), static_cast<int>(fc.router.family));
       EXPECT_EQ(info.router_top_k, fc.router.top_k);
       EXPECT_EQ(info.shared_d_ff, fc.shared_d_ff);
       int compared = 0;
@@ -404,7 +403,7 @@ TEST(SharedExpert, RunsForEveryTokenWithExternalRouting) {
   spec.n_experts = 8;
   spec.d_model = 48;
   spec.d_ff = 32;
-  spec.dtype = COLIBRI_DTYPE_F32;
+  spec.dtype = colibri::WeightType::kF32;
   spec.shared_d_ff = 72;
   spec.shared_gate = true;
   colibri::write_random_model(dir.path(), spec, 5);
@@ -493,9 +492,9 @@ struct MemoryModel {
     desc.n_experts = m.n_experts;
     desc.d_model = m.d_model;
     desc.d_ff = m.d_ff;
-    desc.dtype = m.dtype;
+    desc.dtype = colibri_test::c_dtype(m.dtype);
     desc.shared_d_ff = m.shared_d_ff;
-    desc.router = m.router;
+    desc.router = colibri_test::c_router_desc(m.router);
     desc.layers = layers.data();
   }
 };
@@ -509,7 +508,7 @@ TEST(OpenMemory, SameResultsAsTheModelDirectory) {
     spec.n_experts = 16;
     spec.d_model = 64;
     spec.d_ff = 40;
-    spec.dtype = COLIBRI_DTYPE_F16;
+    spec.dtype = colibri::WeightType::kF16;
     spec.router = fc.router;
     spec.shared_d_ff = fc.shared_d_ff;
     spec.shared_gate = fc.shared_gate;
@@ -553,7 +552,7 @@ TEST(OpenMemory, BadDescriptionsAreRefusedByName) {
   spec.n_experts = 4;
   spec.d_model = 32;
   spec.d_ff = 16;
-  spec.router = make_router(COLIBRI_ROUTER_MIXTRAL, 2, 1);
+  spec.router = make_router(colibri::RouterFamily::kMixtral, 2, 1);
   spec.shared_d_ff = 24;
   colibri::write_random_model(dir.path(), spec, 3);
   MemoryModel mm(dir.path());
@@ -625,7 +624,7 @@ TEST(ManifestV2, BadRouterAndSharedFieldsAreNamed) {
   spec.n_experts = 8;
   spec.d_model = 32;
   spec.d_ff = 16;
-  spec.router = make_router(COLIBRI_ROUTER_DEEPSEEK_V3, 2, 1, 4, 2, 2.0f);
+  spec.router = make_router(colibri::RouterFamily::kDeepseekV3, 2, 1, 4, 2, 2.0f);
   spec.shared_d_ff = 24;
   colibri::write_random_model(dir.path(), spec, 3);
   const std::string path = dir.path() + "/colibri.json";

@@ -34,7 +34,7 @@ class SwapTest : public ::testing::Test {
     spec_.n_experts = 8;
     spec_.d_model = 64;
     spec_.d_ff = 96;
-    spec_.dtype = COLIBRI_DTYPE_F32;
+    spec_.dtype = colibri::WeightType::kF32;
     colibri::write_random_model(dir_a_.path(), spec_, 1);
     // Version B of expert 3 of layer 1: another seed's weights.
     colibri::write_random_model(dir_b_.path(), spec_, 2);

@@ -9,7 +9,28 @@
 #include <system_error>
 #include <vector>
 
+#include "colibri.h"
+#include "util/router_desc.h"
+#include "util/weight_format.h"
+
 namespace colibri_test {
+
+// The internal weight type of a C ABI dtype (the same values), for tests
+// that write models with the tools library and open them through the ABI.
+inline colibri::WeightType weight_type(colibri_dtype_t d) { return static_cast<colibri::WeightType>(d); }
+inline colibri_dtype_t c_dtype(colibri::WeightType t) { return static_cast<colibri_dtype_t>(t); }
+// The C ABI's router description of an internal one (the same fields).
+inline colibri_router_desc_t c_router_desc(const colibri::RouterDesc& r) {
+  colibri_router_desc_t c;
+  colibri_router_desc_default(&c);
+  c.family = static_cast<colibri_router_family_t>(r.family);
+  c.top_k = r.top_k;
+  c.norm_topk_prob = r.norm_topk_prob;
+  c.n_group = r.n_group;
+  c.topk_group = r.topk_group;
+  c.routed_scaling_factor = r.routed_scaling_factor;
+  return c;
+}
 
 // A fresh directory under the test temp dir, removed with everything in it
 // on destruction.

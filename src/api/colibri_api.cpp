@@ -96,6 +96,26 @@ colibri_huge_page_kind_t to_c_huge_pages(colibri::HugePageKind k) {
   return COLIBRI_HUGE_PAGES_NONE;
 }
 
+// colibri_dtype_t's values are WeightType's; callers check the range first
+// (known_dtype).
+colibri::WeightType to_weight_type(colibri_dtype_t d) { return static_cast<colibri::WeightType>(colibri::raw_enum(d)); }
+colibri_dtype_t to_c_dtype(colibri::WeightType t) { return static_cast<colibri_dtype_t>(static_cast<int>(t)); }
+static_assert(COLIBRI_DTYPE_F32 == static_cast<int>(colibri::WeightType::kF32) &&
+              COLIBRI_DTYPE_F16 == static_cast<int>(colibri::WeightType::kF16) &&
+              COLIBRI_DTYPE_BF16 == static_cast<int>(colibri::WeightType::kBF16) &&
+              COLIBRI_DTYPE_Q8_0 == static_cast<int>(colibri::WeightType::kQ8_0) &&
+              COLIBRI_DTYPE_Q4_0 == static_cast<int>(colibri::WeightType::kQ4_0) &&
+              COLIBRI_DTYPE_Q4_K == static_cast<int>(colibri::WeightType::kQ4_K) &&
+              COLIBRI_DTYPE_Q5_K == static_cast<int>(colibri::WeightType::kQ5_K) &&
+              COLIBRI_DTYPE_Q6_K == static_cast<int>(colibri::WeightType::kQ6_K) &&
+              colibri::kWeightTypeCount == COLIBRI_DTYPE_Q6_K + 1);
+static_assert(COLIBRI_ROUTER_DEEPSEEK_V3 == colibri::kLastRouterFamily &&
+              COLIBRI_ROUTER_MIXTRAL == static_cast<int>(colibri::RouterFamily::kMixtral) &&
+              COLIBRI_ROUTER_QWEN2_MOE == static_cast<int>(colibri::RouterFamily::kQwen2Moe) &&
+              COLIBRI_ROUTER_QWEN3_MOE == static_cast<int>(colibri::RouterFamily::kQwen3Moe) &&
+              COLIBRI_ROUTER_OLMOE == static_cast<int>(colibri::RouterFamily::kOlmoe) &&
+              COLIBRI_ROUTER_DEEPSEEK_V2 == static_cast<int>(colibri::RouterFamily::kDeepseekV2));
+
 // Runs body; maps every exception to a status and message. body returns a
 // status itself for the rare non-throwing failure.
 template <typename Body>
@@ -168,7 +188,7 @@ size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) 
   if (!known_dtype(dtype)) {
     colibri::fail(colibri::Status::kInvalidArgument, std::string(function) + ": unknown dtype " + std::to_string(dtype));
   }
-  const size_t row = colibri::weight_row_bytes(colibri::weight_type_of(static_cast<colibri_dtype_t>(dtype)), n);
+  const size_t row = colibri::weight_row_bytes(static_cast<colibri::WeightType>(dtype), n);
   size_t total = 0;
   if (__builtin_mul_overflow(row, rows, &total) || n > (size_t{1} << 40)) {
     colibri::fail(colibri::Status::kInvalidArgument, std::string(function) + ": rows * n too large");
@@ -180,7 +200,7 @@ size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) 
 
 size_t colibri_dtype_row_bytes(colibri_dtype_t dtype, size_t n) {
   const int d = colibri::raw_enum(dtype);
-  return known_dtype(d) ? colibri::weight_row_bytes(colibri::weight_type_of(dtype), n) : 0;
+  return known_dtype(d) ? colibri::weight_row_bytes(to_weight_type(dtype), n) : 0;
 }
 
 colibri_status_t colibri_quantize(colibri_dtype_t dtype, const float* src, size_t rows, size_t n, void* dst,
@@ -194,7 +214,7 @@ colibri_status_t colibri_quantize(colibri_dtype_t dtype, const float* src, size_
       colibri::fail(colibri::Status::kInvalidArgument, "colibri_quantize: dst holds " + std::to_string(dst_bytes) +
                                                       " bytes, the rows need " + std::to_string(bytes));
     }
-    colibri::convert_rows_from_float(colibri::weight_type_of(dtype), src, rows, n, dst, colibri::conversion_threads());
+    colibri::convert_rows_from_float(to_weight_type(dtype), src, rows, n, dst, colibri::conversion_threads());
     return COLIBRI_OK;
   });
 }
@@ -211,7 +231,7 @@ colibri_status_t colibri_dequantize(colibri_dtype_t dtype, const void* src, size
                                                       " bytes, " + std::to_string(rows) + " rows of " +
                                                       std::to_string(n) + " need " + std::to_string(bytes));
     }
-    colibri::convert_rows_to_float(colibri::weight_type_of(dtype), src, rows, n, dst);
+    colibri::convert_rows_to_float(to_weight_type(dtype), src, rows, n, dst);
     return COLIBRI_OK;
   });
 }
@@ -255,7 +275,9 @@ void colibri_router_desc_default(colibri_router_desc_t* r) {
 }
 
 const char* colibri_router_family_name(colibri_router_family_t family) {
-  return colibri::router_family_name(family);
+  const int f = colibri::raw_enum(family);
+  return f >= 0 && f <= colibri::kLastRouterFamily ? colibri::router_family_name(static_cast<colibri::RouterFamily>(f))
+                                                    : "unknown";
 }
 
 void colibri_model_desc_default(colibri_model_desc_t* d) {
@@ -410,7 +432,7 @@ colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int3
         colibri::fail(colibri::Status::kInvalidArgument,
                       std::string("colibri_swap_expert: source dtype ") +
                           (known ? colibri_dtype_name(static_cast<colibri_dtype_t>(dtype)) : std::to_string(dtype)) +
-                          " is not the model's " + colibri_dtype_name(m.dtype));
+                          " is not the model's " + colibri_dtype_name(to_c_dtype(m.dtype)));
       }
       model->impl.swap_expert(layer, expert, static_cast<const uint8_t*>(source->data), source->size,
                               "colibri_swap_expert: source data", checksum, &warnings);
@@ -428,13 +450,13 @@ colibri_status_t colibri_model_info(const colibri_model_t* model, colibri_model_
   out->n_experts = m.n_experts;
   out->d_model = m.d_model;
   out->d_ff = m.d_ff;
-  out->dtype = m.dtype;
+  out->dtype = to_c_dtype(m.dtype);
   out->n_threads = model->impl.threads();
   out->format_version = m.version;
-  out->router_family = m.router.family;
+  out->router_family = static_cast<colibri_router_family_t>(m.router.family);
   out->router_top_k = m.has_router() ? m.router.top_k : 0;
   out->shared_d_ff = m.shared_d_ff;
-  out->down_dtype = m.down_dtype;
+  out->down_dtype = to_c_dtype(m.down_dtype);
   t_last_error.clear();
   return COLIBRI_OK;
 }

@@ -78,21 +78,18 @@ bool require_bool(const json& doc, const std::string& source, const char* field,
   return it->get<bool>();
 }
 
-colibri_router_desc_t parse_router(const json& r, const std::string& source, int32_t n_experts) {
+RouterDesc parse_router(const json& r, const std::string& source, int32_t n_experts) {
   const std::string where = source + ": router";
   if (!r.is_object()) bad_field(source, "router", "must be an object");
-  colibri_router_desc_t d{};
-  d.n_group = 1;
-  d.topk_group = 1;
-  d.routed_scaling_factor = 1.0f;
+  RouterDesc d{};
   const json& family = require(r, where, "family");
   if (!family.is_string() || !parse_router_family(family.get<std::string>(), &d.family) ||
-      d.family == COLIBRI_ROUTER_NONE) {
+      d.family == RouterFamily::kNone) {
     bad_field(where, "family", "unknown router family " + family.dump() +
                                    " (expected mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or deepseek_v3)");
   }
   d.top_k = require_dim(r, where, "top_k", kMaxExperts);
-  d.norm_topk_prob = require_bool(r, where, "norm_topk_prob", d.family == COLIBRI_ROUTER_MIXTRAL) ? 1 : 0;
+  d.norm_topk_prob = require_bool(r, where, "norm_topk_prob", d.family == RouterFamily::kMixtral) ? 1 : 0;
   if (r.contains("n_group")) d.n_group = require_dim(r, where, "n_group", kMaxExperts);
   if (r.contains("topk_group")) d.topk_group = require_dim(r, where, "topk_group", kMaxExperts);
   if (auto it = r.find("routed_scaling_factor"); it != r.end()) {
@@ -105,22 +102,22 @@ colibri_router_desc_t parse_router(const json& r, const std::string& source, int
 
 }  // namespace
 
-const char* router_family_name(colibri_router_family_t family) {
+const char* router_family_name(RouterFamily family) {
   switch (family) {
-    case COLIBRI_ROUTER_NONE: return "none";
-    case COLIBRI_ROUTER_MIXTRAL: return "mixtral";
-    case COLIBRI_ROUTER_QWEN2_MOE: return "qwen2_moe";
-    case COLIBRI_ROUTER_QWEN3_MOE: return "qwen3_moe";
-    case COLIBRI_ROUTER_OLMOE: return "olmoe";
-    case COLIBRI_ROUTER_DEEPSEEK_V2: return "deepseek_v2";
-    case COLIBRI_ROUTER_DEEPSEEK_V3: return "deepseek_v3";
+    case RouterFamily::kNone: return "none";
+    case RouterFamily::kMixtral: return "mixtral";
+    case RouterFamily::kQwen2Moe: return "qwen2_moe";
+    case RouterFamily::kQwen3Moe: return "qwen3_moe";
+    case RouterFamily::kOlmoe: return "olmoe";
+    case RouterFamily::kDeepseekV2: return "deepseek_v2";
+    case RouterFamily::kDeepseekV3: return "deepseek_v3";
   }
   return "unknown";
 }
 
-bool parse_router_family(const std::string& name, colibri_router_family_t* out) {
-  for (int f = COLIBRI_ROUTER_NONE; f <= COLIBRI_ROUTER_DEEPSEEK_V3; ++f) {
-    const auto family = static_cast<colibri_router_family_t>(f);
+bool parse_router_family(const std::string& name, RouterFamily* out) {
+  for (int32_t f = 0; f <= kLastRouterFamily; ++f) {
+    const auto family = static_cast<RouterFamily>(f);
     if (name == router_family_name(family)) {
       *out = family;
       return true;
@@ -129,17 +126,17 @@ bool parse_router_family(const std::string& name, colibri_router_family_t* out) 
   return false;
 }
 
-void validate_router(const colibri_router_desc_t& r, int32_t n_experts, const std::string& where,
+void validate_router(const RouterDesc& r, int32_t n_experts, const std::string& where,
                      Status status) {
   auto bad = [&](const std::string& what) { fail(status, where + ": " + what); };
-  if (r.family < COLIBRI_ROUTER_NONE || r.family > COLIBRI_ROUTER_DEEPSEEK_V3) {
+  if (r.family < RouterFamily::kNone || r.family > RouterFamily::kDeepseekV3) {
     bad("unknown family " + std::to_string(static_cast<int>(r.family)));
   }
-  if (r.family == COLIBRI_ROUTER_NONE) return;
+  if (r.family == RouterFamily::kNone) return;
   if (r.top_k < 1 || r.top_k > n_experts) {
     bad("top_k " + std::to_string(r.top_k) + " is out of range [1, n_experts " + std::to_string(n_experts) + "]");
   }
-  const bool deepseek = r.family == COLIBRI_ROUTER_DEEPSEEK_V2 || r.family == COLIBRI_ROUTER_DEEPSEEK_V3;
+  const bool deepseek = r.family == RouterFamily::kDeepseekV2 || r.family == RouterFamily::kDeepseekV3;
   if (!deepseek && (r.n_group > 1 || r.topk_group > 1)) bad("n_group/topk_group apply to DeepSeek routers only");
   if (r.n_group < 1 || r.n_group > n_experts || n_experts % r.n_group != 0) {
     bad("n_group " + std::to_string(r.n_group) + " must divide n_experts " + std::to_string(n_experts));
@@ -151,7 +148,7 @@ void validate_router(const colibri_router_desc_t& r, int32_t n_experts, const st
     bad("top_k " + std::to_string(r.top_k) + " exceeds the experts of topk_group " + std::to_string(r.topk_group) +
         " groups (" + std::to_string(n_experts / r.n_group) + " experts each)");
   }
-  if (r.family == COLIBRI_ROUTER_DEEPSEEK_V3 && r.n_group > 1 && n_experts / r.n_group < 2) {
+  if (r.family == RouterFamily::kDeepseekV3 && r.n_group > 1 && n_experts / r.n_group < 2) {
     bad("deepseek_v3 group scores need at least 2 experts per group");
   }
   if (!(r.routed_scaling_factor > 0.0f) || !std::isfinite(r.routed_scaling_factor)) {
@@ -163,11 +160,6 @@ void validate_router(const colibri_router_desc_t& r, int32_t n_experts, const st
 uint64_t Manifest::router_file_bytes() const {
   const uint64_t e = static_cast<uint64_t>(n_experts);
   return 4 * e * static_cast<uint64_t>(d_model) + (router_has_bias() ? 4 * e : 0);
-}
-
-WeightType weight_type_of(colibri_dtype_t dtype) {
-  const int v = static_cast<int>(dtype);
-  return v >= 0 && v < kWeightTypeCount ? static_cast<WeightType>(v) : WeightType::kF32;
 }
 
 uint64_t Manifest::matrix_bytes(WeightType t, int32_t rows, int32_t cols) {
@@ -188,23 +180,18 @@ std::string Manifest::layer_file(int32_t layer, const char* name) const {
   return buf + std::string(name);
 }
 
-bool parse_dtype(const std::string& name, colibri_dtype_t* out) {
-  WeightType t;
-  if (!parse_weight_type(name.c_str(), &t)) return false;
-  *out = static_cast<colibri_dtype_t>(t);
-  return true;
-}
+bool parse_dtype(const std::string& name, WeightType* out) { return parse_weight_type(name.c_str(), out); }
 
 std::string expert_types(const Manifest& m) {
-  std::string s = colibri_dtype_name(m.dtype);
-  if (m.down_dtype != m.dtype) s += std::string(" (down ") + colibri_dtype_name(m.down_dtype) + ")";
+  std::string s = weight_format(m.dtype).name;
+  if (m.down_dtype != m.dtype) s += std::string(" (down ") + weight_format(m.down_dtype).name + ")";
   return s;
 }
 
-bool parse_dtype_mix(const std::string& name, colibri_dtype_t* out, colibri_dtype_t* down) {
+bool parse_dtype_mix(const std::string& name, WeightType* out, WeightType* down) {
   if (name == "q4_k_m") {
-    *out = COLIBRI_DTYPE_Q4_K;
-    *down = COLIBRI_DTYPE_Q6_K;
+    *out = WeightType::kQ4_K;
+    *down = WeightType::kQ6_K;
     return true;
   }
   if (!parse_dtype(name, out)) return false;
@@ -214,13 +201,13 @@ bool parse_dtype_mix(const std::string& name, colibri_dtype_t* out, colibri_dtyp
 
 const char* dtype_names() { return "f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k"; }
 
-std::string dtype_pair_problem(colibri_dtype_t dtype, colibri_dtype_t down_dtype) {
+std::string dtype_pair_problem(WeightType dtype, WeightType down_dtype) {
   if (dtype == down_dtype) return "";
-  const bool q = weight_format(weight_type_of(dtype)).quantized;
-  const bool down_q = weight_format(weight_type_of(down_dtype)).quantized;
+  const bool q = weight_format(dtype).quantized;
+  const bool down_q = weight_format(down_dtype).quantized;
   if (q && down_q) return "";
-  return std::string("down_dtype ") + colibri_dtype_name(down_dtype) + " cannot go with dtype " +
-         colibri_dtype_name(dtype) + " (a different down type is for block formats only)";
+  return std::string("down_dtype ") + weight_format(down_dtype).name + " cannot go with dtype " +
+         weight_format(dtype).name + " (a different down type is for block formats only)";
 }
 
 uint64_t Manifest::expert_file_bytes() const {
@@ -372,11 +359,11 @@ std::string manifest_to_json(const Manifest& m) {
   doc["n_experts"] = m.n_experts;
   doc["d_model"] = m.d_model;
   doc["d_ff"] = m.d_ff;
-  doc["dtype"] = colibri_dtype_name(m.dtype);
-  if (m.down_dtype != m.dtype) doc["down_dtype"] = colibri_dtype_name(m.down_dtype);
+  doc["dtype"] = weight_format(m.dtype).name;
+  if (m.down_dtype != m.dtype) doc["down_dtype"] = weight_format(m.down_dtype).name;
   doc["activation"] = m.activation;
   if (m.has_router()) {
-    const colibri_router_desc_t& r = m.router;
+    const RouterDesc& r = m.router;
     doc["router"] = {{"family", router_family_name(r.family)},
                      {"top_k", r.top_k},
                      {"norm_topk_prob", r.norm_topk_prob != 0},

@@ -5,9 +5,9 @@
 #include <map>
 #include <string>
 
-#include "colibri.h"
-#include "util/weight_format.h"
 #include "util/error.h"
+#include "util/router_desc.h"
+#include "util/weight_format.h"
 
 namespace colibri {
 
@@ -29,29 +29,27 @@ inline constexpr int64_t kMaxExperts = 65536;
 inline constexpr int64_t kMaxDim = int64_t{1} << 20;
 inline constexpr uint64_t kMaxModelBytes = uint64_t{1} << 46;  // 64 TiB
 
-WeightType weight_type_of(colibri_dtype_t dtype);
-
 struct Manifest {
   int32_t version = kManifestVersion;
   int32_t n_layers = 0;
   int32_t n_experts = 0;
   int32_t d_model = 0;
   int32_t d_ff = 0;
-  colibri_dtype_t dtype = COLIBRI_DTYPE_F16;  // of gate and up (and down, unless down_dtype says otherwise)
-  colibri_dtype_t down_dtype = COLIBRI_DTYPE_F16;  // v3; equals dtype for the float types
+  WeightType dtype = WeightType::kF16;       // of gate and up (and down, unless down_dtype says otherwise)
+  WeightType down_dtype = WeightType::kF16;  // v3; equals dtype for the float types
   std::string activation = "swiglu";
   // v2: built-in router (family NONE = none) and shared expert (0 = none).
-  colibri_router_desc_t router{};
+  RouterDesc router{};
   int32_t shared_d_ff = 0;
   bool shared_gate = false;
   std::string source_json;  // provenance, kept verbatim ("" = none)
   std::map<std::string, uint64_t> checksums;  // relative path -> xxh64
 
-  bool has_router() const { return router.family != COLIBRI_ROUTER_NONE; }
+  bool has_router() const { return router.family != RouterFamily::kNone; }
   bool has_shared() const { return shared_d_ff > 0; }
-  bool router_has_bias() const { return router.family == COLIBRI_ROUTER_DEEPSEEK_V3; }
-  WeightType weight_type() const { return weight_type_of(dtype); }
-  WeightType down_weight_type() const { return weight_type_of(down_dtype); }
+  bool router_has_bias() const { return router.family == RouterFamily::kDeepseekV3; }
+  WeightType weight_type() const { return dtype; }
+  WeightType down_weight_type() const { return down_dtype; }
   bool quantized() const { return weight_format(weight_type()).quantized; }
   // Bytes of a [rows][cols] weight matrix of type t as stored in the
   // model's files (rows of whole blocks, weight_row_bytes).
@@ -85,11 +83,11 @@ struct Manifest {
 };
 
 // "mixtral", "qwen2_moe", ... (the Hugging Face model_type); "none".
-const char* router_family_name(colibri_router_family_t family);
-bool parse_router_family(const std::string& name, colibri_router_family_t* out);
+const char* router_family_name(RouterFamily family);
+bool parse_router_family(const std::string& name, RouterFamily* out);
 // Throws Error(Status::kInvalidArgument or `status`) with `where`
 // prefixed when the router's parameters do not fit n_experts.
-void validate_router(const colibri_router_desc_t& router, int32_t n_experts, const std::string& where,
+void validate_router(const RouterDesc& router, int32_t n_experts, const std::string& where,
                      Status status);
 
 // Parses and validates manifest JSON text; `source` names it in errors.
@@ -107,16 +105,16 @@ std::string manifest_to_json(const Manifest& manifest);
 // "bf16", or "q4_k (down q6_k)" for mixed block formats: for messages.
 std::string expert_types(const Manifest& m);
 // "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k".
-bool parse_dtype(const std::string& name, colibri_dtype_t* out);
+bool parse_dtype(const std::string& name, WeightType* out);
 // As parse_dtype, plus the mixes: "q4_k_m" is q4_k gate and up with q6_k
 // down (the larger of the two types llama.cpp's Q4_K_M gives expert down
 // matrices, in every layer: a model holds one down type). *down = *out
 // for a plain type.
-bool parse_dtype_mix(const std::string& name, colibri_dtype_t* out, colibri_dtype_t* down);
+bool parse_dtype_mix(const std::string& name, WeightType* out, WeightType* down);
 // The names parse_dtype accepts, for messages: "f32, f16, bf16, q8_0, ...".
 const char* dtype_names();
 // Empty when gate/up of type `dtype` may pair with down of `down_dtype`
 // (the same type, or two block formats); otherwise why not.
-std::string dtype_pair_problem(colibri_dtype_t dtype, colibri_dtype_t down_dtype);
+std::string dtype_pair_problem(WeightType dtype, WeightType down_dtype);
 
 }  // namespace colibri

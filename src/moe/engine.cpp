@@ -36,7 +36,7 @@ Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, Th
   prepare_jobs_.reserve(static_cast<size_t>(n_experts) + 1);
 }
 
-void Engine::set_router(const colibri_router_desc_t& desc) {
+void Engine::set_router(const RouterDesc& desc) {
   std::lock_guard<FairMutex> lock(call_mutex_);
   router_ = RouterRule(desc, n_experts_);
   // Router weights are f32 and computed in fp32 whatever the experts' type:

@@ -59,8 +59,8 @@ class Engine {
   void route(int32_t layer, int32_t n_tokens, const float* input, int32_t* ids, float* weights, int threads);
 
   // Installs the built-in router (the store must hold its weights).
-  void set_router(const colibri_router_desc_t& desc);
-  bool has_router() const { return router_.desc().family != COLIBRI_ROUTER_NONE; }
+  void set_router(const RouterDesc& desc);
+  bool has_router() const { return router_.desc().family != RouterFamily::kNone; }
 
   const kernels::KernelTable& kernels() const { return *kernels_; }
 

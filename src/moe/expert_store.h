@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "colibri.h"  // colibri_model_desc_t: models packed from caller memory
 #include "io/manifest.h"
 #include "kernels/kernels.h"
 #include "runtime/memory.h"

@@ -54,19 +54,19 @@ void require_expert(const colibri_expert_weights_t& w, const std::string& name) 
 Manifest manifest_of(const colibri_model_desc_t& d) {
   if (d.layers == nullptr) bad_desc("desc->layers is NULL");
   const int dtype = raw_enum(d.dtype);
-  if (dtype < COLIBRI_DTYPE_F32 || dtype > COLIBRI_DTYPE_Q6_K) {
+  if (dtype < 0 || dtype >= kWeightTypeCount) {
     bad_desc("dtype " + std::to_string(dtype) + " is not a known dtype (" + dtype_names() + ")");
   }
-  const bool quantized = weight_format(weight_type_of(d.dtype)).quantized;
+  const auto type = static_cast<WeightType>(dtype);  // colibri_dtype_t's values are WeightType's
+  const bool quantized = weight_format(type).quantized;
   const int down_dtype = quantized ? raw_enum(d.down_dtype) : dtype;
-  if (down_dtype < COLIBRI_DTYPE_F32 || down_dtype > COLIBRI_DTYPE_Q6_K) {
+  if (down_dtype < 0 || down_dtype >= kWeightTypeCount) {
     bad_desc("down_dtype " + std::to_string(down_dtype) + " is not a known dtype (" + dtype_names() + ")");
   }
-  if (const std::string why = dtype_pair_problem(d.dtype, static_cast<colibri_dtype_t>(down_dtype)); !why.empty()) {
-    bad_desc(why);
-  }
+  const auto down_type = static_cast<WeightType>(down_dtype);
+  if (const std::string why = dtype_pair_problem(type, down_type); !why.empty()) bad_desc(why);
   const int family = raw_enum(d.router.family);
-  if (family < COLIBRI_ROUTER_NONE || family > COLIBRI_ROUTER_DEEPSEEK_V3) {
+  if (family < 0 || family > kLastRouterFamily) {
     bad_desc("router.family " + std::to_string(family) + " is not a known router family");
   }
   if (d.shared_d_ff < 0) bad_desc("shared_d_ff must be >= 0, got " + std::to_string(d.shared_d_ff));
@@ -75,9 +75,14 @@ Manifest manifest_of(const colibri_model_desc_t& d) {
   m.n_experts = d.n_experts;
   m.d_model = d.d_model;
   m.d_ff = d.d_ff;
-  m.dtype = d.dtype;
-  m.down_dtype = static_cast<colibri_dtype_t>(down_dtype);
-  m.router = d.router;
+  m.dtype = type;
+  m.down_dtype = down_type;
+  m.router.family = static_cast<RouterFamily>(family);
+  m.router.top_k = d.router.top_k;
+  m.router.norm_topk_prob = d.router.norm_topk_prob;
+  m.router.n_group = d.router.n_group;
+  m.router.topk_group = d.router.topk_group;
+  m.router.routed_scaling_factor = d.router.routed_scaling_factor;
   m.shared_d_ff = d.shared_d_ff;
   m.version = quantized ? 3 : 2;
   // Dimension and size limits first (the manifest parser holds them), so
@@ -87,7 +92,7 @@ Manifest manifest_of(const colibri_model_desc_t& d) {
   } catch (const Error& e) {
     fail(Status::kInvalidArgument, e.what());
   }
-  validate_router(d.router, d.n_experts, "colibri_open_memory: router", Status::kInvalidArgument);
+  validate_router(m.router, d.n_experts, "colibri_open_memory: router", Status::kInvalidArgument);
   bool any_gate = false, all_gate = true;
   for (int64_t l = 0; l < d.n_layers; ++l) {
     const colibri_layer_weights_t& lw = d.layers[l];

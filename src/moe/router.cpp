@@ -19,7 +19,7 @@ void top_indices(const float* value, int32_t n, int32_t k, std::vector<int32_t>&
 
 }  // namespace
 
-RouterRule::RouterRule(const colibri_router_desc_t& desc, int32_t n_experts)
+RouterRule::RouterRule(const RouterDesc& desc, int32_t n_experts)
     : desc_(desc), n_experts_(n_experts) {
   const size_t E = static_cast<size_t>(n_experts);
   scores_.resize(E);
@@ -32,7 +32,7 @@ RouterRule::RouterRule(const colibri_router_desc_t& desc, int32_t n_experts)
 void RouterRule::select(const float* logits, const float* bias, int32_t* ids, float* weights) {
   const int32_t E = n_experts_;
   const int32_t k = desc_.top_k;
-  const bool v3 = desc_.family == COLIBRI_ROUTER_DEEPSEEK_V3;
+  const bool v3 = desc_.family == RouterFamily::kDeepseekV3;
   float* s = scores_.data();
   if (v3) {
     for (int32_t e = 0; e < E; ++e) s[e] = 1.0f / (1.0f + std::exp(-logits[e]));
@@ -51,7 +51,7 @@ void RouterRule::select(const float* logits, const float* bias, int32_t* ids, fl
   float* c = choice_.data();
   for (int32_t e = 0; e < E; ++e) c[e] = s[e] + (v3 && bias != nullptr ? bias[e] : 0.0f);
 
-  const bool grouped = (desc_.family == COLIBRI_ROUTER_DEEPSEEK_V2 || v3) && desc_.n_group > 1;
+  const bool grouped = (desc_.family == RouterFamily::kDeepseekV2 || v3) && desc_.n_group > 1;
   if (grouped) {
     const int32_t G = desc_.n_group;
     const int32_t per = E / G;
@@ -90,17 +90,17 @@ void RouterRule::select(const float* logits, const float* bias, int32_t* ids, fl
     sum += weights[j];
   }
   switch (desc_.family) {
-    case COLIBRI_ROUTER_MIXTRAL:
+    case RouterFamily::kMixtral:
       for (int32_t j = 0; j < k; ++j) weights[j] /= sum;
       break;
-    case COLIBRI_ROUTER_QWEN2_MOE:
-    case COLIBRI_ROUTER_QWEN3_MOE:
-    case COLIBRI_ROUTER_OLMOE:
+    case RouterFamily::kQwen2Moe:
+    case RouterFamily::kQwen3Moe:
+    case RouterFamily::kOlmoe:
       if (desc_.norm_topk_prob) {
         for (int32_t j = 0; j < k; ++j) weights[j] /= sum;
       }
       break;
-    case COLIBRI_ROUTER_DEEPSEEK_V2:
+    case RouterFamily::kDeepseekV2:
       // DeepSeek-V2's own code: renormalise (k > 1), or else scale.
       if (k > 1 && desc_.norm_topk_prob) {
         for (int32_t j = 0; j < k; ++j) weights[j] /= sum + 1e-20f;
@@ -108,13 +108,13 @@ void RouterRule::select(const float* logits, const float* bias, int32_t* ids, fl
         for (int32_t j = 0; j < k; ++j) weights[j] *= desc_.routed_scaling_factor;
       }
       break;
-    case COLIBRI_ROUTER_DEEPSEEK_V3:
+    case RouterFamily::kDeepseekV3:
       for (int32_t j = 0; j < k; ++j) {
         if (desc_.norm_topk_prob) weights[j] /= sum + 1e-20f;
         weights[j] *= desc_.routed_scaling_factor;
       }
       break;
-    case COLIBRI_ROUTER_NONE:
+    case RouterFamily::kNone:
       break;
   }
 }

@@ -10,17 +10,17 @@
 #include <cstdint>
 #include <vector>
 
-#include "colibri.h"
+#include "util/router_desc.h"
 
 namespace colibri {
 
 class RouterRule {
  public:
   RouterRule() = default;
-  RouterRule(const colibri_router_desc_t& desc, int32_t n_experts);
+  RouterRule(const RouterDesc& desc, int32_t n_experts);
 
   int32_t top_k() const { return desc_.top_k; }
-  const colibri_router_desc_t& desc() const { return desc_; }
+  const RouterDesc& desc() const { return desc_; }
 
   // logits [E] -> ids [k] (best first) and weights [k]. `bias` [E] is the
   // DeepSeek-V3 e_score_correction_bias (nullptr = zeros). Not thread-safe:
@@ -28,7 +28,7 @@ class RouterRule {
   void select(const float* logits, const float* bias, int32_t* ids, float* weights);
 
  private:
-  colibri_router_desc_t desc_{};
+  RouterDesc desc_{};
   int32_t n_experts_ = 0;
   std::vector<float> scores_;   // softmax or sigmoid of the logits
   std::vector<float> choice_;   // what top-k ranks (scores, + bias for V3)

@@ -87,7 +87,7 @@ void run_convert(const ConvertArgs& a) {
   o.hf_dir = a.hf;
   o.out_dir = a.out;
   if (!a.dtype.empty()) {
-    colibri_dtype_t d, down;
+    colibri::WeightType d, down;
     if (!colibri::parse_dtype_mix(a.dtype, &d, &down)) {
       throw CliError("convert: --dtype: unknown dtype \"" + a.dtype + "\" (expected " + kDtypeChoices + ")");
     }
@@ -119,8 +119,8 @@ void run_convert(const ConvertArgs& a) {
   std::printf("converted %s (%s) to %s: %zu MoE layer(s) [HF %s] x %d experts, d_model %d, d_ff %d%s, "
               "router %s top-%d, %s from %s, %s in %.1f s\n",
               a.hf.c_str(), c.model_type.c_str(), a.out.c_str(), r.layers.size(), layer_list(r.layers).c_str(),
-              c.n_experts, c.d_model, c.d_ff, shared.c_str(), colibri_router_family_name(c.router.family),
-              c.router.top_k, dtype_label(r.dtype, r.down_dtype).c_str(), colibri_dtype_name(r.source_dtype),
+              c.n_experts, c.d_model, c.d_ff, shared.c_str(), colibri::router_family_name(c.router.family),
+              c.router.top_k, dtype_label(r.dtype, r.down_dtype).c_str(), colibri::weight_format(r.source_dtype).name,
               human_bytes(r.bytes_written).c_str(), seconds);
 }
 
@@ -129,7 +129,7 @@ struct QuantizeArgs {
 };
 
 void run_quantize(const QuantizeArgs& a) {
-  colibri_dtype_t dtype, down;
+  colibri::WeightType dtype, down;
   if (!colibri::parse_dtype_mix(a.dtype, &dtype, &down)) {
     throw CliError("quantize: --dtype: unknown dtype \"" + a.dtype + "\" (expected " + kDtypeChoices + ")");
   }

@@ -35,15 +35,14 @@ void run_gen(const GenArgs& a) {
   if (!colibri::parse_dtype_mix(a.dtype, &spec.dtype, &spec.down_dtype)) {
     throw CliError("gen: --dtype: unknown dtype \"" + a.dtype + "\" (expected " + kDtypeChoices + ")");
   }
-  colibri_router_desc_default(&spec.router);
   if (!a.router.empty()) {
-    if (!colibri::parse_router_family(a.router, &spec.router.family) || spec.router.family == COLIBRI_ROUTER_NONE) {
+    if (!colibri::parse_router_family(a.router, &spec.router.family) || spec.router.family == colibri::RouterFamily::kNone) {
       throw CliError("gen: --router: unknown family \"" + a.router +
                      "\" (expected mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or deepseek_v3)");
     }
     if (a.top_k < 1) throw CliError("gen: --router needs --top-k");
     spec.router.top_k = a.top_k;
-    spec.router.norm_topk_prob = a.norm_topk_prob || spec.router.family == COLIBRI_ROUTER_MIXTRAL ? 1 : 0;
+    spec.router.norm_topk_prob = a.norm_topk_prob || spec.router.family == colibri::RouterFamily::kMixtral ? 1 : 0;
     spec.router.n_group = a.n_group;
     spec.router.topk_group = a.topk_group;
     spec.router.routed_scaling_factor = a.scaling;

@@ -338,7 +338,7 @@ void run_demo(const DemoArgs& a) {
       spec.n_experts = kExperts;
       spec.d_model = kDModel;
       spec.d_ff = kDFF;
-      spec.dtype = COLIBRI_DTYPE_F16;
+      spec.dtype = colibri::WeightType::kF16;
       colibri::write_random_model(dir, spec, 2024);
     }
   } catch (const colibri::Error& e) {

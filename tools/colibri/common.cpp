@@ -134,6 +134,10 @@ std::string dtype_label(colibri_dtype_t dtype, colibri_dtype_t down_dtype) {
   return s;
 }
 
+std::string dtype_label(colibri::WeightType dtype, colibri::WeightType down_dtype) {
+  return dtype_label(static_cast<colibri_dtype_t>(dtype), static_cast<colibri_dtype_t>(down_dtype));
+}
+
 RoutingWork routing_work(const colibri_model_info_t& info, int32_t T, int32_t k, const int32_t* ids) {
   std::set<int32_t> active;
   size_t slots = 0;

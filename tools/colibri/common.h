@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "colibri.h"
+#include "util/weight_format.h"
 
 namespace colibri_cli {
 
@@ -74,6 +75,7 @@ inline const std::vector<std::string>& dtype_choices() {
   return names;
 }
 std::string dtype_label(colibri_dtype_t dtype, colibri_dtype_t down_dtype);
+std::string dtype_label(colibri::WeightType dtype, colibri::WeightType down_dtype);
 
 // Opens a model; prints the loader's warning (if any) to stderr.
 void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out,

@@ -39,7 +39,7 @@ enum class SharedKind { kNone, kQwen2, kDeepSeek };
 
 struct Family {
   const char* model_type;
-  colibri_router_family_t router;
+  RouterFamily router;
   const char* experts_field;
   const char* d_ff_field;
   LayerRule layers;
@@ -48,17 +48,17 @@ struct Family {
 };
 
 constexpr Family kFamilies[] = {
-    {"mixtral", COLIBRI_ROUTER_MIXTRAL, "num_local_experts", "intermediate_size", LayerRule::kEvery,
+    {"mixtral", RouterFamily::kMixtral, "num_local_experts", "intermediate_size", LayerRule::kEvery,
      SharedKind::kNone, true},
-    {"qwen2_moe", COLIBRI_ROUTER_QWEN2_MOE, "num_experts", "moe_intermediate_size", LayerRule::kQwen,
+    {"qwen2_moe", RouterFamily::kQwen2Moe, "num_experts", "moe_intermediate_size", LayerRule::kQwen,
      SharedKind::kQwen2, false},
-    {"qwen3_moe", COLIBRI_ROUTER_QWEN3_MOE, "num_experts", "moe_intermediate_size", LayerRule::kQwen,
+    {"qwen3_moe", RouterFamily::kQwen3Moe, "num_experts", "moe_intermediate_size", LayerRule::kQwen,
      SharedKind::kNone, false},
-    {"olmoe", COLIBRI_ROUTER_OLMOE, "num_experts", "intermediate_size", LayerRule::kEvery, SharedKind::kNone,
+    {"olmoe", RouterFamily::kOlmoe, "num_experts", "intermediate_size", LayerRule::kEvery, SharedKind::kNone,
      false},
-    {"deepseek_v2", COLIBRI_ROUTER_DEEPSEEK_V2, "n_routed_experts", "moe_intermediate_size",
+    {"deepseek_v2", RouterFamily::kDeepseekV2, "n_routed_experts", "moe_intermediate_size",
      LayerRule::kDeepSeek, SharedKind::kDeepSeek, false},
-    {"deepseek_v3", COLIBRI_ROUTER_DEEPSEEK_V3, "n_routed_experts", "moe_intermediate_size",
+    {"deepseek_v3", RouterFamily::kDeepseekV3, "n_routed_experts", "moe_intermediate_size",
      LayerRule::kDeepSeek, SharedKind::kDeepSeek, false},
 };
 
@@ -280,7 +280,7 @@ class Planner {
       block = layer + "mlp";
     }
     p.router = require(block + ".gate.weight", {E, D}, ex + ", hidden_size");
-    if (c_.router.family == COLIBRI_ROUTER_DEEPSEEK_V3) {
+    if (c_.router.family == RouterFamily::kDeepseekV3) {
       p.bias = require(block + ".gate.e_score_correction_bias", {E}, ex);
     }
 
@@ -374,11 +374,11 @@ class Planner {
   const HfMoeConfig& c_;
 };
 
-colibri_dtype_t to_colibri_dtype(StDtype d) {
+WeightType weight_type_of_tensor(StDtype d) {
   switch (d) {
-    case StDtype::kF32: return COLIBRI_DTYPE_F32;
-    case StDtype::kBF16: return COLIBRI_DTYPE_BF16;
-    default: return COLIBRI_DTYPE_F16;
+    case StDtype::kF32: return WeightType::kF32;
+    case StDtype::kBF16: return WeightType::kBF16;
+    default: return WeightType::kF16;
   }
 }
 
@@ -430,22 +430,17 @@ HfMoeConfig parse_hf_config(const std::string& text, const std::string& source) 
                                       "\" is not supported (supported: " + hf_supported_model_types() + ")");
   }
   const ConfigReader r(doc, source, c.model_type);
-  const bool v3 = family->router == COLIBRI_ROUTER_DEEPSEEK_V3;
+  const bool v3 = family->router == RouterFamily::kDeepseekV3;
 
   c.n_hidden_layers = static_cast<int32_t>(r.integer("num_hidden_layers", 1, kMaxHfLayers));
   c.d_model = static_cast<int32_t>(r.integer("hidden_size", 1, kMaxDim));
   c.n_experts = static_cast<int32_t>(r.integer(family->experts_field, 1, kMaxExperts));
   c.d_ff = static_cast<int32_t>(r.integer(family->d_ff_field, 1, kMaxDim));
-  // The defaults of colibri_router_desc_default, set here: I/O sits below
-  // the C ABI and does not call into it.
-  c.router = colibri_router_desc_t{};
-  c.router.n_group = 1;
-  c.router.topk_group = 1;
-  c.router.routed_scaling_factor = 1.0f;
+  c.router = RouterDesc{};  // n_group 1, topk_group 1, scaling 1 unless the family says otherwise
   c.router.family = family->router;
   c.router.top_k = static_cast<int32_t>(r.integer("num_experts_per_tok", 1, c.n_experts));
   // Mixtral always renormalises (its config has no such field).
-  const bool norm = family->router == COLIBRI_ROUTER_MIXTRAL ? true : r.boolean_or("norm_topk_prob", v3);
+  const bool norm = family->router == RouterFamily::kMixtral ? true : r.boolean_or("norm_topk_prob", v3);
   c.router.norm_topk_prob = norm ? 1 : 0;
 
   if (family->shared == SharedKind::kQwen2) {
@@ -565,7 +560,7 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
   }
   result.n_shards = ckpt.shards_opened();
   const LayerPlan& p0 = plans.front();
-  result.source_dtype = to_colibri_dtype(p0.fused ? p0.gate_up.tensor->dtype : p0.experts[0].gate.tensor->dtype);
+  result.source_dtype = weight_type_of_tensor(p0.fused ? p0.gate_up.tensor->dtype : p0.experts[0].gate.tensor->dtype);
   result.dtype = options.dtype.value_or(result.source_dtype);
   result.down_dtype = options.down_dtype.value_or(result.dtype);
 

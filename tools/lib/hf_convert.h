@@ -15,8 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "colibri.h"
 #include "util/error.h"
+#include "util/router_desc.h"
+#include "util/weight_format.h"
 
 namespace colibri {
 
@@ -30,7 +31,7 @@ struct HfMoeConfig {
   int32_t d_ff = 0;
   int32_t shared_d_ff = 0;   // 0 = no shared expert
   bool shared_gate = false;  // Qwen2-MoE
-  colibri_router_desc_t router{};
+  RouterDesc router{};
   std::vector<int32_t> moe_layers;  // HF decoder layer indices, ascending
 };
 
@@ -54,9 +55,9 @@ struct HfConvertOptions {
   std::string hf_dir;   // holds config.json and the safetensors file(s)
   std::string out_dir;  // must not exist, or be an empty directory
   // Default: the dtype of the checkpoint's expert tensors.
-  std::optional<colibri_dtype_t> dtype;
+  std::optional<WeightType> dtype;
   // Of the down matrices when dtype is a block format (default: dtype).
-  std::optional<colibri_dtype_t> down_dtype;
+  std::optional<WeightType> down_dtype;
   // HF decoder layer indices, inclusive; the MoE layers inside are
   // converted. Default: all.
   std::optional<int32_t> first_layer, last_layer;
@@ -69,9 +70,9 @@ struct HfConvertOptions {
 struct HfConvertResult {
   HfMoeConfig config;
   std::vector<int32_t> layers;  // HF indices converted; Colibri layer j = layers[j]
-  colibri_dtype_t dtype = COLIBRI_DTYPE_F16;  // of the written model
-  colibri_dtype_t down_dtype = COLIBRI_DTYPE_F16;  // of its down matrices
-  colibri_dtype_t source_dtype = COLIBRI_DTYPE_F16;  // of the first expert tensor
+  WeightType dtype = WeightType::kF16;  // of the written model
+  WeightType down_dtype = WeightType::kF16;  // of its down matrices
+  WeightType source_dtype = WeightType::kF16;  // of the first expert tensor
   int32_t fused_layers = 0;  // layers whose experts came as fused tensors
   int32_t n_shards = 0;
   uint64_t bytes_written = 0;

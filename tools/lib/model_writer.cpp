@@ -33,8 +33,7 @@ float uniform_pm1(uint64_t& state) {
 
 // n elements of one row in `dtype`'s file encoding (little-endian, as the
 // x86-64 hosts Colibri runs on store it).
-std::vector<uint8_t> encode_weights(const float* w, size_t n, colibri_dtype_t dtype) {
-  const WeightType t = weight_type_of(dtype);
+std::vector<uint8_t> encode_weights(const float* w, size_t n, WeightType t) {
   std::vector<uint8_t> out(weight_row_bytes(t, n));
   convert_rows_from_float(t, w, 1, n, out.data(), conversion_threads());
   return out;
@@ -81,7 +80,7 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
   m.dtype = spec.dtype;
   m.down_dtype = spec.dtype;
   if (m.quantized()) {
-    m.down_dtype = spec.down_dtype == COLIBRI_DTYPE_F16 ? spec.dtype : spec.down_dtype;
+    m.down_dtype = spec.down_dtype == WeightType::kF16 ? spec.dtype : spec.down_dtype;
     if (const std::string why = dtype_pair_problem(m.dtype, m.down_dtype); !why.empty()) {
       fail(Status::kInvalidArgument, "model being written: " + why);
     }
@@ -132,7 +131,7 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
     if (m.has_router()) {
       std::fill(router.begin(), router.end(), 0.0f);
       fill.router(l, router.data(), m.router_has_bias() ? router.data() + E * D : nullptr);
-      write_one(m.router_file(l), encode_weights(router.data(), router.size(), COLIBRI_DTYPE_F32));
+      write_one(m.router_file(l), encode_weights(router.data(), router.size(), WeightType::kF32));
     }
     for (int32_t e = 0; e < spec.n_experts; ++e) {
       fill.expert(l, e, w.data());
@@ -141,7 +140,7 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
     if (m.has_shared()) {
       fill.shared(l, w.data(), m.shared_gate ? gate.data() : nullptr);
       write_one(m.shared_file(l), encode_expert(w.data(), m, m.shared_d_ff));
-      if (m.shared_gate) write_one(m.shared_gate_file(l), encode_weights(gate.data(), D, COLIBRI_DTYPE_F32));
+      if (m.shared_gate) write_one(m.shared_gate_file(l), encode_weights(gate.data(), D, WeightType::kF32));
     }
   }
   write_manifest(dir, m);
@@ -179,8 +178,8 @@ void widen_expert(const MappedFile& f, const Manifest& m, int32_t d_ff, float* w
 
 }  // namespace
 
-void requantize_model_dir(const std::string& in_dir, const std::string& out_dir, colibri_dtype_t dtype,
-                          colibri_dtype_t down_dtype) {
+void requantize_model_dir(const std::string& in_dir, const std::string& out_dir, WeightType dtype,
+                          WeightType down_dtype) {
   verify_manifest_checksum(in_dir);
   const Manifest in = load_manifest(in_dir);
   ModelWriteSpec spec;

@@ -7,8 +7,9 @@
 #include <functional>
 #include <string>
 
-#include "colibri.h"
 #include "util/error.h"
+#include "util/router_desc.h"
+#include "util/weight_format.h"
 
 namespace colibri {
 
@@ -17,14 +18,14 @@ struct ModelWriteSpec {
   int32_t n_experts = 0;
   int32_t d_model = 0;
   int32_t d_ff = 0;
-  colibri_dtype_t dtype = COLIBRI_DTYPE_F16;
+  WeightType dtype = WeightType::kF16;
   // Of the down matrices; used when dtype is a block format (the writer
   // quantises with the format's reference quantiser), else ignored. The
   // default, F16, means "the same as dtype".
-  colibri_dtype_t down_dtype = COLIBRI_DTYPE_F16;
+  WeightType down_dtype = WeightType::kF16;
   bool checksums = true;
   // Format v2 parts; a model with neither is written as v1.
-  colibri_router_desc_t router{};  // family NONE = no built-in router
+  RouterDesc router{};  // family NONE = no built-in router
   int32_t shared_d_ff = 0;         // 0 = no shared expert
   bool shared_gate = false;        // Qwen2-MoE's sigmoid gate on the shared expert
   // Optional provenance, stored as the manifest's "source" object (ignored
@@ -65,8 +66,8 @@ void write_random_model(const std::string& dir, const ModelWriteSpec& spec, uint
 // formats): each file read, its sizes and checksums checked, widened by its
 // format's reference dequantiser and quantised again; router, gates,
 // router rule and provenance copied. One expert in memory at a time.
-void requantize_model_dir(const std::string& in_dir, const std::string& out_dir, colibri_dtype_t dtype,
-                          colibri_dtype_t down_dtype);
+void requantize_model_dir(const std::string& in_dir, const std::string& out_dir, WeightType dtype,
+                          WeightType down_dtype);
 
 // The same values write_random_model writes, for one expert.
 void random_expert_weights(const ModelWriteSpec& spec, uint64_t seed, int32_t layer, int32_t expert,
