@@ -363,78 +363,84 @@ inline void through_memory(T& v) {
 // Per token and super-block one conversion, one multiply by the lanes'
 // activation scales and one FMA with the lanes' d * sc; the mins of two
 // super-blocks as one FMA of dmin * m_j with dx_j * (sum a)_j.
-// The row holds nsb super-blocks; a last partial quad (the row's tail) is
-// read in place: its missing super-blocks repeat the last real one's
-// header (finite scales) and meet zero prepared activations, so they add
-// exactly zero, and no block past the row is read.
+template <bool kFive, int NT, bool kTail>
+__attribute__((always_inline)) inline void qk45_quad(const uint8_t* blk, size_t q, size_t valid, const KPrep* prep,
+                                                     const KConsts& k, __m512* facc) {
+  constexpr size_t kBytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
+  if constexpr (!kTail) valid = 4;
+  prefetch_ahead<4 * kBytes>(blk);
+  // The four super-blocks' d, dmin, scales and mins (16 bytes each) ...
+  const uint8_t* hdr[4];
+  for (size_t i = 0; i < 4; ++i) hdr[i] = blk + (kTail ? min_size(i, valid - 1) : i) * kBytes;
+  __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[0])));
+  raw = _mm512_mask_broadcast_i32x4(raw, 0x00f0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[1])));
+  raw = _mm512_mask_broadcast_i32x4(raw, 0x0f00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[2])));
+  raw = _mm512_mask_broadcast_i32x4(raw, 0xf000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[3])));
+  const __m512i u = unpack_scales_k4(raw, k);
+  // ... the scales spread over each super-block's lanes, the mins of all four in order ...
+  alignas(64) uint8_t sc[64];
+  alignas(32) uint8_t mins[32];
+  _mm512_store_si512(sc, _mm512_shuffle_epi8(u, k.sc_lanes));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(mins), _mm512_castsi512_si256(_mm512_permutexvar_epi64(k.mins_q, u)));
+  through_memory(sc);
+  through_memory(mins);
+  // ... and [d, dmin] x 4.
+  const __m256 ddf = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(k.dd_lanes, raw)));
+  alignas(32) float ys[8];
+  _mm256_store_ps(ys, ddf);
+  through_memory(ys);
+  COLIBRI_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    if (kTail && i >= static_cast<int>(valid)) break;
+    __m512i x[4];
+    if constexpr (kFive) {
+      __m512i w[4];
+      codes_k45<true>(blk + i * kBytes, k, w);
+      transpose4x4(w, x);
+    } else {
+      codes_q4k_lanes(blk + i * kBytes, k, x);
+    }
+    const __m512 wf = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + 16 * i)))),
+        _mm512_set1_ps(ys[2 * i]));
+    const size_t sb = 4 * q + static_cast<size_t>(i);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* aq = prep[t].qs + 256 * sb;
+      __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x[0], _mm512_loadu_si512(aq));
+      acc = _mm512_dpbusd_epi32(acc, x[1], _mm512_loadu_si512(aq + 64));
+      acc = _mm512_dpbusd_epi32(acc, x[2], _mm512_loadu_si512(aq + 128));
+      acc = _mm512_dpbusd_epi32(acc, x[3], _mm512_loadu_si512(aq + 192));
+      const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(prep[t].dx + 16 * sb));
+      facc[t] = _mm512_fmadd_ps(p, wf, facc[t]);
+    }
+  }
+  // The mins: lanes [dmin m_0-7 of super-block 0, of 1] and [2, 3].
+  const __m512 ddz = _mm512_castps256_ps512(ddf);
+  const __m512 wm01 = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(mins)))),
+      _mm512_permutexvar_ps(k.dmin01, ddz));
+  const __m512 wm23 = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(mins + 16)))),
+      _mm512_permutexvar_ps(k.dmin23, ddz));
+  for (int t = 0; t < NT; ++t) {
+    const float* s = prep[t].s + 32 * q;
+    facc[t] = _mm512_fnmadd_ps(wm01, _mm512_loadu_ps(s), facc[t]);
+    facc[t] = _mm512_fnmadd_ps(wm23, _mm512_loadu_ps(s + 16), facc[t]);
+  }
+}
+
+// The row holds nsb super-blocks: whole quads, then a last partial quad
+// (the row's tail) read in place: its missing super-blocks repeat the last
+// real one's header (finite scales) and meet zero prepared activations, so
+// they add exactly zero, and no block past the row is read.
 template <bool kFive, int NT>
 void qk45_quads(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m512* facc_io) {
   constexpr size_t kBytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
   __m512 facc[NT];
   for (int t = 0; t < NT; ++t) facc[t] = facc_io[t];
-  const size_t quads = (nsb + 3) / 4;
-  for (size_t q = 0; q < quads; ++q) {
-    const uint8_t* blk = row + 4 * q * kBytes;
-    const size_t valid = min_size(4, nsb - 4 * q);
-    prefetch_ahead<4 * kBytes>(blk);
-    // The four super-blocks' d, dmin, scales and mins (16 bytes each) ...
-    const uint8_t* hdr[4];
-    for (size_t i = 0; i < 4; ++i) hdr[i] = blk + min_size(i, valid - 1) * kBytes;
-    __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[0])));
-    raw = _mm512_mask_broadcast_i32x4(raw, 0x00f0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[1])));
-    raw = _mm512_mask_broadcast_i32x4(raw, 0x0f00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[2])));
-    raw = _mm512_mask_broadcast_i32x4(raw, 0xf000, _mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr[3])));
-    const __m512i u = unpack_scales_k4(raw, k);
-    // ... the scales spread over each super-block's lanes, the mins of all four in order ...
-    alignas(64) uint8_t sc[64];
-    alignas(32) uint8_t mins[32];
-    _mm512_store_si512(sc, _mm512_shuffle_epi8(u, k.sc_lanes));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(mins),
-                       _mm512_castsi512_si256(_mm512_permutexvar_epi64(k.mins_q, u)));
-    through_memory(sc);
-    through_memory(mins);
-    // ... and [d, dmin] x 4.
-    const __m256 ddf = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(k.dd_lanes, raw)));
-    alignas(32) float ys[8];
-    _mm256_store_ps(ys, ddf);
-    through_memory(ys);
-    for (int i = 0; i < static_cast<int>(valid); ++i) {
-      __m512i x[4];
-      if constexpr (kFive) {
-        __m512i w[4];
-        codes_k45<true>(blk + i * kBytes, k, w);
-        transpose4x4(w, x);
-      } else {
-        codes_q4k_lanes(blk + i * kBytes, k, x);
-      }
-      const __m512 wf = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + 16 * i)))),
-          _mm512_set1_ps(ys[2 * i]));
-      const size_t sb = 4 * q + static_cast<size_t>(i);
-      for (int t = 0; t < NT; ++t) {
-        const int8_t* aq = prep[t].qs + 256 * sb;
-        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x[0], _mm512_loadu_si512(aq));
-        acc = _mm512_dpbusd_epi32(acc, x[1], _mm512_loadu_si512(aq + 64));
-        acc = _mm512_dpbusd_epi32(acc, x[2], _mm512_loadu_si512(aq + 128));
-        acc = _mm512_dpbusd_epi32(acc, x[3], _mm512_loadu_si512(aq + 192));
-        const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(prep[t].dx + 16 * sb));
-        facc[t] = _mm512_fmadd_ps(p, wf, facc[t]);
-      }
-    }
-    // The mins: lanes [dmin m_0-7 of super-block 0, of 1] and [2, 3].
-    const __m512 ddz = _mm512_castps256_ps512(ddf);
-    const __m512 wm01 = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(mins)))),
-        _mm512_permutexvar_ps(k.dmin01, ddz));
-    const __m512 wm23 = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(mins + 16)))),
-        _mm512_permutexvar_ps(k.dmin23, ddz));
-    for (int t = 0; t < NT; ++t) {
-      const float* s = prep[t].s + 32 * q;
-      facc[t] = _mm512_fnmadd_ps(wm01, _mm512_loadu_ps(s), facc[t]);
-      facc[t] = _mm512_fnmadd_ps(wm23, _mm512_loadu_ps(s + 16), facc[t]);
-    }
-  }
+  const size_t full = nsb / 4;
+  for (size_t q = 0; q < full; ++q) qk45_quad<kFive, NT, false>(row + 4 * q * kBytes, q, 4, prep, k, facc);
+  if (nsb % 4 != 0) qk45_quad<kFive, NT, true>(row + 4 * full * kBytes, full, nsb % 4, prep, k, facc);
   for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
 }
 
