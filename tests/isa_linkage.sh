@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fails if an object file compiled for an instruction set above the baseline
-# (ffn_avx2, ffn_avx512*, ffn_amx, qdot_avx2, qdot_avx512, probe_avx*/probe_amx) defines a symbol
+# (ffn_avx2, ffn_avx512*, ffn_amx, qdot_avx2, qdot_avx512, qdequant_avx512, probe_avx*/probe_amx) defines a symbol
 # with vague linkage (nm types W, V, u, i: inline functions, template
 # instantiations, static locals of inline functions). The linker keeps one
 # arbitrary copy of each such symbol for the whole program; if it kept the
@@ -16,7 +16,7 @@ checked=0
 bad=0
 for obj in "$@"; do
   case "$(basename "$obj")" in
-    ffn_avx2.* | ffn_avx512* | ffn_amx.* | qdot_avx2.* | qdot_avx512* | probe_avx2.* | probe_avx512* | probe_amx.*) ;;
+    ffn_avx2.* | ffn_avx512* | ffn_amx.* | qdot_avx2.* | qdot_avx512* | qdequant_avx512.* | probe_avx2.* | probe_avx512* | probe_amx.*) ;;
     *) continue ;;
   esac
   checked=$((checked + 1))

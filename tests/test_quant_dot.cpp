@@ -571,6 +571,46 @@ TEST_P(QuantDotFormat, ReferenceQuantisedWeights) {
   }
 }
 
+// The AMX tier's dequantiser: every element's bf16 equals float_to_bf16 of
+// the reference dequantiser's float, bit for bit, on rows quantised from
+// random weights and on random raw blocks (odd scales, subnormal f16, NaN
+// and infinite scales); the output past n stays untouched.
+TEST_P(QuantDotFormat, DequantBf16MatchesReference) {
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  if (!colibri::kernels::cpu_has_avx512_bf16()) GTEST_SKIP() << "no AVX512_BF16";
+  const WeightType t = GetParam();
+  const colibri::WeightFormat& f = colibri::weight_format(t);
+  const colibri::kernels::DequantBf16Fn dq = colibri::kernels::dequant_bf16_avx512(t);
+  ASSERT_NE(dq, nullptr);
+  std::mt19937 rng(777 + static_cast<unsigned>(t));
+  std::normal_distribution<float> normal(0.0f, 0.05f);
+  const size_t n = 8 * 256;
+  const size_t bytes = colibri::weight_row_bytes(t, n);
+  for (int trial = 0; trial < 6; ++trial) {
+    std::vector<uint8_t> w(bytes);
+    if (trial < 3) {
+      std::vector<float> x(n);
+      for (float& v : x) v = normal(rng) * (trial == 2 ? 1e4f : 1.0f);
+      if (trial == 1) x[17] = 40.0f;  // an outlier: one large scale
+      f.from_float(x.data(), w.data(), n);
+    } else {
+      for (uint8_t& b : w) b = static_cast<uint8_t>(rng());
+    }
+    std::vector<float> ref(n);
+    f.to_float(w.data(), ref.data(), n);
+    std::vector<uint16_t> got(n + 32, 0xdead);
+    dq(w.data(), n, got.data());
+    for (size_t k = 0; k < n; ++k) {
+      ASSERT_EQ(got[k], colibri::float_to_bf16(ref[k])) << type_name(t) << " trial " << trial << " element " << k
+                                                        << " reference " << ref[k];
+    }
+    for (size_t k = n; k < n + 32; ++k) ASSERT_EQ(got[k], 0xdead) << "wrote past n";
+  }
+#else
+  GTEST_SKIP() << "no x86 kernels";
+#endif
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, QuantDotFormat, testing::ValuesIn(kTypes),
                          [](const testing::TestParamInfo<WeightType>& param_info) {
                            return std::string(type_name(param_info.param));

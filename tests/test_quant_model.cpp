@@ -130,7 +130,11 @@ TEST_P(QuantModel, MatchesReferenceOnDequantisedWeights) {
     EXPECT_EQ(info.dtype, c.dtype);
     EXPECT_EQ(info.down_dtype, c.down_dtype);
     const double tol = exact ? kExactTolerance : kInt8Tolerance;
-    double worst = 0.0;
+    // On AMX machines the T=130 calls (about 32 tokens per expert) take
+    // the bf16 tiles on dequantised rows; every other call the int8 kernels.
+    const bool amx_tier = std::string(colibri_model_kernels(m.model)).find("amx-bf16-dequant") != std::string::npos;
+    EXPECT_EQ(amx_tier, !exact && std::string(colibri_cpu_isa()) == "amx") << colibri_model_kernels(m.model);
+    double worst = 0.0, worst_many = 0.0;
     uint32_t seed = 1;
     for (int32_t T : {1, 3, 17, 130}) {
       for (bool skew : {false, true}) {
@@ -139,10 +143,11 @@ TEST_P(QuantModel, MatchesReferenceOnDequantisedWeights) {
         EXPECT_LE(err, tol) << c.name << (exact ? " exact" : " int8") << " T=" << T << " skew=" << skew << " "
                             << colibri_model_kernels(m.model);
         worst = std::max(worst, err);
+        if (T == 130) worst_many = std::max(worst_many, err);
       }
     }
-    std::printf("%-7s %-5s worst relative L2 %.3g (%s)\n", c.name, exact ? "exact" : "int8", worst,
-                colibri_model_kernels(m.model));
+    std::printf("%-7s %-5s worst relative L2 %.3g, at T=130 %.3g (%s)\n", c.name, exact ? "exact" : "int8", worst,
+                worst_many, colibri_model_kernels(m.model));
   }
 }
 

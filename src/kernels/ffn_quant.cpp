@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/amx.h"
 #include "kernels/kernels.h"
 #include "kernels/quant_dot.h"
 
@@ -244,6 +245,136 @@ bool reserve_exact(const ExpertShape& s, int32_t /*max_tokens*/, int32_t /*max_r
   return scratch->get(1, bytes) != nullptr;
 }
 
+// ---------------------------------------------------------------- AMX tier
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+
+// Block formats on the AMX bf16 tiles (many tokens per expert): chunks of
+// weight rows dequantised to bf16 (dequant_bf16_avx512: float_to_bf16 of
+// the reference dequantiser's values) in a buffer that stays in L2, then
+// the "amx-bf16" table's kernels on the chunk, their activations packed to
+// bf16 once per expert (prepare). The dequantisation is paid once per call
+// for all the expert's tokens; the products run at the tiles' rate.
+constexpr size_t kAmxChunkBytes = 512 * 1024;
+constexpr int kAmxChunkSlot = 3;  // the amx-bf16 kernels use slots 0-2
+
+ExpertShape bf16_shape(const ExpertShape& s) {
+  ExpertShape w = make_expert_shape(s.d_model, s.d_ff, WeightType::kBF16);
+  w.gate_up_stride = std::max(w.gate_up_stride, s.gate_up_stride);
+  w.down_stride = std::max(w.down_stride, s.down_stride);
+  return w;
+}
+
+// Rows per chunk: a multiple of `unit` (the amx kernels' row unit), at
+// least one unit, within kAmxChunkBytes of bf16.
+int32_t amx_chunk_rows(size_t stride, int32_t unit) {
+  const auto fit = static_cast<int32_t>(kAmxChunkBytes / (stride * 2));
+  return std::max(unit, fit / unit * unit);
+}
+
+// rows x `blocks_elements` quantised elements to bf16 rows of dst_stride,
+// elements from `valid` on zeroed (a K format's padding does not
+// dequantise to zero, and the tiles read up to the next 32).
+void dequant_rows_bf16(DequantBf16Fn dq, const uint8_t* src, size_t row_bytes, size_t blocks_elements, size_t valid,
+                       int32_t rows, uint16_t* dst, size_t dst_stride) {
+  // The rows stream from DRAM: each one asks for the row two ahead (the
+  // hardware prefetchers alone leave the loop waiting on loads).
+  constexpr int32_t kAhead = 2;
+  for (int32_t r = 0; r < rows; ++r) {
+    if (r + kAhead < rows) {
+      const uint8_t* next = src + static_cast<size_t>(r + kAhead) * row_bytes;
+      for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(next + o, 0, 3);
+    }
+    uint16_t* out = dst + static_cast<size_t>(r) * dst_stride;
+    dq(src + static_cast<size_t>(r) * row_bytes, blocks_elements, out);
+    std::fill(out + valid, out + dst_stride, uint16_t{0});
+  }
+}
+
+size_t amx_chunk_bytes(const ExpertShape& s) {
+  const ExpertShape ws = bf16_shape(s);
+  const size_t up = static_cast<size_t>(2 * amx_chunk_rows(2 * ws.gate_up_stride, 16)) * ws.gate_up_stride;
+  const size_t down = static_cast<size_t>(amx_chunk_rows(ws.down_stride, 32)) * ws.down_stride;
+  return std::max(up, down) * sizeof(uint16_t);
+}
+
+void gate_up_prepared_amxq(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
+                           const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin, int32_t f_end,
+                           float* h, size_t ldh) {
+  const ExpertShape ws = bf16_shape(s);
+  const KernelTable& amx = amx_bf16_kernels();
+  auto* rows = static_cast<uint16_t*>(bound_scratch().get(kAmxChunkSlot, amx_chunk_bytes(s)));
+  if (rows == nullptr) {  // reserve() failed and said so: the int8 kernels need no chunk
+    gate_up_q<Isa::kAvx512>(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    return;
+  }
+  const DequantBf16Fn dq = dequant_bf16_avx512(s.weight_type);
+  const size_t row_bytes = weight_row_bytes(s.weight_type, s.gate_up_stride);
+  const int32_t chunk = amx_chunk_rows(2 * ws.gate_up_stride, 16);  // f rows: 2x weight rows
+  for (int32_t f0 = f_begin; f0 < f_end; f0 += chunk) {
+    const int32_t fn = std::min(chunk, f_end - f0);
+    dequant_rows_bf16(dq, static_cast<const uint8_t*>(gate_up) + static_cast<size_t>(2 * f0) * row_bytes, row_bytes,
+                      s.gate_up_stride, static_cast<size_t>(s.d_model), 2 * fn, rows, ws.gate_up_stride);
+    if (prepared != nullptr) {
+      amx.gate_up_prepared(ws, rows, x, ldx, token_index, prepared, n, 0, fn, h + f0, ldh);
+    } else {
+      amx.gate_up(ws, rows, x, ldx, token_index, n, 0, fn, h + f0, ldh);
+    }
+  }
+}
+
+void down_prepared_amxq(const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
+                        const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end,
+                        float* y, size_t ldy) {
+  const ExpertShape ws = bf16_shape(s);
+  const KernelTable& amx = amx_bf16_kernels();
+  auto* rows = static_cast<uint16_t*>(bound_scratch().get(kAmxChunkSlot, amx_chunk_bytes(s)));
+  if (rows == nullptr) {
+    down_q<Isa::kAvx512>(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    return;
+  }
+  const DequantBf16Fn dq = dequant_bf16_avx512(s.down_type);
+  const size_t row_bytes = weight_row_bytes(s.down_type, s.down_stride);
+  const int32_t chunk = amx_chunk_rows(ws.down_stride, 32);
+  for (int32_t d0 = d_begin; d0 < d_end; d0 += chunk) {
+    const int32_t dn = std::min(chunk, d_end - d0);
+    dequant_rows_bf16(dq, static_cast<const uint8_t*>(down) + static_cast<size_t>(d0) * row_bytes, row_bytes,
+                      s.down_stride, static_cast<size_t>(s.d_ff), dn, rows, ws.down_stride);
+    // The kernel writes columns [0, dn) of y: shift y so they land at d0.
+    if (prepared != nullptr) {
+      amx.down_prepared(ws, rows, h, ldh, prepared, token_index, weight, n, 0, dn, y + d0, ldy);
+    } else {
+      amx.down(ws, rows, h, ldh, token_index, weight, n, 0, dn, y + d0, ldy);
+    }
+  }
+}
+
+void gate_up_amxq(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
+                  int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+  gate_up_prepared_amxq(s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
+}
+
+void down_amxq(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
+               const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+  down_prepared_amxq(s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
+}
+
+size_t prepared_bytes_amxq(const ExpertShape& s, Phase phase, int32_t n) {
+  return amx_bf16_kernels().prepared_bytes(bf16_shape(s), phase, n);
+}
+
+void prepare_amxq(const ExpertShape& s, Phase phase, const float* act, size_t ld, const int32_t* token_index,
+                  int32_t n, void* out) {
+  amx_bf16_kernels().prepare(bf16_shape(s), phase, act, ld, token_index, n, out);
+}
+
+bool reserve_amxq(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
+  const bool amx = amx_bf16_kernels().reserve(bf16_shape(s), max_tokens, max_rows, scratch);
+  return scratch->get(kAmxChunkSlot, amx_chunk_bytes(s)) != nullptr && amx &&
+         reserve_q<Isa::kAvx512>(s, max_tokens, max_rows, scratch);
+}
+
+#endif  // COLIBRI_HAVE_X86_KERNELS
+
 template <Isa L>
 KernelTable quant_table(const char* name) {
   KernelTable t;
@@ -271,6 +402,46 @@ KernelTable exact_table(const char* name) {
 }
 
 }  // namespace
+
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+namespace {
+const KernelTable& quant_amx_kernels() {
+  static const KernelTable t = [] {
+    KernelTable k;
+    k.isa = Isa::kAmx;
+    k.name = "amx-bf16-dequant";
+    k.gate_up = gate_up_amxq;
+    k.down = down_amxq;
+    k.reserve = reserve_amxq;
+    k.prepared_bytes = prepared_bytes_amxq;
+    k.prepare = prepare_amxq;
+    k.gate_up_prepared = gate_up_prepared_amxq;
+    k.down_prepared = down_prepared_amxq;
+    return k;
+  }();
+  return t;
+}
+}  // namespace
+#endif
+
+// Tokens per expert from which the AMX tier beats the int8 kernels
+// (measured, docs/KERNELS.md).
+constexpr int32_t kQuantAmxMinTokens = 10;
+
+PrefillTiers quant_prefill_tiers(Isa isa, const ExpertShape& shape, PrefillPrecision precision) {
+  PrefillTiers tiers;
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  const bool amx = isa >= Isa::kAmx && isa_supported(Isa::kAmx);
+  const bool big = shape.d_model >= kBf16RoundingMinDim && shape.d_ff >= kBf16RoundingMinDim;
+  if (amx && big && precision != PrefillPrecision::kExact && dequant_bf16_avx512(shape.weight_type) != nullptr &&
+      dequant_bf16_avx512(shape.down_type) != nullptr) {
+    tiers.tier[tiers.count++] = {&quant_amx_kernels(), kQuantAmxMinTokens};
+  }
+#else
+  (void)isa, (void)shape, (void)precision;
+#endif
+  return tiers;
+}
 
 const KernelTable& quant_kernels(Isa isa, bool exact) {
   const Isa detected = detect_isa();

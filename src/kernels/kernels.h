@@ -257,6 +257,12 @@ PrefillTiers prefill_tiers_for(Isa isa, const ExpertShape& shape, PrefillPrecisi
 // "exact-dequant-<isa>": fp32 activations against the weights widened by
 // the format's reference dequantiser, and the fp32 kernels.
 const KernelTable& quant_kernels(Isa isa, bool exact);
+// The prefill tier of the block formats: on AMX ("amx-bf16-dequant"), rows
+// dequantised to bf16 in L2-sized chunks and the "amx-bf16" tiles on them,
+// activations rounded to bf16 (docs/PRECISION.md), from the measured token
+// count per expert. None (count 0) below the AMX level, for the exact
+// precision, or for experts under kBf16RoundingMinDim.
+PrefillTiers quant_prefill_tiers(Isa isa, const ExpertShape& shape, PrefillPrecision precision);
 
 // Per-ISA tables (defined in ffn_<isa>.cpp).
 const KernelTable& scalar_kernels();

@@ -64,7 +64,16 @@ const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa);
 
 // Per-ISA entries (qdot_<isa>.cpp); nullptr when t is not quantised.
 const QuantDotKernels* quant_dot_scalar(WeightType t);
+// Rows of block-quantised weights to bf16: n elements (a multiple of the
+// format's block) at src to dst, each the bf16 nearest (ties to even, NaN
+// kept quiet) to the reference dequantiser's float, as float_to_bf16 of
+// WeightFormat::to_float gives. For the AMX prefill tier (ffn_quant.cpp).
+using DequantBf16Fn = void (*)(const void* src, size_t n, uint16_t* dst);
+
 #if defined(COLIBRI_HAVE_X86_KERNELS)
+// qdequant_avx512.cpp (AVX-512 F/BW/VL/DQ and AVX512_BF16, which every AMX
+// CPU has); nullptr when t is not quantised.
+DequantBf16Fn dequant_bf16_avx512(WeightType t);
 const QuantDotKernels* quant_dot_avx2(WeightType t);
 // Needs AVX512_VNNI (cpu_has_avx512_vnni()).
 const QuantDotKernels* quant_dot_avx512(WeightType t);
