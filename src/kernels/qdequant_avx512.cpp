@@ -142,8 +142,8 @@ void dq_q6_k(const void* src, size_t n, uint16_t* dst) {
           __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qh + 32 * h + l0));
           hi = _mm_and_si128(_mm_srli_epi16(hi, 2 * k), m3);
           const __m128i code = _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
-          const int e0 = 128 * h + 32 * k + l0;
-          const __m512 ds = _mm512_set1_ps(d * static_cast<float>(b->scales[e0 / 16]));
+          const int sub = (128 * h + 32 * k + l0) / 16;  // the scale's index: 16 elements each
+          const __m512 ds = _mm512_set1_ps(d * static_cast<float>(b->scales[sub]));
           v[part] = _mm512_mul_ps(ds, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code)), off));
         }
         store32(dst + 128 * h + 32 * k, bf16x32(v[0], v[1]));
