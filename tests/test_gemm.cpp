@@ -179,7 +179,7 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
   const auto big = [](WeightType wt) { return colibri::kernels::make_expert_shape(4096, 1024, wt); };
   const KernelTable& decode = colibri::kernels::kernel_table(Isa::kAvx512);
   // f32 weights: token lanes, then the panel GEMM.
-  const colibri::kernels::PrefillTiers f32 = colibri::kernels::prefill_tiers_for(Isa::kAvx512, big(WeightType::kF32), kDefault);
+  const colibri::kernels::PrefillTiers f32 = colibri::kernels::plan_kernels(Isa::kAvx512, big(WeightType::kF32), kDefault).prefill;
   ASSERT_EQ(f32.count, 2);
   EXPECT_EQ(&f32.pick(1, decode), &decode);
   EXPECT_EQ(&f32.pick(f32.tier[0].min_tokens - 1, decode), &decode);
@@ -199,7 +199,7 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
   for (const Isa level : {Isa::kAvx512, Isa::kAmx}) {
     SCOPED_TRACE(colibri::kernels::isa_name(level));
     const bool tiles = level == Isa::kAmx && amx;
-    const colibri::kernels::PrefillTiers f16 = colibri::kernels::prefill_tiers_for(level, big(WeightType::kF16), kDefault);
+    const colibri::kernels::PrefillTiers f16 = colibri::kernels::plan_kernels(level, big(WeightType::kF16), kDefault).prefill;
     ASSERT_EQ(f16.count, 2);
     EXPECT_EQ(&f16.pick(f16.tier[0].min_tokens, decode), &colibri::kernels::avx512_tokens_kernels());
     const KernelTable& f16_large =
@@ -208,8 +208,8 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
     EXPECT_EQ(&f16.pick(f16.tier[1].min_tokens, decode), &f16_large);
     EXPECT_EQ(&f16.pick(100000, decode), &f16_large);
 
-    const colibri::kernels::PrefillTiers f16_bf16 = colibri::kernels::prefill_tiers_for(level, big(WeightType::kF16), kBf16);
-    const colibri::kernels::PrefillTiers bf16 = colibri::kernels::prefill_tiers_for(level, big(WeightType::kBF16), kDefault);
+    const colibri::kernels::PrefillTiers f16_bf16 = colibri::kernels::plan_kernels(level, big(WeightType::kF16), kBf16).prefill;
+    const colibri::kernels::PrefillTiers bf16 = colibri::kernels::plan_kernels(level, big(WeightType::kBF16), kDefault).prefill;
     if (tiles) {
       ASSERT_EQ(f16_bf16.count, 1);
       EXPECT_STREQ(f16_bf16.tier[0].table->name, "amx-bf16");
@@ -225,7 +225,7 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
       EXPECT_EQ(bf16.tier[0].table, &colibri::kernels::avx512_tokens_kernels());
       EXPECT_EQ(bf16.tier[1].table, &colibri::kernels::avx512_gemm_kernels());
       const colibri::kernels::PrefillTiers bf16_asked =
-          colibri::kernels::prefill_tiers_for(level, big(WeightType::kBF16), kBf16);
+          colibri::kernels::plan_kernels(level, big(WeightType::kBF16), kBf16).prefill;
       if (colibri::kernels::cpu_has_avx512_bf16()) {
         ASSERT_EQ(bf16_asked.count, 1);
         EXPECT_STREQ(bf16_asked.tier[0].table->name, "avx512-bf16");
@@ -235,7 +235,7 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
     }
     // exact_prefill: never a table that rounds activations.
     for (const WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
-      const colibri::kernels::PrefillTiers exact = colibri::kernels::prefill_tiers_for(level, big(wt), kExact);
+      const colibri::kernels::PrefillTiers exact = colibri::kernels::plan_kernels(level, big(wt), kExact).prefill;
       ASSERT_EQ(exact.count, 2);
       for (int i = 0; i < exact.count; ++i) {
         EXPECT_STRNE(exact.tier[i].table->name, "amx-bf16");
@@ -251,7 +251,7 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
         const int32_t small = colibri::kernels::kBf16RoundingMinDim - 1;
         for (const auto& shape : {colibri::kernels::make_expert_shape(small, 4096, wt),
                                   colibri::kernels::make_expert_shape(4096, small, wt)}) {
-          const colibri::kernels::PrefillTiers t = colibri::kernels::prefill_tiers_for(level, shape, precision);
+          const colibri::kernels::PrefillTiers t = colibri::kernels::plan_kernels(level, shape, precision).prefill;
           for (int i = 0; i < t.count; ++i) {
             EXPECT_STRNE(t.tier[i].table->name, "amx-bf16");
             EXPECT_STRNE(t.tier[i].table->name, "avx512-bf16");
@@ -262,8 +262,69 @@ TEST_F(GemmKernels, PrefillTiersPickByTokensPerExpert) {
   }
 
   // Below AVX-512 there are no prefill tables at all.
-  EXPECT_EQ(colibri::kernels::prefill_tiers_for(Isa::kAvx2, big(WeightType::kF16), kDefault).count, 0);
-  EXPECT_EQ(colibri::kernels::prefill_tiers_for(Isa::kScalar, big(WeightType::kBF16), kBf16).count, 0);
+  EXPECT_EQ(colibri::kernels::plan_kernels(Isa::kAvx2, big(WeightType::kF16), kDefault).prefill.count, 0);
+  EXPECT_EQ(colibri::kernels::plan_kernels(Isa::kScalar, big(WeightType::kBF16), kBf16).prefill.count, 0);
+}
+
+// Every plan of the registry, for every format, level, precision and a big
+// and a small expert: a decode table of the format's kind (block formats
+// only ever run the block-format tables, float formats never do), at a
+// level the CPU has and not above the one asked for; tiers in ascending
+// token counts above the decode range; no table that rounds activations
+// with exact, or on an expert under kBf16RoundingMinDim.
+TEST(KernelRegistry, EveryPlanFitsItsFormatLevelAndPrecision) {
+  namespace k = colibri::kernels;
+  const auto starts_with = [](const char* s, const char* prefix) {
+    return std::strncmp(s, prefix, std::strlen(prefix)) == 0;
+  };
+  const auto block_table = [&](const KernelTable& t) {
+    return starts_with(t.name, "int8-") || starts_with(t.name, "exact-dequant-") ||
+           std::strcmp(t.name, "amx-bf16-dequant") == 0;
+  };
+  const auto rounds = [](const KernelTable& t) {
+    return std::strcmp(t.name, "amx-bf16") == 0 || std::strcmp(t.name, "avx512-bf16") == 0 ||
+           std::strcmp(t.name, "amx-bf16-dequant") == 0;
+  };
+  for (int type = 0; type < colibri::kWeightTypeCount; ++type) {
+    const auto wt = static_cast<WeightType>(type);
+    const bool block = colibri::weight_format(wt).quantized;
+    // q4_k_m's pairing for q4_k, the same type otherwise.
+    const WeightType down = wt == WeightType::kQ4_K ? WeightType::kQ6_K : wt;
+    for (const k::Isa isa : {k::Isa::kScalar, k::Isa::kAvx2, k::Isa::kAvx512, k::Isa::kAmx}) {
+      for (const auto precision :
+           {k::PrefillPrecision::kDefault, k::PrefillPrecision::kExact, k::PrefillPrecision::kBf16}) {
+        for (const int32_t dim : {k::kBf16RoundingMinDim - 32, 4096}) {
+          const ExpertShape shape = k::make_expert_shape(dim, dim, wt, down);
+          SCOPED_TRACE(std::string(colibri::weight_format(wt).name) + " " + k::isa_name(isa) + " precision " +
+                       std::to_string(static_cast<int>(precision)) + " dim " + std::to_string(dim));
+          const k::KernelPlan plan = k::plan_kernels(isa, shape, precision);
+          ASSERT_NE(plan.decode, nullptr);
+          EXPECT_EQ(plan.isa, isa);
+          const bool exact = precision == k::PrefillPrecision::kExact;
+          const bool may_round = !exact && dim >= k::kBf16RoundingMinDim;
+          EXPECT_EQ(block_table(*plan.decode), block);
+          EXPECT_FALSE(rounds(*plan.decode));
+          if (block) {
+            EXPECT_EQ(starts_with(plan.decode->name, "exact-dequant-"), exact);
+          }
+          int32_t below = 1;
+          for (int i = 0; i < plan.prefill.count; ++i) {
+            const KernelTable& t = *plan.prefill.tier[i].table;
+            EXPECT_GT(plan.prefill.tier[i].min_tokens, below);
+            below = plan.prefill.tier[i].min_tokens;
+            EXPECT_EQ(block_table(t), block) << t.name;
+            EXPECT_LE(t.isa, isa) << t.name;
+            EXPECT_TRUE(k::isa_supported(t.isa)) << t.name;
+            if (!may_round) {
+              EXPECT_FALSE(rounds(t)) << t.name;
+            }
+          }
+          EXPECT_LE(plan.decode->isa, isa);
+          EXPECT_TRUE(k::isa_supported(plan.decode->isa));
+        }
+      }
+    }
+  }
 }
 
 TEST_F(GemmKernels, PanelGemmMatchesFloat64Reference) {

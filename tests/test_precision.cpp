@@ -246,8 +246,9 @@ TEST(PrecisionContract, EveryTableOnTinyRandomLayers) {
       o.bf16_compute = option == Option::kBf16Compute ? 1 : 0;
       colibri_model_t* m = nullptr;
       ASSERT_EQ(open_layer(L, o, &m), COLIBRI_OK) << colibri_last_error();
-      const k::KernelTable& decode = k::decode_table_for(isa, weight_type(dtype));
-      const k::PrefillTiers tiers = k::prefill_tiers_for(isa, k::make_expert_shape(D, F, weight_type(dtype)), option_precision(option));
+      const k::KernelPlan plan = k::plan_kernels(isa, k::make_expert_shape(D, F, weight_type(dtype)), option_precision(option));
+      const k::KernelTable& decode = *plan.decode;
+      const k::PrefillTiers& tiers = plan.prefill;
       for (const int32_t T : kTokenCounts) {
         std::uniform_real_distribution<float> u(-1.0f, 1.0f), wd(-1.0f, 2.0f);
         std::vector<float> x(static_cast<size_t>(T) * static_cast<size_t>(D));

@@ -404,8 +404,7 @@ KernelTable exact_table(const char* name) {
 }  // namespace
 
 #if defined(COLIBRI_HAVE_X86_KERNELS)
-namespace {
-const KernelTable& quant_amx_kernels() {
+const KernelTable& quant_amx_bf16_kernels() {
   static const KernelTable t = [] {
     KernelTable k;
     k.isa = Isa::kAmx;
@@ -421,27 +420,7 @@ const KernelTable& quant_amx_kernels() {
   }();
   return t;
 }
-}  // namespace
 #endif
-
-// Tokens per expert from which the AMX tier beats the int8 kernels
-// (measured, docs/KERNELS.md).
-constexpr int32_t kQuantAmxMinTokens = 10;
-
-PrefillTiers quant_prefill_tiers(Isa isa, const ExpertShape& shape, PrefillPrecision precision) {
-  PrefillTiers tiers;
-#if defined(COLIBRI_HAVE_X86_KERNELS)
-  const bool amx = isa >= Isa::kAmx && isa_supported(Isa::kAmx);
-  const bool big = shape.d_model >= kBf16RoundingMinDim && shape.d_ff >= kBf16RoundingMinDim;
-  if (amx && big && precision != PrefillPrecision::kExact && dequant_bf16_avx512(shape.weight_type) != nullptr &&
-      dequant_bf16_avx512(shape.down_type) != nullptr) {
-    tiers.tier[tiers.count++] = {&quant_amx_kernels(), kQuantAmxMinTokens};
-  }
-#else
-  (void)isa, (void)shape, (void)precision;
-#endif
-  return tiers;
-}
 
 const KernelTable& quant_kernels(Isa isa, bool exact) {
   const Isa detected = detect_isa();

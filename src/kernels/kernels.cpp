@@ -5,33 +5,9 @@
 
 #include "kernels/kernels.h"
 
-#include "kernels/amx.h"
-#include "kernels/gemm.h"
 
 namespace colibri::kernels {
 namespace {
-
-// Tokens per expert from which each prefill table beats the ones below it,
-// measured on the development machine with bench/kernel_bench.cpp and, for
-// kTokensMinTokens, in whole layers (docs/KERNELS.md). Up to 4 tokens the
-// decode kernels read and widen each weight once, with no per-call
-// preparation; from 5 they run a second block of tokens over each chunk of
-// rows (from L2, widened again). In whole layers (weights from DRAM, two
-// threads) the token-lane kernel, which widens each weight once, is ahead
-// from 5, though with one expert in the LLC it draws level only at 7. From
-// kGemmMinTokens the panel GEMM, which packs each weight panel once for all
-// of an expert's tokens, overtakes the token-lane kernel, which widens them
-// once per group of 48 tokens.
-constexpr int32_t kTokensMinTokens = 5;
-constexpr int32_t kGemmMinTokens = 128;
-constexpr int32_t kAmxMinTokens = 4;
-// f16 weights on AMX at fp32-grade precision: the split table converts each
-// weight panel into two bf16 panels before the tiles use it (no overlap with
-// the tile work), a cost that only enough tokens per panel repay: against
-// the token lanes 0.77-1.08x at 32 tokens, 0.95-1.38x at 48, 1.2-1.8x from
-// 64 (colibri_kernel_bench, repetitions interleaved; docs/KERNELS.md), and
-// slower in the Mixtral T=128 layer (about 32 tokens per expert).
-constexpr int32_t kSplitMinTokens = 64;
 
 char ascii_lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
 
@@ -122,7 +98,7 @@ const KernelTable& kernel_table(Isa isa) {
   const Isa level = isa < detected ? isa : detected;
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   switch (level) {
-    case Isa::kAmx:  // the tiles only serve prefill (prefill_tiers_for)
+    case Isa::kAmx:  // the tiles only serve prefill (plan_kernels)
     case Isa::kAvx512:
       return avx512_kernels();
     case Isa::kAvx2:
@@ -145,51 +121,6 @@ bool bf16_compute_available(Isa isa) {
   (void)isa;
   return false;
 #endif
-}
-
-const KernelTable& decode_table_for(Isa isa, WeightType wt) {
-#if defined(COLIBRI_HAVE_X86_KERNELS)
-  if (wt == WeightType::kBF16 && bf16_compute_available(isa)) return avx512_bf16_split_kernels();
-#else
-  (void)wt;
-#endif
-  return kernel_table(isa);
-}
-
-PrefillTiers prefill_tiers_for(Isa isa, const ExpertShape& shape, PrefillPrecision precision) {
-  PrefillTiers tiers;
-#if defined(COLIBRI_HAVE_X86_KERNELS)
-  if (isa < Isa::kAvx512 || !isa_supported(Isa::kAvx512)) return tiers;
-  const WeightType wt = shape.weight_type;
-  const bool amx = isa >= Isa::kAmx && isa_supported(Isa::kAmx);
-  const bool may_round = shape.d_model >= kBf16RoundingMinDim && shape.d_ff >= kBf16RoundingMinDim &&
-                         (precision == PrefillPrecision::kBf16 ||
-                          (precision == PrefillPrecision::kDefault && wt == WeightType::kBF16));
-  if (may_round && amx) {
-    tiers.tier[tiers.count++] = {&amx_bf16_kernels(), kAmxMinTokens};
-    return tiers;
-  }
-  // bf16 weights without AMX take the fp32 kernels by default: on Emerald
-  // Rapids the vdpbf16ps table runs at 0.56-0.83x the token-lane kernel at
-  // 8-256 tokens per expert (docs/KERNELS.md), so rounding buys nothing.
-  // It stays for users who ask for bf16 compute, for CPUs where that
-  // instruction runs at full rate.
-  if (may_round && precision == PrefillPrecision::kBf16 && wt == WeightType::kBF16 && bf16_compute_available(isa)) {
-    tiers.tier[tiers.count++] = {&avx512_bf16_kernels(), kTokensMinTokens};
-    return tiers;
-  }
-  tiers.tier[tiers.count++] = {&avx512_tokens_kernels(), kTokensMinTokens};
-  if (wt == WeightType::kF16 && amx) {
-    tiers.tier[tiers.count++] = {&amx_f16_split_kernels(), kSplitMinTokens};
-    return tiers;
-  }
-  tiers.tier[tiers.count++] = {&avx512_gemm_kernels(), kGemmMinTokens};
-#else
-  (void)isa;
-  (void)shape;
-  (void)precision;
-#endif
-  return tiers;
 }
 
 }  // namespace colibri::kernels

@@ -16,7 +16,7 @@
 // Both blocks start 64-byte aligned. Element type: f32, f16 or bf16, as in
 // the model files. Activations are f32 and products are summed in f32,
 // except in the bf16 prefill tables ("amx-bf16", "avx512-bf16"), where
-// activations are rounded to bf16 (see prefill_tiers_for and
+// activations are rounded to bf16 (see plan_kernels and
 // docs/PRECISION.md).
 #pragma once
 
@@ -190,13 +190,6 @@ bool parse_isa(const char* text, Isa* out);
 // (weights widened exactly to f32, activations f32).
 const KernelTable& kernel_table(Isa isa);
 
-// The decode table for weights of type `wt` at `isa`, fp32-grade for every
-// type: kernel_table(isa), except bf16 weights on AVX512_BF16 CPUs, which
-// take "avx512-bf16-split" (vdpbf16ps on the activations split into two
-// bf16 parts; for one token it reads as fast as widening the weights or
-// faster, docs/PRECISION.md).
-const KernelTable& decode_table_for(Isa isa, WeightType wt);
-
 // True when the bf16 dot-product tables ("avx512-bf16", "avx512-bf16-split") may run at `isa`:
 // the level is at least avx512 and the CPU has AVX512_BF16.
 bool bf16_compute_available(Isa isa);
@@ -243,13 +236,25 @@ struct PrefillTiers {
 // 3.9e-3 for bf16 weights (tests/test_precision.cpp, docs/PRECISION.md).
 inline constexpr int32_t kBf16RoundingMinDim = 128;
 
-// The prefill tiers for experts of `shape` at level `isa`: the fp32
-// AVX-512 kernels with tokens in the lanes for mid counts, and for large
-// counts the weight-panel GEMM, or for f16 weights on AMX the fp32-grade
-// split table ("amx-f16-split"); bf16 weights by default, or any weights
-// with kBf16, the "amx-bf16" tiles where amx_available() and the expert is
-// at least kBf16RoundingMinDim in both dimensions; see PrefillPrecision.
-PrefillTiers prefill_tiers_for(Isa isa, const ExpertShape& shape, PrefillPrecision precision);
+// The tables that compute experts of `shape` at level `isa` (highest
+// supported level <= isa) and `precision`: a decode table and the prefill
+// tiers above it, from the registry (registry.cpp), the one place that
+// knows which formats, instruction sets, token counts and precisions each
+// table serves. Float formats decode at fp32 grade ("avx512-bf16-split"
+// for bf16 weights on AVX512_BF16 CPUs) and fill in with the token lanes
+// and the weight-panel GEMM or, on AMX, the bf16 / f16-split tiles as
+// PrefillPrecision allows; block formats decode on the int8 tables
+// (exact: "exact-dequant-<isa>") and on AMX prefill on "amx-bf16-dequant".
+// Experts under kBf16RoundingMinDim never take a table that rounds
+// activations to bf16.
+struct KernelPlan {
+  Isa isa = Isa::kScalar;  // the level asked for
+  const KernelTable* decode = nullptr;
+  PrefillTiers prefill;
+  // The table for an expert with n tokens.
+  const KernelTable& pick(int32_t n) const { return prefill.pick(n, *decode); }
+};
+KernelPlan plan_kernels(Isa isa, const ExpertShape& shape, PrefillPrecision precision);
 
 // The tables for block-quantised weights (ffn_quant.cpp) at the highest
 // level <= isa: "int8-<isa>", activations quantised to int8 blocks and
@@ -257,12 +262,6 @@ PrefillTiers prefill_tiers_for(Isa isa, const ExpertShape& shape, PrefillPrecisi
 // "exact-dequant-<isa>": fp32 activations against the weights widened by
 // the format's reference dequantiser, and the fp32 kernels.
 const KernelTable& quant_kernels(Isa isa, bool exact);
-// The prefill tier of the block formats: on AMX ("amx-bf16-dequant"), rows
-// dequantised to bf16 in L2-sized chunks and the "amx-bf16" tiles on them,
-// activations rounded to bf16 (docs/PRECISION.md), from the measured token
-// count per expert. None (count 0) below the AMX level, for the exact
-// precision, or for experts under kBf16RoundingMinDim.
-PrefillTiers quant_prefill_tiers(Isa isa, const ExpertShape& shape, PrefillPrecision precision);
 
 // Per-ISA tables (defined in ffn_<isa>.cpp).
 const KernelTable& scalar_kernels();
@@ -271,11 +270,15 @@ const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
 // bf16 weights with bf16-rounded activations via vdpbf16ps (ffn_avx512_bf16.cpp);
 // f32/f16 weights passed to it go to avx512_kernels(). Its kernels may only
-// run when cpu_has_avx512_bf16(); prefill_tiers_for() checks that.
+// run when cpu_has_avx512_bf16(); plan_kernels() checks that.
 const KernelTable& avx512_bf16_kernels();
 // The same with the activations split into hi + lo bf16 parts, two
 // products each: fp32-grade (docs/PRECISION.md); the bf16 decode table.
 const KernelTable& avx512_bf16_split_kernels();
+// Block formats on AMX (ffn_quant.cpp): rows dequantised to bf16 in
+// L2-sized chunks, then the "amx-bf16" tiles on them, activations rounded
+// to bf16 (docs/PRECISION.md). Only where amx_available().
+const KernelTable& quant_amx_bf16_kernels();
 #endif
 
 }  // namespace colibri::kernels

@@ -27,8 +27,8 @@ int32_t rows_per_item(int64_t total_rows, int threads, int32_t max_rows) {
 }  // namespace
 
 Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, ThreadPool& pool,
-               const kernels::KernelTable& kernels)
-    : store_(store), n_layers_(n_layers), n_experts_(n_experts), pool_(pool), kernels_(&kernels) {
+               const kernels::KernelPlan& plan)
+    : store_(store), n_layers_(n_layers), n_experts_(n_experts), pool_(pool), plan_(plan) {
   expert_offsets_.resize(static_cast<size_t>(n_experts) + 1);
   kernel_scratch_ = std::make_unique<kernels::KernelScratch[]>(static_cast<size_t>(pool.size()));
   active_experts_.reserve(static_cast<size_t>(n_experts));
@@ -41,8 +41,7 @@ void Engine::set_router(const RouterDesc& desc) {
   router_ = RouterRule(desc, n_experts_);
   // Router weights are f32 and computed in fp32 whatever the experts' type:
   // the choice of experts should not depend on the weight format.
-  router_decode_ = &kernels::kernel_table(kernels_->isa);
-  router_prefill_ = kernels::prefill_tiers_for(kernels_->isa, store_.router_shape(), kernels::PrefillPrecision::kExact);
+  router_plan_ = kernels::plan_kernels(plan_.isa, store_.router_shape(), kernels::PrefillPrecision::kExact);
 }
 
 // Grows the per-token scratch (router logits, shared expert) to `tokens`.
@@ -86,7 +85,7 @@ void Engine::route_locked(int32_t layer, int32_t n_tokens, const float* input, i
   // logits[t][e] = router_e . x_t: the router is the "down" block of an
   // expert with E output rows, so the down kernels compute it, split over
   // rows of E.
-  const kernels::KernelTable& table = router_prefill_.pick(n_tokens, *router_decode_);
+  const kernels::KernelTable& table = router_plan_.pick(n_tokens);
   if (static_cast<double>(T) * E * rs.d_ff < 262144.0) threads = 1;
   const int32_t rows = rows_per_item(E, threads, E);
   const uint8_t* w = store_.router(layer);
@@ -178,15 +177,15 @@ void Engine::reserve_kernel_scratch(int32_t tokens) {
     // decode kernels when a call finds no scratch.
     // The decode table too: the block-format tables (ffn_quant.cpp) serve
     // every token count and keep their quantised activations there.
-    for (int i = -1; i < prefill_.count; ++i) {
-      const kernels::KernelTable& table = i < 0 ? *kernels_ : *prefill_.tier[i].table;
+    for (int i = -1; i < plan_.prefill.count; ++i) {
+      const kernels::KernelTable& table = i < 0 ? *plan_.decode : *plan_.prefill.tier[i].table;
       if (table.reserve == nullptr) continue;
       (void)table.reserve(shape, tokens, rows, scratch);
       if (shared.d_ff > 0) (void)table.reserve(shared, tokens, rows, scratch);
     }
     if (has_router()) {
-      for (int i = 0; i < router_prefill_.count; ++i) {
-        const kernels::KernelTable& table = *router_prefill_.tier[i].table;
+      for (int i = 0; i < router_plan_.prefill.count; ++i) {
+        const kernels::KernelTable& table = *router_plan_.prefill.tier[i].table;
         if (table.reserve != nullptr) (void)table.reserve(router, tokens, rows, scratch);
       }
     }
@@ -202,8 +201,8 @@ size_t Engine::prepared_bound(size_t slots, int32_t tokens) const {
   const size_t active = std::min(static_cast<size_t>(n_experts_), slots);
   const int32_t n = static_cast<int32_t>(std::min<size_t>(slots, INT32_MAX));
   size_t bound = 0;
-  for (int i = -1; i < prefill_.count; ++i) {
-    const kernels::KernelTable& table = i < 0 ? *kernels_ : *prefill_.tier[i].table;
+  for (int i = -1; i < plan_.prefill.count; ++i) {
+    const kernels::KernelTable& table = i < 0 ? *plan_.decode : *plan_.prefill.tier[i].table;
     if (table.prepared_bytes == nullptr || slots == 0) continue;
     for (const kernels::Phase phase : {kernels::Phase::kGateUp, kernels::Phase::kDown}) {
       size_t bytes = table.prepared_bytes(shape, phase, n) + active * (table.prepared_bytes(shape, phase, 1) + 64);
@@ -344,7 +343,7 @@ void Engine::run_locked(const InferArgs& a) {
     max_tokens = std::max(max_tokens, expert_offsets_[static_cast<size_t>(e) + 1] - expert_offsets_[static_cast<size_t>(e)]);
   }
   if (Fs > 0) max_tokens = std::max(max_tokens, a.n_tokens);
-  const bool coarse = prefill_.count > 0 && max_tokens >= prefill_.tier[0].min_tokens;
+  const bool coarse = plan_.prefill.count > 0 && max_tokens >= plan_.prefill.tier[0].min_tokens;
   const int64_t active = static_cast<int64_t>(active_experts_.size());
 
   // Phase 1: (expert, block of d_ff rows), the shared expert's blocks first

@@ -38,8 +38,9 @@ struct InferArgs {
 
 class Engine {
  public:
+  // `plan`: the tables for the store's experts (kernels::plan_kernels).
   Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, ThreadPool& pool,
-         const kernels::KernelTable& kernels);
+         const kernels::KernelPlan& plan);
 
   // Sizes the scratch for calls of up to `tokens` tokens with `top_k`
   // experts each, so such calls allocate nothing. Larger calls grow the
@@ -62,7 +63,7 @@ class Engine {
   void set_router(const RouterDesc& desc);
   bool has_router() const { return router_.desc().family != RouterFamily::kNone; }
 
-  const kernels::KernelTable& kernels() const { return *kernels_; }
+  const kernels::KernelTable& kernels() const { return *plan_.decode; }
 
   // Runs fn with no call in flight and none starting until it returns: the
   // grace period of a hot swap (calls are serialised, so once the call lock
@@ -76,8 +77,7 @@ class Engine {
   // Kernels for experts by the tokens they received in a call (the prefill
   // paths); below the first tier the decode kernels run. No tiers disables
   // the switch.
-  void set_prefill_kernels(const kernels::PrefillTiers& tiers) { prefill_ = tiers; }
-  const kernels::PrefillTiers& prefill_kernels() const { return prefill_; }
+  const kernels::PrefillTiers& prefill_kernels() const { return plan_.prefill; }
 
  private:
   struct Phase1Item {
@@ -105,13 +105,12 @@ class Engine {
   int32_t n_layers_;
   int32_t n_experts_;
   ThreadPool& pool_;
-  const kernels::KernelTable* kernels_;
-  kernels::PrefillTiers prefill_;
+  kernels::KernelPlan plan_;
   // The prefill kernels' working memory, one per pool thread, sized by
   // reserve() and bound to the thread that runs each work item.
   std::unique_ptr<kernels::KernelScratch[]> kernel_scratch_;
 
-  const kernels::KernelTable& table_for(int32_t n_tokens) const { return prefill_.pick(n_tokens, *kernels_); }
+  const kernels::KernelTable& table_for(int32_t n_tokens) const { return plan_.pick(n_tokens); }
 
   FairMutex call_mutex_;  // guards the scratch below; callers served in arrival order
   // Scratch, grown on demand and reused across calls.
@@ -138,8 +137,7 @@ class Engine {
   std::vector<float> blob_weights_;
   // Built-in router and shared expert.
   RouterRule router_;
-  const kernels::KernelTable* router_decode_ = nullptr;   // f32 weights, fp32 compute
-  kernels::PrefillTiers router_prefill_;
+  kernels::KernelPlan router_plan_;  // f32 weights, fp32 compute
   std::vector<float> logits_;          // [T][E]
   std::vector<int32_t> identity_;      // 0, 1, 2, ... (token index of the shared expert / router)
   std::vector<float> ones_;            // weight 1 per token (router logits)

@@ -176,20 +176,12 @@ void Model::start(const colibri_open_options_t& o) {
   // Decode is fp32-grade for every weight type; prefill precision follows the
   // options (docs/PRECISION.md). model_kernels() says which tables run.
   const kernels::Isa isa = kernels::default_isa();
-  // Block formats run their own tables: int8 activations by default (on AMX
-  // machines the bf16 tiles on dequantised rows from a few tokens per
-  // expert), dequantised weights at fp32 with exact_prefill.
-  const bool quantized = manifest_.quantized();
-  engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_,
-                                     quantized ? kernels::quant_kernels(isa, o.exact_prefill != 0)
-                                               : kernels::decode_table_for(isa, store_->shape().weight_type));
   const kernels::PrefillPrecision precision = o.exact_prefill != 0  ? kernels::PrefillPrecision::kExact
                                               : o.bf16_compute != 0 ? kernels::PrefillPrecision::kBf16
                                                                     : kernels::PrefillPrecision::kDefault;
-  const kernels::PrefillTiers prefill =
-      quantized ? kernels::quant_prefill_tiers(isa, store_->shape(), precision)
-                : kernels::prefill_tiers_for(isa, store_->shape(), precision);
-  engine_->set_prefill_kernels(prefill);
+  const kernels::KernelPlan plan = kernels::plan_kernels(isa, store_->shape(), precision);
+  engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_, plan);
+  const kernels::PrefillTiers& prefill = plan.prefill;
   if (manifest_.has_router()) engine_->set_router(manifest_.router);
   kernels_description_ = std::string("decode ") + engine_->kernels().name;
   for (int i = 0; i < prefill.count; ++i) {
