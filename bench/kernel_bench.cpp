@@ -119,8 +119,9 @@ struct ExpertCall {
   double flops() const { return 6.0 * s.d_model * s.d_ff * n; }
   void run(const KernelTable& table) {
     const size_t D = static_cast<size_t>(s.d_model);
-    table.gate_up(s, weights.gate_up.get(), x.data(), D, index.data(), n, 0, s.d_ff, h.data(), ldh());
-    table.down(s, weights.down.get(), h.data(), ldh(), index.data(), weight.data(), n, 0, s.d_model, y.data(), D);
+    table.gate_up(s, weights.gate_up.get(), x.data(), D, index.data(), n, 0, s.d_ff, h.data(), ldh(), &scratch);
+    table.down(s, weights.down.get(), h.data(), ldh(), index.data(), weight.data(), n, 0, s.d_model, y.data(), D,
+               &scratch);
     benchmark::ClobberMemory();
   }
 
@@ -128,6 +129,7 @@ struct ExpertCall {
   const ExpertWeights& weights;
   int32_t n;
   std::vector<float> x, y, weight, h;
+  colibri::kernels::KernelScratch scratch;
   std::vector<int32_t> index;
 };
 

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "kernels/amx.h"
+#include "kernel_scratch.h"
 #include "util/half.h"
 
 namespace {
@@ -128,12 +129,13 @@ struct Worst {
 // One gate_up call over [fb, fe) into NaN-poisoned h, checked element-wise.
 // rounded: reference on bf16-rounded weights and x.
 void check_gate_up(const KernelTable& k, const Packed& p, const std::vector<float>& x, const std::vector<int32_t>& idx,
-                   int n, int fb, int fe, Ref ref_kind, const std::string& label, Worst* overall) {
+                   int n, int fb, int fe, Ref ref_kind, const std::string& label, Worst* overall,
+                   colibri::kernels::KernelScratch* scratch = colibri_test::thread_scratch()) {
   const bool rounded = ref_kind == Ref::kRounded;
   const int D = p.s.d_model, F = p.s.d_ff;
   const size_t ldh = static_cast<size_t>(F) + 3;
   std::vector<float> h(static_cast<size_t>(n) * ldh, NAN);
-  k.gate_up(p.s, p.gate_up.data(), x.data(), static_cast<size_t>(D), idx.data(), n, fb, fe, h.data(), ldh);
+  k.gate_up(p.s, p.gate_up.data(), x.data(), static_cast<size_t>(D), idx.data(), n, fb, fe, h.data(), ldh, scratch);
   const double rel = dot_rel(ref_kind, p.s.weight_type, D);
   Worst worst;
   for (int i = 0; i < n; ++i) {
@@ -175,14 +177,15 @@ void check_gate_up(const KernelTable& k, const Packed& p, const std::vector<floa
 // outside the range must be untouched.
 void check_down(const KernelTable& k, const Packed& p, const std::vector<float>& h, size_t ldh,
                 const std::vector<int32_t>& idx, const std::vector<float>& w, int n, int T, int db, int de,
-                Ref ref_kind, std::mt19937& rng, const std::string& label, Worst* overall) {
+                Ref ref_kind, std::mt19937& rng, const std::string& label, Worst* overall,
+                colibri::kernels::KernelScratch* scratch = colibri_test::thread_scratch()) {
   const bool rounded = ref_kind == Ref::kRounded;
   const int D = p.s.d_model, F = p.s.d_ff;
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   std::vector<float> y(static_cast<size_t>(T) * D);
   for (float& v : y) v = u(rng);
   const std::vector<float> y0 = y;
-  k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, db, de, y.data(), static_cast<size_t>(D));
+  k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, db, de, y.data(), static_cast<size_t>(D), scratch);
   const double rel = dot_rel(ref_kind, p.s.weight_type, F);
   std::vector<double> ref(y0.begin(), y0.end()), tol(y0.size(), 1e-30);
   for (int i = 0; i < n; ++i) {
@@ -252,7 +255,7 @@ std::vector<TableCase> all_tables() {
 // block), row ranges with a partial last panel and a lone last panel.
 // The split table gets every weight type too: f32 and bf16 go to the fp32
 // kernels, which meet the same bound.
-void run_shapes(const KernelTable& k, Ref ref) {
+void run_shapes(const KernelTable& k, Ref ref, colibri::kernels::KernelScratch* scratch = colibri_test::thread_scratch()) {
   const bool rounded = ref == Ref::kRounded;
   std::mt19937 rng(rounded ? 20261130 : 20261201);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -271,7 +274,7 @@ void run_shapes(const KernelTable& k, Ref ref) {
           std::vector<int32_t> idx(static_cast<size_t>(n));
           for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 7 + 2) % T;  // gathered, some repeated
           const int fb = F > 4 ? 1 : 0, fe = F > 4 ? F - 1 : F;
-          check_gate_up(k, p, x, idx, n, fb, fe, ref, label, &gate_up_worst);
+          check_gate_up(k, p, x, idx, n, fb, fe, ref, label, &gate_up_worst, scratch);
 
           const size_t ldh = static_cast<size_t>(F) + 3;
           std::vector<float> h(static_cast<size_t>(n) * ldh);
@@ -279,7 +282,7 @@ void run_shapes(const KernelTable& k, Ref ref) {
           std::vector<float> w(static_cast<size_t>(n));
           for (float& v : w) v = u(rng);
           const int db = D > 4 ? 2 : 0, de = D > 4 ? D - 1 : D;
-          check_down(k, p, h, ldh, idx, w, n, T, db, de, ref, rng, label, &down_worst);
+          check_down(k, p, h, ldh, idx, w, n, T, db, de, ref, rng, label, &down_worst, scratch);
         }
       }
     }
@@ -305,8 +308,7 @@ TEST_F(AmxKernels, SplitMatchesFloat64ReferenceAtFp32Bound) {
 TEST_F(AmxKernels, NoScratchFallsBackToDecodeKernels) {
   colibri::kernels::KernelScratch none;
   none.set_limit(0);
-  const colibri::kernels::ScratchScope scope(&none);
-  for (const TableCase& t : all_tables()) run_shapes(*t.k, t.ref);
+  for (const TableCase& t : all_tables()) run_shapes(*t.k, t.ref, &none);
 }
 
 // Each table on the weight types it computes on the tiles, held to its
@@ -359,6 +361,7 @@ TEST_F(AmxKernels, LargerShape) {
 // unchunked call on a prefix of the tokens (storing and reloading fp32 tiles
 // is exact).
 TEST_F(AmxKernels, ChunkedK) {
+  colibri::kernels::KernelScratch* const scratch = colibri_test::thread_scratch();
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   struct Case {
@@ -390,8 +393,8 @@ TEST_F(AmxKernels, ChunkedK) {
 
       const int m = 31;  // 2 blocks: one chunk
       std::vector<float> h_all(static_cast<size_t>(n) * ldh), h_few(static_cast<size_t>(m) * ldh);
-      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, fe, h_all.data(), ldh);
-      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), m, 0, fe, h_few.data(), ldh);
+      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, fe, h_all.data(), ldh, scratch);
+      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), m, 0, fe, h_few.data(), ldh, scratch);
       for (int i = 0; i < m; ++i) {
         ASSERT_EQ(std::memcmp(&h_all[static_cast<size_t>(i) * ldh], &h_few[static_cast<size_t>(i) * ldh],
                               static_cast<size_t>(fe) * sizeof(float)),
@@ -402,8 +405,8 @@ TEST_F(AmxKernels, ChunkedK) {
       std::vector<int32_t> ident(static_cast<size_t>(n));
       for (int i = 0; i < n; ++i) ident[static_cast<size_t>(i)] = i;
       std::vector<float> y_all(static_cast<size_t>(n) * D, 0.0f), y_few(static_cast<size_t>(m) * D, 0.0f);
-      k.down(p.s, p.down.data(), h.data(), ldh, ident.data(), w.data(), n, 0, de, y_all.data(), D);
-      k.down(p.s, p.down.data(), h.data(), ldh, ident.data(), w.data(), m, 0, de, y_few.data(), D);
+      k.down(p.s, p.down.data(), h.data(), ldh, ident.data(), w.data(), n, 0, de, y_all.data(), D, scratch);
+      k.down(p.s, p.down.data(), h.data(), ldh, ident.data(), w.data(), m, 0, de, y_few.data(), D, scratch);
       ASSERT_EQ(std::memcmp(y_all.data(), y_few.data(), y_few.size() * sizeof(float)), 0);
     }
   }
@@ -413,6 +416,7 @@ TEST_F(AmxKernels, ChunkedK) {
 // token block or thread: splitting the rows (also across threads, each with
 // its own tile configuration and buffers) must give identical bits.
 TEST_F(AmxKernels, IndependentOfPartitionAndThreads) {
+  colibri::kernels::KernelScratch* const scratch = colibri_test::thread_scratch();
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (const TiledCase& tc : tiled_cases({WeightType::kBF16, WeightType::kF16, WeightType::kF32})) {
@@ -427,11 +431,11 @@ TEST_F(AmxKernels, IndependentOfPartitionAndThreads) {
     for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = (i * 5 + 1) % T;
     const size_t ldh = static_cast<size_t>(F);
     std::vector<float> h_full(static_cast<size_t>(n) * ldh), h_split(h_full.size());
-    k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, h_full.data(), ldh);
+    k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, h_full.data(), ldh, scratch);
     {
-      std::thread a([&] { k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, 7, h_split.data(), ldh); });
-      std::thread b([&] { k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 7, 141, h_split.data(), ldh); });
-      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 141, F, h_split.data(), ldh);
+      std::thread a([&] { k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, 7, h_split.data(), ldh, colibri_test::thread_scratch()); });
+      std::thread b([&] { k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 7, 141, h_split.data(), ldh, colibri_test::thread_scratch()); });
+      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 141, F, h_split.data(), ldh, scratch);
       a.join();
       b.join();
     }
@@ -442,11 +446,11 @@ TEST_F(AmxKernels, IndependentOfPartitionAndThreads) {
     std::vector<float> y_full(static_cast<size_t>(T) * D);
     for (float& v : y_full) v = u(rng);
     std::vector<float> y_split = y_full;
-    k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 0, D, y_full.data(), D);
+    k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 0, D, y_full.data(), D, scratch);
     {
-      std::thread a([&] { k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 0, 19, y_split.data(), D); });
-      std::thread b([&] { k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 19, 100, y_split.data(), D); });
-      k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 100, D, y_split.data(), D);
+      std::thread a([&] { k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 0, 19, y_split.data(), D, colibri_test::thread_scratch()); });
+      std::thread b([&] { k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 19, 100, y_split.data(), D, colibri_test::thread_scratch()); });
+      k.down(p.s, p.down.data(), h_full.data(), ldh, idx.data(), w.data(), n, 100, D, y_split.data(), D, scratch);
       a.join();
       b.join();
     }
@@ -459,6 +463,7 @@ TEST_F(AmxKernels, IndependentOfPartitionAndThreads) {
 // row range; with no scratch it falls back to the decode kernels on the
 // plain arguments, as the plain kernel does.
 TEST_F(AmxKernels, PreparedMatchesPlain) {
+  colibri::kernels::KernelScratch* const scratch = colibri_test::thread_scratch();
   using colibri::kernels::Phase;
   std::mt19937 rng(13);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -506,9 +511,9 @@ TEST_F(AmxKernels, PreparedMatchesPlain) {
       const std::pair<int, int> f_ranges[] = {{0, F}, {3, 35}, {40, F}};
       std::vector<float> h_plain(static_cast<size_t>(n) * ldh, NAN), h_prep = h_plain;
       for (const auto& r : f_ranges) {
-        k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, r.first, r.second, h_plain.data(), ldh);
+        k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, r.first, r.second, h_plain.data(), ldh, scratch);
         k.gate_up_prepared(p.s, p.gate_up.data(), x.data(), D, idx.data(), up, n, r.first, r.second, h_prep.data(),
-                           ldh);
+                           ldh, scratch);
       }
       ASSERT_EQ(std::memcmp(h_plain.data(), h_prep.data(), h_plain.size() * sizeof(float)), 0);
 
@@ -517,22 +522,21 @@ TEST_F(AmxKernels, PreparedMatchesPlain) {
       std::vector<float> y_plain = y0, y_prep = y0;
       const std::pair<int, int> d_ranges[] = {{0, D}, {3, 35}, {40, D}};
       for (const auto& r : d_ranges) {
-        k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, r.first, r.second, y_plain.data(), D);
+        k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, r.first, r.second, y_plain.data(), D, scratch);
         k.down_prepared(p.s, p.down.data(), h.data(), ldh, down, idx.data(), w.data(), n, r.first, r.second,
-                        y_prep.data(), D);
+                        y_prep.data(), D, scratch);
       }
       ASSERT_EQ(std::memcmp(y_plain.data(), y_prep.data(), y_plain.size() * sizeof(float)), 0);
 
       colibri::kernels::KernelScratch none;
       none.set_limit(0);
-      const colibri::kernels::ScratchScope scope(&none);
       std::vector<float> hf_plain(static_cast<size_t>(n) * ldh, NAN), hf_prep = hf_plain;
-      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, hf_plain.data(), ldh);
-      k.gate_up_prepared(p.s, p.gate_up.data(), x.data(), D, idx.data(), up, n, 0, F, hf_prep.data(), ldh);
+      k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, hf_plain.data(), ldh, &none);
+      k.gate_up_prepared(p.s, p.gate_up.data(), x.data(), D, idx.data(), up, n, 0, F, hf_prep.data(), ldh, &none);
       ASSERT_EQ(std::memcmp(hf_plain.data(), hf_prep.data(), hf_plain.size() * sizeof(float)), 0);
       std::vector<float> yf_plain = y0, yf_prep = y0;
-      k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, 0, D, yf_plain.data(), D);
-      k.down_prepared(p.s, p.down.data(), h.data(), ldh, down, idx.data(), w.data(), n, 0, D, yf_prep.data(), D);
+      k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, 0, D, yf_plain.data(), D, &none);
+      k.down_prepared(p.s, p.down.data(), h.data(), ldh, down, idx.data(), w.data(), n, 0, D, yf_prep.data(), D, &none);
       ASSERT_EQ(std::memcmp(yf_plain.data(), yf_prep.data(), yf_plain.size() * sizeof(float)), 0);
     }
   }
@@ -550,6 +554,7 @@ TEST_F(AmxKernels, PreparedMatchesPlain) {
 // (oneDNN's AMX kernels do, under PyTorch): the next call must configure
 // them again instead of faulting with SIGILL.
 TEST_F(AmxKernels, SurvivesTilesReleasedByOtherCode) {
+  colibri::kernels::KernelScratch* const scratch = colibri_test::thread_scratch();
   const KernelTable& k = colibri::kernels::amx_bf16_kernels();
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -560,13 +565,13 @@ TEST_F(AmxKernels, SurvivesTilesReleasedByOtherCode) {
   std::vector<int32_t> idx(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = i;
   std::vector<float> h1(static_cast<size_t>(n) * F), h2(h1.size(), std::nanf(""));
-  k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, h1.data(), F);
+  k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, h1.data(), F, scratch);
   __asm__ volatile("tilerelease" ::: "memory");
-  k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, h2.data(), F);
+  k.gate_up(p.s, p.gate_up.data(), x.data(), D, idx.data(), n, 0, F, h2.data(), F, scratch);
   EXPECT_EQ(std::memcmp(h1.data(), h2.data(), h1.size() * sizeof(float)), 0);
   __asm__ volatile("tilerelease" ::: "memory");
   std::vector<float> w(static_cast<size_t>(n), 0.5f), y(x.size(), 0.0f);
-  k.down(p.s, p.down.data(), h1.data(), F, idx.data(), w.data(), n, 0, D, y.data(), D);
+  k.down(p.s, p.down.data(), h1.data(), F, idx.data(), w.data(), n, 0, D, y.data(), D, scratch);
   for (float v : y) ASSERT_TRUE(std::isfinite(v));
 }
 

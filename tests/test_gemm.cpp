@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_scratch.h"
 #include "kernels/amx.h"
 #include "kernels/gemm.h"
 #include "util/half.h"
@@ -73,7 +74,8 @@ class GemmKernels : public ::testing::Test {
 
 // One expert of D x F, n tokens gathered from n + 3 (some repeated): both
 // phases over partial row ranges against float64, outputs poisoned.
-void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::mt19937& rng) {
+void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::mt19937& rng,
+                 colibri::kernels::KernelScratch* scratch = colibri_test::thread_scratch()) {
           SCOPED_TRACE(std::string(k.name) + " " + type_name(wt) + " D=" + std::to_string(D) +
                        " F=" + std::to_string(F) + " n=" + std::to_string(n));
           std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -88,7 +90,7 @@ void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::
           const size_t ldh = static_cast<size_t>(F) + 3;
           std::vector<float> h(static_cast<size_t>(n) * ldh, NAN);
           const int fb = F > 4 ? 1 : 0, fe = F > 4 ? F - 1 : F;
-          k.gate_up(p.s, p.gate_up.data(), x.data(), static_cast<size_t>(D), idx.data(), n, fb, fe, h.data(), ldh);
+          k.gate_up(p.s, p.gate_up.data(), x.data(), static_cast<size_t>(D), idx.data(), n, fb, fe, h.data(), ldh, scratch);
           double worst = 0;
           std::string where;
           for (int i = 0; i < n; ++i) {
@@ -134,7 +136,7 @@ void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::
           for (float& v : y) v = u(rng);
           const std::vector<float> y0 = y;
           const int db = D > 4 ? 2 : 0, de = D > 4 ? D - 1 : D;
-          k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, db, de, y.data(), static_cast<size_t>(D));
+          k.down(p.s, p.down.data(), h.data(), ldh, idx.data(), w.data(), n, db, de, y.data(), static_cast<size_t>(D), scratch);
           std::vector<double> ref(y0.begin(), y0.end()), mag(y0.size(), 0.0);
           for (int i = 0; i < n; ++i) {
             for (int d = db; d < de; ++d) {
@@ -358,13 +360,16 @@ TEST_F(GemmKernels, TokenLanesMatchFloat64Reference) {
 // With no working memory to be had, both prefill tables fall back to the
 // decode kernels; they must not return with the output unwritten.
 TEST_F(GemmKernels, NoScratchFallsBackToDecodeKernels) {
+  // A scratch that cannot grow, and none at all.
   colibri::kernels::KernelScratch none;
   none.set_limit(0);
-  const colibri::kernels::ScratchScope scope(&none);
   std::mt19937 rng(20261203);
   for (const KernelTable* k : {&colibri::kernels::avx512_tokens_kernels(), &colibri::kernels::avx512_gemm_kernels()}) {
     for (WeightType wt : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
-      for (int n : {8, 21, 70}) check_table(*k, wt, 129, 48, n, rng);
+      for (int n : {8, 21, 70}) {
+        check_table(*k, wt, 129, 48, n, rng, &none);
+        check_table(*k, wt, 129, 48, n, rng, nullptr);
+      }
     }
   }
 }

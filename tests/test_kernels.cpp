@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_scratch.h"
 #include "kernels/amx.h"
 #include "kernels/kernels.h"
 #include "util/half.h"
@@ -262,7 +263,7 @@ void check_gate_up(const KernelTable& k, WeightType t, const Case& c, std::mt199
   const size_t h_size = (static_cast<size_t>(c.n) - 1) * ldh + static_cast<size_t>(c.d_ff);
   std::vector<float> h(h_size, std::numeric_limits<float>::quiet_NaN());
 
-  k.gate_up(s, w.data(), x.data(), ldx, tok.data(), c.n, f_begin, f_end, h.data(), ldh);
+  k.gate_up(s, w.data(), x.data(), ldx, tok.data(), c.n, f_begin, f_end, h.data(), ldh, colibri_test::thread_scratch());
 
   // worst: against the exact float64 result, with the tolerance of the
   // kernel's arithmetic. worst_rounded (bf16 activations only): against a
@@ -345,7 +346,7 @@ void check_down(const KernelTable& k, WeightType t, const Case& c, std::mt19937_
   int32_t d_begin = 0, d_end = 0;
   random_range(c.d_model, rng, &d_begin, &d_end);
 
-  k.down(s, w.data(), h.data(), ldh, tok.data(), weight.data(), c.n, d_begin, d_end, y.data(), ldy);
+  k.down(s, w.data(), h.data(), ldh, tok.data(), weight.data(), c.n, d_begin, d_end, y.data(), ldy, colibri_test::thread_scratch());
 
   // Expected y and its tolerance, built in float64 in the kernel's order:
   // ref/tol from the exact h with the kernel's dot-product allowance eps;
@@ -514,13 +515,13 @@ TEST_P(KernelTest, EmptyRangesTouchNothing) {
   std::vector<float> y(33, 2.0f);
   const int32_t tok = 0;
   const float wt = 1.0f;
-  table_->gate_up(s, gu.data(), x.data(), 33, &tok, 1, 5, 5, h.data(), 20);
+  table_->gate_up(s, gu.data(), x.data(), 33, &tok, 1, 5, 5, h.data(), 20, colibri_test::thread_scratch());
   for (float v : h) EXPECT_TRUE(std::isnan(v));
-  table_->gate_up(s, gu.data(), x.data(), 33, &tok, 0, 0, 20, h.data(), 20);
+  table_->gate_up(s, gu.data(), x.data(), 33, &tok, 0, 0, 20, h.data(), 20, colibri_test::thread_scratch());
   for (float v : h) EXPECT_TRUE(std::isnan(v));
   std::vector<float> hv(20, 1.0f);
-  table_->down(s, dn.data(), hv.data(), 20, &tok, &wt, 1, 9, 9, y.data(), 33);
-  table_->down(s, dn.data(), hv.data(), 20, &tok, &wt, 0, 0, 33, y.data(), 33);
+  table_->down(s, dn.data(), hv.data(), 20, &tok, &wt, 1, 9, 9, y.data(), 33, colibri_test::thread_scratch());
+  table_->down(s, dn.data(), hv.data(), 20, &tok, &wt, 0, 0, 33, y.data(), 33, colibri_test::thread_scratch());
   for (float v : y) EXPECT_EQ(v, 2.0f);
 }
 

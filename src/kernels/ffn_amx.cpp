@@ -491,12 +491,12 @@ bool make_plan(int32_t K, int32_t n, int32_t units, bool split, bool own_activat
                Plan* p) {
   plan_geometry(K, n, units, split, p);
   if (own_activations) {
-    p->act = static_cast<uint16_t*>(scratch->get(kActSlot, packed_activation_bytes(*p)));
+    p->act = static_cast<uint16_t*>(scratch_buffer(scratch, kActSlot, packed_activation_bytes(*p)));
     if (p->act == nullptr) return false;
   }
   const size_t panels = split ? 4 : 2;
-  p->panel = static_cast<uint16_t*>(scratch->get(kPanelSlot, panels * kTile * p->CS * kKStep * 2));
-  p->acc = static_cast<float*>(scratch->get(kAccSlot, static_cast<size_t>(p->RG) * p->passes * kPassAccBytes));
+  p->panel = static_cast<uint16_t*>(scratch_buffer(scratch, kPanelSlot, panels * kTile * p->CS * kKStep * 2));
+  p->acc = static_cast<float*>(scratch_buffer(scratch, kAccSlot, static_cast<size_t>(p->RG) * p->passes * kPassAccBytes));
   return p->panel != nullptr && p->acc != nullptr;
 }
 
@@ -693,12 +693,12 @@ const KernelTable& decode_fallback() { return avx512_kernels(); }
 // pack them here.
 void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                    const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin, int32_t f_end,
-                   float* h, size_t ldh) {
+                   float* h, size_t ldh, KernelScratch* scratch) {
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t units = (f_end - f_begin + kTile - 1) / kTile;
   Plan pl;
-  if (!make_plan(s.d_model, n, units, split, prepared == nullptr, &bound_scratch(), &pl)) {
-    decode_fallback().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+  if (!make_plan(s.d_model, n, units, split, prepared == nullptr, scratch, &pl)) {
+    decode_fallback().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh, scratch);
     return;
   }
   configure_tiles();
@@ -715,12 +715,12 @@ void gate_up_tiles(bool split, const ExpertShape& s, const void* gate_up, const 
 // to pack them here.
 void down_tiles(bool split, const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
                 const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y,
-                size_t ldy) {
+                size_t ldy, KernelScratch* scratch) {
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t units = (d_end - d_begin + 2 * kTile - 1) / (2 * kTile);
   Plan pl;
-  if (!make_plan(s.d_ff, n, units, split, prepared == nullptr, &bound_scratch(), &pl)) {
-    decode_fallback().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+  if (!make_plan(s.d_ff, n, units, split, prepared == nullptr, scratch, &pl)) {
+    decode_fallback().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
     return;
   }
   configure_tiles();
@@ -785,24 +785,24 @@ void prepare_amx(const ExpertShape& s, Phase phase, const float* act, size_t ld,
 // `prepared` may be null (the plain entries below).
 void gate_up_prepared_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                           const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin, int32_t f_end,
-                          float* h, size_t ldh) {
-  gate_up_tiles(false, s, gate_up, x, ldx, token_index, prepared, n, f_begin, f_end, h, ldh);
+                          float* h, size_t ldh, KernelScratch* scratch) {
+  gate_up_tiles(false, s, gate_up, x, ldx, token_index, prepared, n, f_begin, f_end, h, ldh, scratch);
 }
 
 void down_prepared_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
                        const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end,
-                       float* y, size_t ldy) {
-  down_tiles(false, s, down, h, ldh, prepared, token_index, weight, n, d_begin, d_end, y, ldy);
+                       float* y, size_t ldy, KernelScratch* scratch) {
+  down_tiles(false, s, down, h, ldh, prepared, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
 }
 
 void gate_up_amx(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
-                 int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
-  gate_up_prepared_amx(s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
+                 int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh, KernelScratch* scratch) {
+  gate_up_prepared_amx(s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh, scratch);
 }
 
 void down_amx(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-              const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
-  down_prepared_amx(s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
+              const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy, KernelScratch* scratch) {
+  down_prepared_amx(s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
 }
 
 bool reserve_amx(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {
@@ -824,32 +824,32 @@ void prepare_split(const ExpertShape& s, Phase phase, const float* act, size_t l
 // `prepared` may be null (the plain entries below).
 void gate_up_prepared_split(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                             const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin,
-                            int32_t f_end, float* h, size_t ldh) {
+                            int32_t f_end, float* h, size_t ldh, KernelScratch* scratch) {
   if (s.weight_type != WeightType::kF16) {
-    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh, scratch);
     return;
   }
-  gate_up_tiles(true, s, gate_up, x, ldx, token_index, prepared, n, f_begin, f_end, h, ldh);
+  gate_up_tiles(true, s, gate_up, x, ldx, token_index, prepared, n, f_begin, f_end, h, ldh, scratch);
 }
 
 void down_prepared_split(const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
                          const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end,
-                         float* y, size_t ldy) {
+                         float* y, size_t ldy, KernelScratch* scratch) {
   if (s.weight_type != WeightType::kF16) {
-    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
     return;
   }
-  down_tiles(true, s, down, h, ldh, prepared, token_index, weight, n, d_begin, d_end, y, ldy);
+  down_tiles(true, s, down, h, ldh, prepared, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
 }
 
 void gate_up_split(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
-                   int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
-  gate_up_prepared_split(s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
+                   int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh, KernelScratch* scratch) {
+  gate_up_prepared_split(s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh, scratch);
 }
 
 void down_split(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-                const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
-  down_prepared_split(s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
+                const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy, KernelScratch* scratch) {
+  down_prepared_split(s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
 }
 
 bool reserve_split(const ExpertShape& s, int32_t max_tokens, int32_t max_rows, KernelScratch* scratch) {

@@ -307,10 +307,10 @@ inline void silu_mul_store(const float* g, const float* u, int32_t nf, float* h)
 template <bool kSplit>
 void gate_up_bf16(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                   const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h,
-                  size_t ldh) {
+                  size_t ldh, KernelScratch* scratch) {
   if (s.weight_type != WeightType::kBF16) {
     // Only bf16 weights have a bf16 product; the others keep fp32.
-    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh, scratch);
     return;
   }
   if (kSplit && n > 1) {
@@ -319,7 +319,7 @@ void gate_up_bf16(const ExpertShape& s, const void* gate_up, const float* x, siz
     // at 2, 0.53x at 4 against "avx512"; docs/KERNELS.md). Chosen here, not
     // as an engine tier: the engine's first tier is also where it switches
     // to coarse prefill work items, which 2-4 token experts should not get.
-    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh, scratch);
     return;
   }
   if (n <= 0 || f_begin >= f_end) return;
@@ -407,13 +407,13 @@ void down_rows(const uint16_t* base, size_t stride, const uint16_t* xb, int32_t 
 template <bool kSplit>
 void down_bf16(const ExpertShape& s, const void* down, const float* h, size_t ldh,
                const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin,
-               int32_t d_end, float* y, size_t ldy) {
+               int32_t d_end, float* y, size_t ldy, KernelScratch* scratch) {
   if (s.weight_type != WeightType::kBF16) {
-    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
     return;
   }
   if (kSplit && n > 1) {  // as in gate_up_bf16
-    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
     return;
   }
   if (n <= 0 || d_begin >= d_end) return;

@@ -108,16 +108,16 @@ void gate_up_block(const float* G, const float* U, const float* x, size_t ldx, c
 
 void gate_up_gemm(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                   const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h,
-                  size_t ldh) {
+                  size_t ldh, KernelScratch* scratch) {
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t K = s.d_model;
   const size_t K16 = (static_cast<size_t>(K) + 15) / 16 * 16;
-  float* G = static_cast<float*>(bound_scratch().get(0, panel_bytes(K)));
+  float* G = static_cast<float*>(scratch_buffer(scratch, 0, panel_bytes(K)));
   if (G == nullptr) {
     // No memory for the panels (a few hundred KiB, allocated on a thread's
     // first call): the decode kernels need no scratch and give the same
     // sums up to rounding.
-    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh, scratch);
     return;
   }
   float* U = G + K16 * kPanelRows;
@@ -177,13 +177,13 @@ void down_block(const float* A, const float* B, bool two, const float* h, size_t
 
 void down_gemm(const ExpertShape& s, const void* down, const float* h, size_t ldh,
                const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin,
-               int32_t d_end, float* y, size_t ldy) {
+               int32_t d_end, float* y, size_t ldy, KernelScratch* scratch) {
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t K = s.d_ff;
   const size_t K16 = (static_cast<size_t>(K) + 15) / 16 * 16;
-  float* A = static_cast<float*>(bound_scratch().get(0, panel_bytes(K)));
+  float* A = static_cast<float*>(scratch_buffer(scratch, 0, panel_bytes(K)));
   if (A == nullptr) {
-    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
     return;
   }
   float* B = A + K16 * kPanelRows;

@@ -444,17 +444,17 @@ bool reserve_tokens_kernels(const ExpertShape& s, int32_t /*max_tokens*/, int32_
 }
 
 void gate_up_tokens(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
-                    const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+                    const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh, KernelScratch* scratch) {
   if (n <= 0 || f_begin >= f_end) return;
   const int32_t K16 = (s.d_model + 15) / 16 * 16;
   const int32_t group = group_tokens(K16);
-  KernelScratch& scratch = bound_scratch();
-  float* xt = static_cast<float*>(scratch.get(kXtSlot, gate_up_xt_bytes(K16)));
-  float* wf = static_cast<float*>(scratch.get(kWfSlot, kWfBytes));
+
+  float* xt = static_cast<float*>(scratch_buffer(scratch, kXtSlot, gate_up_xt_bytes(K16)));
+  float* wf = static_cast<float*>(scratch_buffer(scratch, kWfSlot, kWfBytes));
   if (xt == nullptr || wf == nullptr) {
     // Out of memory for a few hundred KiB of scratch: the decode kernels
     // need none and give the same sums up to rounding.
-    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh, scratch);
     return;
   }
   const char* w = static_cast<const char*>(gate_up);
@@ -471,17 +471,17 @@ void gate_up_tokens(const ExpertShape& s, const void* gate_up, const float* x, s
 }
 
 void down_tokens(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-                 const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+                 const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy, KernelScratch* scratch) {
   if (n <= 0 || d_begin >= d_end) return;
   const int32_t K16 = (s.d_ff + 15) / 16 * 16;
   const int32_t k_span = down_k_span(K16);
-  KernelScratch& scratch = bound_scratch();
-  float* xt = static_cast<float*>(scratch.get(kXtSlot, down_xt_bytes(K16)));
-  float* wf = static_cast<float*>(scratch.get(kWfSlot, kWfBytes));
-  float* out = static_cast<float*>(scratch.get(kOutSlot, kOutBytes));
-  __m512* part = static_cast<__m512*>(scratch.get(kPartSlot, part_bytes(d_end - d_begin)));
+
+  float* xt = static_cast<float*>(scratch_buffer(scratch, kXtSlot, down_xt_bytes(K16)));
+  float* wf = static_cast<float*>(scratch_buffer(scratch, kWfSlot, kWfBytes));
+  float* out = static_cast<float*>(scratch_buffer(scratch, kOutSlot, kOutBytes));
+  __m512* part = static_cast<__m512*>(scratch_buffer(scratch, kPartSlot, part_bytes(d_end - d_begin)));
   if (xt == nullptr || wf == nullptr || out == nullptr || part == nullptr) {
-    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
     return;
   }
   const char* w = static_cast<const char*>(down);

@@ -271,7 +271,7 @@ void down_typed(const ExpertShape& s, const void* down, const float* h, size_t l
 // Block formats never reach these (ffn_quant.cpp runs them).
 template <class V>
 void gate_up(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
-             int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+             int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh, KernelScratch* /*scratch*/) {
   switch (s.weight_type) {
     case WeightType::kF32:
       gate_up_typed<V, WeightType::kF32>(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
@@ -289,7 +289,7 @@ void gate_up(const ExpertShape& s, const void* gate_up, const float* x, size_t l
 
 template <class V>
 void down(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-          const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+          const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy, KernelScratch* /*scratch*/) {
   switch (s.weight_type) {
     case WeightType::kF32:
       down_typed<V, WeightType::kF32>(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);

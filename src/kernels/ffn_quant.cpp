@@ -106,15 +106,15 @@ void down_from(const PhaseGeometry& g, const void* down, const uint8_t* acts, co
   }
 }
 
-// The unprepared entries quantise into the bound scratch, or with none (a
-// failed allocation) one token at a time on the stack.
+// The unprepared entries quantise into the caller's scratch, or without
+// one (null, or a failed allocation) one token at a time on the stack.
 constexpr size_t kStackActBytes = 32 * 1024;
 
 template <Isa L>
 void gate_up_q(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
-               int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+               int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh, KernelScratch* scratch) {
   const PhaseGeometry g = geometry(s, Phase::kGateUp, L);
-  auto* acts = static_cast<uint8_t*>(bound_scratch().get(0, static_cast<size_t>(n) * g.act_bytes));
+  auto* acts = static_cast<uint8_t*>(scratch_buffer(scratch, 0, static_cast<size_t>(n) * g.act_bytes));
   if (acts != nullptr) {
     quantize_tokens(g, x, ldx, token_index, n, acts);
     gate_up_from(s, g, gate_up, acts, n, f_begin, f_end, h, ldh);
@@ -130,9 +130,9 @@ void gate_up_q(const ExpertShape& s, const void* gate_up, const float* x, size_t
 
 template <Isa L>
 void down_q(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-            const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+            const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy, KernelScratch* scratch) {
   const PhaseGeometry g = geometry(s, Phase::kDown, L);
-  auto* acts = static_cast<uint8_t*>(bound_scratch().get(0, static_cast<size_t>(n) * g.act_bytes));
+  auto* acts = static_cast<uint8_t*>(scratch_buffer(scratch, 0, static_cast<size_t>(n) * g.act_bytes));
   if (acts != nullptr) {
     quantize_tokens(g, h, ldh, nullptr, n, acts);
     down_from(g, down, acts, token_index, weight, n, d_begin, d_end, y, ldy);
@@ -160,7 +160,7 @@ void prepare_q(const ExpertShape& s, Phase phase, const float* act, size_t ld, c
 template <Isa L>
 void gate_up_prepared_q(const ExpertShape& s, const void* gate_up, const float* /*x*/, size_t /*ldx*/,
                         const int32_t* /*token_index*/, const void* prepared, int32_t n, int32_t f_begin,
-                        int32_t f_end, float* h, size_t ldh) {
+                        int32_t f_end, float* h, size_t ldh, KernelScratch* scratch) {
   gate_up_from(s, geometry(s, Phase::kGateUp, L), gate_up, static_cast<const uint8_t*>(prepared), n, f_begin, f_end,
                h, ldh);
 }
@@ -168,7 +168,7 @@ void gate_up_prepared_q(const ExpertShape& s, const void* gate_up, const float* 
 template <Isa L>
 void down_prepared_q(const ExpertShape& s, const void* down, const float* /*h*/, size_t /*ldh*/, const void* prepared,
                      const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end,
-                     float* y, size_t ldy) {
+                     float* y, size_t ldy, KernelScratch* scratch) {
   down_from(geometry(s, Phase::kDown, L), down, static_cast<const uint8_t*>(prepared), token_index, weight, n,
             d_begin, d_end, y, ldy);
 }
@@ -205,28 +205,28 @@ void widen_rows(WeightType t, const uint8_t* src, size_t row_bytes, size_t block
 
 template <Isa L>
 void gate_up_exact(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
-                   int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
+                   int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh, KernelScratch* scratch) {
   const ExpertShape ws = widened_shape(s);
   const size_t row_bytes = weight_row_bytes(s.weight_type, s.gate_up_stride);
   const size_t chunk_rows = 16;  // f rows: 32 weight rows
-  auto* rows = static_cast<float*>(bound_scratch().get(1, 2 * chunk_rows * ws.gate_up_stride * sizeof(float)));
+  auto* rows = static_cast<float*>(scratch_buffer(scratch, 1, 2 * chunk_rows * ws.gate_up_stride * sizeof(float)));
   if (rows == nullptr) return;  // reserve() failed and said so
   const KernelTable& f32 = kernel_table(L);
   for (int32_t f0 = f_begin; f0 < f_end; f0 += static_cast<int32_t>(chunk_rows)) {
     const int32_t fn = std::min(static_cast<int32_t>(chunk_rows), f_end - f0);
     widen_rows(s.weight_type, static_cast<const uint8_t*>(gate_up) + static_cast<size_t>(2 * f0) * row_bytes,
                row_bytes, s.gate_up_stride, static_cast<size_t>(s.d_model), 2 * fn, rows, ws.gate_up_stride);
-    f32.gate_up(ws, rows, x, ldx, token_index, n, 0, fn, h + f0, ldh);
+    f32.gate_up(ws, rows, x, ldx, token_index, n, 0, fn, h + f0, ldh, scratch);
   }
 }
 
 template <Isa L>
 void down_exact(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-                const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+                const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy, KernelScratch* scratch) {
   const ExpertShape ws = widened_shape(s);
   const size_t row_bytes = weight_row_bytes(s.down_type, s.down_stride);
   const size_t chunk_rows = 32;
-  auto* rows = static_cast<float*>(bound_scratch().get(1, chunk_rows * ws.down_stride * sizeof(float)));
+  auto* rows = static_cast<float*>(scratch_buffer(scratch, 1, chunk_rows * ws.down_stride * sizeof(float)));
   if (rows == nullptr) return;
   const KernelTable& f32 = kernel_table(L);
   for (int32_t d0 = d_begin; d0 < d_end; d0 += static_cast<int32_t>(chunk_rows)) {
@@ -234,7 +234,7 @@ void down_exact(const ExpertShape& s, const void* down, const float* h, size_t l
     widen_rows(s.down_type, static_cast<const uint8_t*>(down) + static_cast<size_t>(d0) * row_bytes, row_bytes,
                s.down_stride, static_cast<size_t>(s.d_ff), dn, rows, ws.down_stride);
     // The f32 kernel writes columns [0, dn) of y: shift y so they land at d0.
-    f32.down(ws, rows, h, ldh, token_index, weight, n, 0, dn, y + d0, ldy);
+    f32.down(ws, rows, h, ldh, token_index, weight, n, 0, dn, y + d0, ldy, scratch);
   }
 }
 
@@ -299,12 +299,12 @@ size_t amx_chunk_bytes(const ExpertShape& s) {
 
 void gate_up_prepared_amxq(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                            const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin, int32_t f_end,
-                           float* h, size_t ldh) {
+                           float* h, size_t ldh, KernelScratch* scratch) {
   const ExpertShape ws = bf16_shape(s);
   const KernelTable& amx = amx_bf16_kernels();
-  auto* rows = static_cast<uint16_t*>(bound_scratch().get(kAmxChunkSlot, amx_chunk_bytes(s)));
+  auto* rows = static_cast<uint16_t*>(scratch_buffer(scratch, kAmxChunkSlot, amx_chunk_bytes(s)));
   if (rows == nullptr) {  // reserve() failed and said so: the int8 kernels need no chunk
-    gate_up_q<Isa::kAvx512>(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh);
+    gate_up_q<Isa::kAvx512>(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh, scratch);
     return;
   }
   const DequantBf16Fn dq = dequant_bf16_avx512(s.weight_type);
@@ -315,21 +315,21 @@ void gate_up_prepared_amxq(const ExpertShape& s, const void* gate_up, const floa
     dequant_rows_bf16(dq, static_cast<const uint8_t*>(gate_up) + static_cast<size_t>(2 * f0) * row_bytes, row_bytes,
                       s.gate_up_stride, static_cast<size_t>(s.d_model), 2 * fn, rows, ws.gate_up_stride);
     if (prepared != nullptr) {
-      amx.gate_up_prepared(ws, rows, x, ldx, token_index, prepared, n, 0, fn, h + f0, ldh);
+      amx.gate_up_prepared(ws, rows, x, ldx, token_index, prepared, n, 0, fn, h + f0, ldh, scratch);
     } else {
-      amx.gate_up(ws, rows, x, ldx, token_index, n, 0, fn, h + f0, ldh);
+      amx.gate_up(ws, rows, x, ldx, token_index, n, 0, fn, h + f0, ldh, scratch);
     }
   }
 }
 
 void down_prepared_amxq(const ExpertShape& s, const void* down, const float* h, size_t ldh, const void* prepared,
                         const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end,
-                        float* y, size_t ldy) {
+                        float* y, size_t ldy, KernelScratch* scratch) {
   const ExpertShape ws = bf16_shape(s);
   const KernelTable& amx = amx_bf16_kernels();
-  auto* rows = static_cast<uint16_t*>(bound_scratch().get(kAmxChunkSlot, amx_chunk_bytes(s)));
+  auto* rows = static_cast<uint16_t*>(scratch_buffer(scratch, kAmxChunkSlot, amx_chunk_bytes(s)));
   if (rows == nullptr) {
-    down_q<Isa::kAvx512>(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy);
+    down_q<Isa::kAvx512>(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
     return;
   }
   const DequantBf16Fn dq = dequant_bf16_avx512(s.down_type);
@@ -341,21 +341,21 @@ void down_prepared_amxq(const ExpertShape& s, const void* down, const float* h, 
                       s.down_stride, static_cast<size_t>(s.d_ff), dn, rows, ws.down_stride);
     // The kernel writes columns [0, dn) of y: shift y so they land at d0.
     if (prepared != nullptr) {
-      amx.down_prepared(ws, rows, h, ldh, prepared, token_index, weight, n, 0, dn, y + d0, ldy);
+      amx.down_prepared(ws, rows, h, ldh, prepared, token_index, weight, n, 0, dn, y + d0, ldy, scratch);
     } else {
-      amx.down(ws, rows, h, ldh, token_index, weight, n, 0, dn, y + d0, ldy);
+      amx.down(ws, rows, h, ldh, token_index, weight, n, 0, dn, y + d0, ldy, scratch);
     }
   }
 }
 
 void gate_up_amxq(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx, const int32_t* token_index,
-                  int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
-  gate_up_prepared_amxq(s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh);
+                  int32_t n, int32_t f_begin, int32_t f_end, float* h, size_t ldh, KernelScratch* scratch) {
+  gate_up_prepared_amxq(s, gate_up, x, ldx, token_index, nullptr, n, f_begin, f_end, h, ldh, scratch);
 }
 
 void down_amxq(const ExpertShape& s, const void* down, const float* h, size_t ldh, const int32_t* token_index,
-               const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
-  down_prepared_amxq(s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy);
+               const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy, KernelScratch* scratch) {
+  down_prepared_amxq(s, down, h, ldh, nullptr, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
 }
 
 size_t prepared_bytes_amxq(const ExpertShape& s, Phase phase, int32_t n) {

@@ -36,7 +36,7 @@ float dot_row(const void* weights, size_t row_offset, const float* x, int32_t n,
 
 void gate_up_scalar(const ExpertShape& s, const void* gate_up, const float* x, size_t ldx,
                     const int32_t* token_index, int32_t n, int32_t f_begin, int32_t f_end, float* h,
-                    size_t ldh) {
+                    size_t ldh, KernelScratch* /*scratch*/) {
   for (int32_t f = f_begin; f < f_end; ++f) {
     const size_t gate_row = static_cast<size_t>(2 * f) * s.gate_up_stride;
     const size_t up_row = gate_row + s.gate_up_stride;
@@ -51,7 +51,7 @@ void gate_up_scalar(const ExpertShape& s, const void* gate_up, const float* x, s
 
 void down_scalar(const ExpertShape& s, const void* down, const float* h, size_t ldh,
                  const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin,
-                 int32_t d_end, float* y, size_t ldy) {
+                 int32_t d_end, float* y, size_t ldy, KernelScratch* /*scratch*/) {
   for (int32_t d = d_begin; d < d_end; ++d) {
     const size_t row = static_cast<size_t>(d) * s.down_stride;
     for (int32_t i = 0; i < n; ++i) {

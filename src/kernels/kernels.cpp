@@ -28,8 +28,6 @@ Isa compute_default_isa() {
   return requested < detected ? requested : detected;
 }
 
-thread_local KernelScratch* t_bound_scratch = nullptr;
-
 }  // namespace
 
 KernelScratch::~KernelScratch() {
@@ -46,15 +44,9 @@ void* KernelScratch::get(int slot, size_t bytes) {
   return data_[slot];
 }
 
-KernelScratch& bound_scratch() {
-  if (t_bound_scratch != nullptr) return *t_bound_scratch;
-  thread_local KernelScratch own;
-  return own;
+void* scratch_buffer(KernelScratch* scratch, int slot, size_t bytes) {
+  return scratch != nullptr ? scratch->get(slot, bytes) : nullptr;
 }
-
-ScratchScope::ScratchScope(KernelScratch* scratch) : previous_(t_bound_scratch) { t_bound_scratch = scratch; }
-
-ScratchScope::~ScratchScope() { t_bound_scratch = previous_; }
 
 Isa default_isa() {
   // Cached so every engine in the process agrees even if the environment is

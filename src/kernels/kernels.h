@@ -29,6 +29,8 @@ namespace colibri::kernels {
 
 using colibri::WeightType;
 
+class KernelScratch;
+
 // Rows padded to this many bytes, so SIMD loads never need a tail mask on
 // weights and every row starts on a cache line.
 inline constexpr size_t kRowAlignBytes = 64;
@@ -61,9 +63,14 @@ inline ExpertShape make_expert_shape(int32_t d_model, int32_t d_ff, WeightType t
 // Phase 1. For f in [f_begin, f_end) and i in [0, n):
 //   h[i*ldh + f] = silu(g) * u,  g = gate_f . x_i,  u = up_f . x_i,
 //   x_i = x + token_index[i]*ldx,  silu(g) = g / (1 + exp(-g)).
+//
+// Every entry takes the caller's working memory, `scratch` (see
+// KernelScratch), last; kernels that need none ignore it, and those that
+// do fall back to scratch-free paths (the same results) when it is null or
+// cannot grow.
 using GateUpFn = void (*)(const ExpertShape& shape, const void* gate_up, const float* x,
                           size_t ldx, const int32_t* token_index, int32_t n, int32_t f_begin,
-                          int32_t f_end, float* h, size_t ldh);
+                          int32_t f_end, float* h, size_t ldh, KernelScratch* scratch);
 
 // Phase 2. For d in [d_begin, d_end) and i in [0, n):
 //   y[token_index[i]*ldy + d] += weight[i] * (down_d . h_i),  h_i = h + i*ldh.
@@ -71,7 +78,7 @@ using GateUpFn = void (*)(const ExpertShape& shape, const void* gate_up, const f
 // disjoint d ranges gets results independent of the thread count.
 using DownFn = void (*)(const ExpertShape& shape, const void* down, const float* h, size_t ldh,
                         const int32_t* token_index, const float* weight, int32_t n,
-                        int32_t d_begin, int32_t d_end, float* y, size_t ldy);
+                        int32_t d_begin, int32_t d_end, float* y, size_t ldy, KernelScratch* scratch);
 
 // Optional, for tables that first convert a phase's activations (x in
 // phase 1, h in phase 2) into a layout of their own (the AMX tables' bf16
@@ -97,17 +104,17 @@ using PrepareFn = void (*)(const ExpertShape& shape, Phase phase, const float* a
                            const int32_t* token_index, int32_t n, void* out);
 using GateUpPreparedFn = void (*)(const ExpertShape& shape, const void* gate_up, const float* x, size_t ldx,
                                   const int32_t* token_index, const void* prepared, int32_t n, int32_t f_begin,
-                                  int32_t f_end, float* h, size_t ldh);
+                                  int32_t f_end, float* h, size_t ldh, KernelScratch* scratch);
 using DownPreparedFn = void (*)(const ExpertShape& shape, const void* down, const float* h, size_t ldh,
                                 const void* prepared, const int32_t* token_index, const float* weight, int32_t n,
-                                int32_t d_begin, int32_t d_end, float* y, size_t ldy);
+                                int32_t d_begin, int32_t d_end, float* y, size_t ldy, KernelScratch* scratch);
 
 // Working memory of the prefill kernels: a few grow-only, 64-byte aligned
-// buffers. The engine owns one per pool thread, sizes them at open through
-// KernelTable::reserve, and binds the right one to the thread running each
-// work item (ScratchScope), so calls within the reserved size allocate
-// nothing, whichever thread calls. Kernels run with none bound (tests,
-// benchmarks) use one owned by the thread.
+// buffers, passed explicitly to every kernel call. One call uses one
+// scratch at a time, so callers running kernels in parallel give each
+// thread its own: the engine owns one per pool thread, sizes them at open
+// through KernelTable::reserve, and passes the one of the thread running
+// each work item, so calls within the reserved size allocate nothing.
 class KernelScratch {
  public:
   static constexpr int kSlots = 4;
@@ -129,20 +136,9 @@ class KernelScratch {
   size_t limit_ = ~size_t{0};
 };
 
-// The scratch bound to this thread, or the thread's own.
-KernelScratch& bound_scratch();
-
-// Binds `scratch` to the calling thread until destroyed.
-class ScratchScope {
- public:
-  explicit ScratchScope(KernelScratch* scratch);
-  ~ScratchScope();
-  ScratchScope(const ScratchScope&) = delete;
-  ScratchScope& operator=(const ScratchScope&) = delete;
-
- private:
-  KernelScratch* previous_;
-};
+// scratch->get(slot, bytes), or nullptr when scratch is null: what the
+// kernels ask, so that a null scratch takes their scratch-free paths.
+void* scratch_buffer(KernelScratch* scratch, int slot, size_t bytes);
 
 // Sizes `scratch` for calls of the table on experts of `shape` with up to
 // `max_tokens` tokens and row ranges of up to `max_rows` rows; false if an

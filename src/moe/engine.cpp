@@ -90,10 +90,10 @@ void Engine::route_locked(int32_t layer, int32_t n_tokens, const float* input, i
   const int32_t rows = rows_per_item(E, threads, E);
   const uint8_t* w = store_.router(layer);
   pool_.parallel_for((E + rows - 1) / rows, threads, [&](int64_t item, int thread) {
-    const kernels::ScratchScope scope(&kernel_scratch_[static_cast<size_t>(thread)]);
+    kernels::KernelScratch* const scratch = &kernel_scratch_[static_cast<size_t>(thread)];
     const int32_t e0 = static_cast<int32_t>(item) * rows;
     table.down(rs, w, input, static_cast<size_t>(rs.d_ff), identity_.data(), ones_.data(), n_tokens, e0,
-               std::min(E, e0 + rows), logits_.data(), static_cast<size_t>(E));
+               std::min(E, e0 + rows), logits_.data(), static_cast<size_t>(E), scratch);
   });
   const float* bias = store_.router_bias(layer);
   const size_t k = static_cast<size_t>(router_.top_k());
@@ -364,7 +364,7 @@ void Engine::run_locked(const InferArgs& a) {
   // an expert spans more than one item (else its one item converts them).
   prepare_inputs(kernels::Phase::kGateUp, a, threads, F > f_rows, Fs > f_rows);
   pool_.parallel_for(static_cast<int64_t>(phase1_items_.size()), threads, [&](int64_t item, int thread) {
-    const kernels::ScratchScope scope(&kernel_scratch_[static_cast<size_t>(thread)]);
+    kernels::KernelScratch* const scratch = &kernel_scratch_[static_cast<size_t>(thread)];
     const Phase1Item& it = phase1_items_[static_cast<size_t>(item)];
     if (it.active < 0) {
       const kernels::KernelTable& table = table_for(a.n_tokens);
@@ -372,10 +372,10 @@ void Engine::run_locked(const InferArgs& a) {
       if (shared_prepared_offset_ != kNotPrepared) {
         table.gate_up_prepared(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(),
                                prepared_.data() + shared_prepared_offset_, a.n_tokens, it.f_begin, f_end,
-                               shared_hidden_.data(), ldh_s);
+                               shared_hidden_.data(), ldh_s, scratch);
       } else {
         table.gate_up(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(), a.n_tokens,
-                      it.f_begin, f_end, shared_hidden_.data(), ldh_s);
+                      it.f_begin, f_end, shared_hidden_.data(), ldh_s, scratch);
       }
       return;
     }
@@ -389,10 +389,10 @@ void Engine::run_locked(const InferArgs& a) {
     if (prepared_at != kNotPrepared) {
       table.gate_up_prepared(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
                              slot_token_.data() + begin, prepared_.data() + prepared_at, n, it.f_begin, f_end, h,
-                             ldh);
+                             ldh, scratch);
     } else {
       table.gate_up(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D), slot_token_.data() + begin,
-                    n, it.f_begin, f_end, h, ldh);
+                    n, it.f_begin, f_end, h, ldh, scratch);
     }
   });
 
@@ -406,7 +406,7 @@ void Engine::run_locked(const InferArgs& a) {
   // Phase 2: blocks of d_model rows, every active expert in ascending order.
   const int64_t d_items = (D + d_rows - 1) / d_rows;
   pool_.parallel_for(d_items, threads, [&](int64_t item, int thread) {
-    const kernels::ScratchScope scope(&kernel_scratch_[static_cast<size_t>(thread)]);
+    kernels::KernelScratch* const scratch = &kernel_scratch_[static_cast<size_t>(thread)];
     const int32_t d_begin = static_cast<int32_t>(item) * d_rows;
     const int32_t d_end = std::min(D, d_begin + d_rows);
     for (int32_t t = 0; t < a.n_tokens; ++t) {
@@ -422,10 +422,10 @@ void Engine::run_locked(const InferArgs& a) {
       if (prepared_offset_[i] != kNotPrepared) {
         table.down_prepared(shape, store_.down(a.layer, e), h, ldh, prepared_.data() + prepared_offset_[i],
                             slot_token_.data() + begin, slot_weight_.data() + begin, n, d_begin, d_end, a.output,
-                            static_cast<size_t>(D));
+                            static_cast<size_t>(D), scratch);
       } else {
         table.down(shape, store_.down(a.layer, e), h, ldh, slot_token_.data() + begin, slot_weight_.data() + begin,
-                   n, d_begin, d_end, a.output, static_cast<size_t>(D));
+                   n, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
       }
     }
     if (Fs > 0) {
@@ -433,10 +433,10 @@ void Engine::run_locked(const InferArgs& a) {
       if (shared_prepared_offset_ != kNotPrepared) {
         table.down_prepared(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s,
                             prepared_.data() + shared_prepared_offset_, identity_.data(), shared_scale_.data(),
-                            a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D));
+                            a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
       } else {
         table.down(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s, identity_.data(),
-                   shared_scale_.data(), a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D));
+                   shared_scale_.data(), a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
       }
     }
   });

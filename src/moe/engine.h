@@ -107,7 +107,7 @@ class Engine {
   ThreadPool& pool_;
   kernels::KernelPlan plan_;
   // The prefill kernels' working memory, one per pool thread, sized by
-  // reserve() and bound to the thread that runs each work item.
+  // reserve() and passed to the kernels of the work items that thread runs.
   std::unique_ptr<kernels::KernelScratch[]> kernel_scratch_;
 
   const kernels::KernelTable& table_for(int32_t n_tokens) const { return plan_.pick(n_tokens); }
