@@ -736,9 +736,8 @@ TEST_F(EngineTest, KernelTableFollowsWeightType) {
     spec.d_ff = 8;
     spec.dtype = dtype;
     colibri::write_random_model(dir.path(), spec, 5);
-    colibri_open_options_t o;
-    colibri_open_options_default(&o);
-    o.n_threads = 1;
+    colibri::OpenOptions o;
+    o.threads = 1;
     std::string warnings;
     colibri::Model model(dir.path(), o, &warnings);
     const k::KernelTable& table = model.engine().kernels();
@@ -765,10 +764,8 @@ TEST_F(EngineTest, PrecisionPerWeightType) {
     spec.dtype = dtype;
     colibri::write_random_model(dir.path(), spec, 77);
     const RefLayer L = load_ref_layer(dir.path(), spec, 0);
-    colibri_open_options_t o;
-    colibri_open_options_default(&o);
     std::string warnings;
-    colibri::Model model(dir.path(), o, &warnings);
+    colibri::Model model(dir.path(), colibri::OpenOptions{}, &warnings);
     std::mt19937 rng(78);
     const int32_t T = 64;
     const Routing r = random_routing(rng, T, spec.n_experts, 2, false);

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "colibri.h"
+#include "api/desc.h"
 #include "io/manifest.h"
 #include "io/mapped_file.h"
 #include "io/verify.h"
@@ -22,9 +23,9 @@
 struct colibri_model {
   colibri::Model impl;
   colibri_model(const std::string& dir, const colibri_open_options_t& o, std::string* warnings)
-      : impl(dir, o, warnings) {}
-  colibri_model(const colibri_model_desc_t& desc, const colibri_open_options_t& o, std::string* warnings)
-      : impl(desc, o, warnings) {}
+      : impl(dir, colibri::api::open_options(o), warnings) {}
+  colibri_model(const colibri::api::MemoryModel& memory, const colibri_open_options_t& o, std::string* warnings)
+      : impl(memory.manifest, memory.layers, colibri::api::open_options(o), warnings) {}
 };
 
 struct colibri_routing {
@@ -298,7 +299,7 @@ colibri_status_t colibri_open_memory(const colibri_model_desc_t* desc, const col
   t_last_warning.clear();
   return guarded("colibri_open_memory", [&] {
     std::string warnings;
-    auto* model = new colibri_model(*desc, o, &warnings);
+    auto* model = new colibri_model(colibri::api::memory_model(*desc), o, &warnings);
     t_last_warning.set(warnings);
     *out_model = model;
     return COLIBRI_OK;

@@ -141,14 +141,14 @@ void ExpertStore::finish(const StoreOptions& options, std::string* warnings) {
   stats_.bytes_huge_pages = region_.measure_huge_pages();
 }
 
-ExpertStore::ExpertStore(const colibri_model_desc_t& desc, const Manifest& m, const StoreOptions& options,
+ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest& m, const StoreOptions& options,
                          std::string* warnings) {
   layout(m, options);
   const uint64_t expert_file_bytes = m.expert_file_bytes();
   for (int32_t l = 0; l < m.n_layers; ++l) {
-    const colibri_layer_weights_t& lw = desc.layers[l];
+    const LayerBuffers& lw = layers[static_cast<size_t>(l)];
     for (int32_t e = 0; e < m.n_experts; ++e) {
-      const colibri_expert_weights_t& ew = lw.experts[e];
+      const ExpertBuffers& ew = lw.experts[static_cast<size_t>(e)];
       pack_expert_parts(static_cast<const uint8_t*>(ew.gate), static_cast<const uint8_t*>(ew.up),
                         static_cast<const uint8_t*>(ew.down), shape_, mutable_at(base(l, e)));
       stats_.bytes_files += expert_file_bytes;

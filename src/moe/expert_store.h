@@ -9,9 +9,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "colibri.h"  // colibri_model_desc_t: models packed from caller memory
 #include "io/manifest.h"
 #include "kernels/kernels.h"
+#include "moe/weight_buffers.h"
 #include "runtime/memory.h"
 
 namespace colibri {
@@ -38,9 +38,10 @@ class ExpertStore {
   // fault. Non-fatal problems (mlock refused) are appended to *warnings.
   ExpertStore(const std::string& model_dir, const Manifest& manifest, const StoreOptions& options,
               std::string* warnings);
-  // Copies the weights from caller buffers (colibri_open_memory); `manifest`
-  // describes them (checksums unused). Pointers were checked by the caller.
-  ExpertStore(const colibri_model_desc_t& desc, const Manifest& manifest, const StoreOptions& options,
+  // Copies weights already in memory (caller buffers, a mapped file's
+  // tensors), one LayerBuffers per layer; `manifest` describes them
+  // (checksums unused). Pointers were checked by the caller.
+  ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest& manifest, const StoreOptions& options,
               std::string* warnings);
 
   const kernels::ExpertShape& shape() const { return shape_; }

@@ -6,20 +6,38 @@
 #include <memory>
 #include <string>
 
-#include "colibri.h"
+#include <vector>
+
 #include "io/manifest.h"
 #include "moe/engine.h"
 #include "moe/expert_store.h"
+#include "moe/weight_buffers.h"
 #include "runtime/thread_pool.h"
 
 namespace colibri {
 
+// How to open a model (the C ABI's colibri_open_options_t, mapped in
+// src/api; include/colibri.h documents each field).
+struct OpenOptions {
+  int32_t threads = 0;  // 0: one per online core
+  bool lock_memory = true;
+  bool huge_pages = true;
+  bool verify_checksums = true;
+  bool pin_threads = false;
+  int32_t reserve_tokens = 64;
+  bool bf16_compute = false;
+  bool exact_prefill = false;
+};
+
 class Model {
  public:
   // Throws colibri::Error. Warnings (e.g. mlock refused) go to *warnings.
-  Model(const std::string& dir, const colibri_open_options_t& options, std::string* warnings);
-  // From caller buffers (colibri_open_memory); validates `desc` first.
-  Model(const colibri_model_desc_t& desc, const colibri_open_options_t& options, std::string* warnings);
+  Model(const std::string& dir, const OpenOptions& options, std::string* warnings);
+  // From weights in memory, one LayerBuffers per layer, described by
+  // `manifest` (validated by the caller, as parse_manifest does, and with
+  // every pointer it implies set).
+  Model(const Manifest& manifest, const std::vector<LayerBuffers>& layers, const OpenOptions& options,
+        std::string* warnings);
 
   const Manifest& manifest() const { return manifest_; }
   Engine& engine() { return *engine_; }
@@ -38,7 +56,7 @@ class Model {
 
  private:
   // Everything after the store: pool, engine, kernel choice, scratch.
-  void start(const colibri_open_options_t& options);
+  void start(const OpenOptions& options);
 
   Manifest manifest_;
   std::unique_ptr<ExpertStore> store_;

@@ -1,0 +1,116 @@
+#include "api/desc.h"
+
+#include <string>
+
+#include "moe/router.h"
+#include "util/c_enum.h"
+#include "util/error.h"
+
+namespace colibri::api {
+
+OpenOptions open_options(const colibri_open_options_t& o) {
+  OpenOptions r;
+  r.threads = o.n_threads;
+  r.lock_memory = o.lock_memory != 0;
+  r.huge_pages = o.huge_pages != 0;
+  r.verify_checksums = o.verify_checksums != 0;
+  r.pin_threads = o.pin_threads != 0;
+  r.reserve_tokens = o.reserve_tokens;
+  r.bf16_compute = o.bf16_compute != 0;
+  r.exact_prefill = o.exact_prefill != 0;
+  return r;
+}
+
+namespace {
+
+[[noreturn]] void bad_desc(const std::string& what) {
+  fail(Status::kInvalidArgument, "colibri_open_memory: " + what);
+}
+
+ExpertBuffers expert_buffers(const colibri_expert_weights_t& w, const std::string& name) {
+  if (w.gate == nullptr) bad_desc(name + ".gate is NULL");
+  if (w.up == nullptr) bad_desc(name + ".up is NULL");
+  if (w.down == nullptr) bad_desc(name + ".down is NULL");
+  return ExpertBuffers{w.gate, w.up, w.down};
+}
+
+// The manifest a directory holding `desc` would have: the same limits apply.
+Manifest manifest_of(const colibri_model_desc_t& d) {
+  if (d.layers == nullptr) bad_desc("desc->layers is NULL");
+  const int dtype = raw_enum(d.dtype);
+  if (dtype < 0 || dtype >= kWeightTypeCount) {
+    bad_desc("dtype " + std::to_string(dtype) + " is not a known dtype (" + dtype_names() + ")");
+  }
+  const auto type = static_cast<WeightType>(dtype);  // colibri_dtype_t's values are WeightType's
+  const bool quantized = weight_format(type).quantized;
+  const int down_dtype = quantized ? raw_enum(d.down_dtype) : dtype;
+  if (down_dtype < 0 || down_dtype >= kWeightTypeCount) {
+    bad_desc("down_dtype " + std::to_string(down_dtype) + " is not a known dtype (" + dtype_names() + ")");
+  }
+  const auto down_type = static_cast<WeightType>(down_dtype);
+  if (const std::string why = dtype_pair_problem(type, down_type); !why.empty()) bad_desc(why);
+  const int family = raw_enum(d.router.family);
+  if (family < 0 || family > kLastRouterFamily) {
+    bad_desc("router.family " + std::to_string(family) + " is not a known router family");
+  }
+  if (d.shared_d_ff < 0) bad_desc("shared_d_ff must be >= 0, got " + std::to_string(d.shared_d_ff));
+  Manifest m;
+  m.n_layers = d.n_layers;
+  m.n_experts = d.n_experts;
+  m.d_model = d.d_model;
+  m.d_ff = d.d_ff;
+  m.dtype = type;
+  m.down_dtype = down_type;
+  m.router.family = static_cast<RouterFamily>(family);
+  m.router.top_k = d.router.top_k;
+  m.router.norm_topk_prob = d.router.norm_topk_prob;
+  m.router.n_group = d.router.n_group;
+  m.router.topk_group = d.router.topk_group;
+  m.router.routed_scaling_factor = d.router.routed_scaling_factor;
+  m.shared_d_ff = d.shared_d_ff;
+  m.version = quantized ? 3 : 2;
+  // Dimension and size limits first (the manifest parser holds them), so
+  // the loops of memory_model never walk past what the caller could have
+  // allocated.
+  try {
+    parse_manifest(manifest_to_json(m), "colibri_open_memory: desc");
+  } catch (const Error& e) {
+    fail(Status::kInvalidArgument, e.what());
+  }
+  validate_router(m.router, d.n_experts, "colibri_open_memory: router", Status::kInvalidArgument);
+  return m;
+}
+
+}  // namespace
+
+MemoryModel memory_model(const colibri_model_desc_t& d) {
+  MemoryModel out;
+  out.manifest = manifest_of(d);
+  Manifest& m = out.manifest;
+  bool any_gate = false, all_gate = true;
+  out.layers.resize(static_cast<size_t>(d.n_layers));
+  for (int64_t l = 0; l < d.n_layers; ++l) {
+    const colibri_layer_weights_t& lw = d.layers[l];
+    LayerBuffers& buffers = out.layers[static_cast<size_t>(l)];
+    const std::string layer = "layers[" + std::to_string(l) + "]";
+    if (lw.experts == nullptr) bad_desc(layer + ".experts is NULL");
+    buffers.experts.reserve(static_cast<size_t>(d.n_experts));
+    for (int64_t e = 0; e < d.n_experts; ++e) {
+      buffers.experts.push_back(expert_buffers(lw.experts[e], layer + ".experts[" + std::to_string(e) + "]"));
+    }
+    if (m.has_router() && lw.router == nullptr) bad_desc(layer + ".router is NULL (the model has a router)");
+    buffers.router = lw.router;
+    buffers.router_bias = lw.router_bias;
+    if (m.has_shared()) {
+      buffers.shared = expert_buffers(lw.shared, layer + ".shared");
+      buffers.shared_gate = lw.shared_gate;
+      any_gate |= lw.shared_gate != nullptr;
+      all_gate &= lw.shared_gate != nullptr;
+    }
+  }
+  if (any_gate && !all_gate) bad_desc("shared_gate must be given for every layer or for none");
+  m.shared_gate = m.has_shared() && any_gate;
+  return out;
+}
+
+}  // namespace colibri::api

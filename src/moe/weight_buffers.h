@@ -1,0 +1,27 @@
+// Expert weights that are already in memory, in the model files' layout
+// (gate and up [d_ff][d_model], down [d_model][d_ff], in the manifest's
+// types; router [n_experts][d_model], bias [n_experts], shared gate
+// [d_model], f32): a caller's buffers (colibri_open_memory) or a mapped
+// file's tensors. The store copies them into its packed region; nothing
+// here is kept after open.
+#pragma once
+
+#include <vector>
+
+namespace colibri {
+
+struct ExpertBuffers {
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+};
+
+struct LayerBuffers {
+  std::vector<ExpertBuffers> experts;  // [n_experts]
+  const float* router = nullptr;       // when the manifest has a router
+  const float* router_bias = nullptr;  // or null: zeros
+  ExpertBuffers shared;                // when the manifest has a shared expert
+  const float* shared_gate = nullptr;  // when the manifest says shared_gate
+};
+
+}  // namespace colibri
