@@ -371,6 +371,13 @@ COLIBRI_API colibri_status_t colibri_stats(const colibri_model_t* model, colibri
  * gives "". Thread-safe. */
 COLIBRI_API const char* colibri_model_kernels(const colibri_model_t* model);
 
+/* Where the model's weights came from: "colibri model directory", or for
+ * a GGUF file e.g. "gguf qwen3moe, layers 0-46 = blocks 1-47 of 48, gate/up
+ * Q4_K, down Q6_K, dense blocks skipped: 0" (layer l is GGUF block
+ * first + l; docs/FORMAT.md). Owned by the model; valid until colibri_free.
+ * NULL model gives "". Thread-safe. */
+COLIBRI_API const char* colibri_model_source(const colibri_model_t* model);
+
 /* Re-hashes every weight file named in the manifest's checksums and checks
  * sizes, independent of open. Thread-safe (reads files only). */
 COLIBRI_API colibri_status_t colibri_verify_dir(const char* path);

@@ -367,6 +367,7 @@ _PROTOTYPES = {
     "colibri_model_info": (ctypes.c_int, [c_void_p, _P(ModelInfo)]),
     "colibri_stats": (ctypes.c_int, [c_void_p, _P(Stats)]),
     "colibri_model_kernels": (ctypes.c_char_p, [c_void_p]),
+    "colibri_model_source": (ctypes.c_char_p, [c_void_p]),
     "colibri_verify_dir": (ctypes.c_int, [ctypes.c_char_p]),
     "colibri_route_compile_options_default": (None, [_P(RouteCompileOptions)]),
     "colibri_route_compile": (

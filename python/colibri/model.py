@@ -121,7 +121,8 @@ class Model:
 
     ``Model(path, threads=0, lock=True, huge_pages=True, verify=True,
     bf16_compute=False, *, exact_prefill=False)`` opens a model directory (colibri.json + expert
-    files, docs/FORMAT.md); ``Model.from_arrays(...)`` builds one from
+    files, docs/FORMAT.md) or a GGUF file's MoE layers (the first file of a
+    split set for a split one); ``Model.from_arrays(...)`` builds one from
     in-memory weights (colibri_open_memory). ``close()`` (or ``with``)
     releases it; methods of a closed model raise ValueError.
 
@@ -403,6 +404,19 @@ class Model:
         h = self._acquire()
         try:
             s = L.lib().colibri_model_kernels(h)
+        finally:
+            self._release()
+        return s.decode("utf-8", "replace") if s else ""
+
+    @property
+    def origin(self):
+        """Where the weights came from: 'colibri model directory', or for a
+        GGUF file its architecture, the blocks the layers are and the tensor
+        types, e.g. 'gguf qwen3moe, layers 0-1 = blocks 1-2 of 3, gate/up
+        Q4_K, down Q6_K, dense blocks skipped: 0'."""
+        h = self._acquire()
+        try:
+            s = L.lib().colibri_model_source(h)
         finally:
             self._release()
         return s.decode("utf-8", "replace") if s else ""

@@ -484,6 +484,10 @@ const char* colibri_model_kernels(const colibri_model_t* model) {
   return model != nullptr ? model->impl.kernels_description().c_str() : "";
 }
 
+const char* colibri_model_source(const colibri_model_t* model) {
+  return model != nullptr ? model->impl.source_description().c_str() : "";
+}
+
 colibri_status_t colibri_verify_dir(const char* path) {
   if (path == nullptr) return null_argument("colibri_verify_dir", "path");
   return guarded("colibri_verify_dir", [&] {

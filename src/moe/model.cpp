@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "io/checksum.h"
+#include "moe/gguf_model.h"
 #include "util/c_enum.h"
 #include "util/error.h"
 
@@ -34,11 +35,42 @@ StoreOptions store_options(const OpenOptions& o, bool verify) {
   return so;
 }
 
+void append_warning(std::string* warnings, const std::string& w) {
+  if (warnings == nullptr) return;
+  if (!warnings->empty()) *warnings += "; ";
+  *warnings += w;
+}
+
+std::string block_list(const std::vector<int32_t>& blocks) {
+  std::string s;
+  for (size_t i = 0; i < blocks.size(); ++i) s += (i ? ", " : "") + std::to_string(blocks[i]);
+  return s;
+}
+
 }  // namespace
 
 Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings) {
   const auto t0 = std::chrono::steady_clock::now();
   check_threads(o);
+  if (is_gguf_file(dir)) {
+    // The weights are copied into the store, then the file is unmapped.
+    const GgufModel g = load_gguf_model(dir);
+    manifest_ = g.manifest;
+    store_ = std::make_unique<ExpertStore>(g.layers, manifest_, store_options(o, false), warnings);
+    const int32_t last = g.first_block + manifest_.n_layers - 1;
+    source_description_ = "gguf " + g.architecture + ", layers 0-" + std::to_string(manifest_.n_layers - 1) +
+                          " = blocks " + std::to_string(g.first_block) + "-" + std::to_string(last) + " of " +
+                          std::to_string(g.block_count) + ", " + g.expert_types;
+    if (!g.dense_blocks.empty()) {
+      source_description_ += ", dense blocks skipped: " + block_list(g.dense_blocks);
+      append_warning(warnings, dir + ": dense blocks " + block_list(g.dense_blocks) +
+                                   " have no experts and are skipped; layer l is block " +
+                                   std::to_string(g.first_block) + " + l");
+    }
+    start(o);
+    load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return;
+  }
   manifest_ = load_manifest(dir);
   if (o.verify_checksums) verify_manifest_checksum(dir);
   store_ = std::make_unique<ExpertStore>(dir, manifest_, store_options(o, o.verify_checksums), warnings);

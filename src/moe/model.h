@@ -31,8 +31,10 @@ struct OpenOptions {
 
 class Model {
  public:
-  // Throws colibri::Error. Warnings (e.g. mlock refused) go to *warnings.
-  Model(const std::string& dir, const OpenOptions& options, std::string* warnings);
+  // A model directory, or a GGUF file (or the first file of a split set:
+  // its MoE layers, moe/gguf_model.h). Throws colibri::Error. Warnings
+  // (e.g. mlock refused, dense GGUF blocks skipped) go to *warnings.
+  Model(const std::string& path, const OpenOptions& options, std::string* warnings);
   // From weights in memory, one LayerBuffers per layer, described by
   // `manifest` (validated by the caller, as parse_manifest does, and with
   // every pointer it implies set).
@@ -45,6 +47,9 @@ class Model {
   int threads() const { return pool_->size(); }
   double load_seconds() const { return load_seconds_; }
   const std::string& kernels_description() const { return kernels_description_; }
+  // Where the weights came from: "directory", or for a GGUF file its
+  // architecture, which blocks the layers are, and the tensor types.
+  const std::string& source_description() const { return source_description_; }
   std::atomic<uint64_t>& infer_calls() { return infer_calls_; }
   uint64_t expert_swaps() const { return expert_swaps_.load(std::memory_order_relaxed); }
 
@@ -64,6 +69,7 @@ class Model {
   std::unique_ptr<Engine> engine_;
   double load_seconds_ = 0.0;
   std::string kernels_description_;
+  std::string source_description_ = "colibri model directory";
   std::atomic<uint64_t> infer_calls_{0};
   std::atomic<uint64_t> expert_swaps_{0};
 };

@@ -225,7 +225,7 @@ void run_loadtest(const LoadArgs& a) {
 void add_load_commands(CLI::App& app) {
   auto la = std::make_shared<LoadArgs>();
   CLI::App* l = app.add_subcommand("loadtest", "Several caller threads against one model, every output checked");
-  l->add_option("--model", la->model, "Model directory")->required();
+  l->add_option("--model", la->model, "Model directory or GGUF file")->required();
   l->add_option("--callers", la->callers, "Comma-separated caller thread counts (default 1,2,4,8)");
   l->add_option("--requests", la->requests, "Inferences per caller")->check(CLI::Range(1, 10000000));
   l->add_option("--tokens", la->tokens, "Tokens per request")->check(CLI::Range(1, 65536));

@@ -95,7 +95,12 @@ void run_info(const std::string& dir, int threads) {
   check(colibri_model_info(h.model, &info), "info");
   check(colibri_stats(h.model, &stats), "stats");
   std::printf("model        %s\n", dir.c_str());
-  std::printf("format       colibri-moe v%d\n", info.format_version);
+  const std::string source = colibri_model_source(h.model);
+  if (source.rfind("gguf", 0) == 0) {
+    std::printf("source       %s\n", source.c_str());
+  } else {
+    std::printf("format       colibri-moe v%d\n", info.format_version);
+  }
   std::printf("layers       %d\n", info.n_layers);
   std::printf("experts      %d\n", info.n_experts);
   std::printf("d_model      %d\n", info.d_model);
@@ -154,7 +159,7 @@ void add_model_commands(CLI::App& app) {
   auto info_dir = std::make_shared<std::string>();
   auto threads = std::make_shared<int>(0);
   CLI::App* i = app.add_subcommand("info", "Open a model and print what it holds and what the loader got");
-  i->add_option("--model", *info_dir, "Model directory")->required();
+  i->add_option("--model", *info_dir, "Model directory or GGUF file")->required();
   i->add_option("--threads", *threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
   i->callback([info_dir, threads] { run_info(*info_dir, *threads); });
 }

@@ -416,7 +416,7 @@ void run_demo(const DemoArgs& a) {
 void add_run_commands(CLI::App& app) {
   auto ia = std::make_shared<InferArgs>();
   CLI::App* infer = app.add_subcommand("infer", "Run one MoE layer on raw float32 input");
-  infer->add_option("--model", ia->model, "Model directory")->required();
+  infer->add_option("--model", ia->model, "Model directory or GGUF file")->required();
   infer->add_option("--routing", ia->routing,
                     "routing.bin or .route file (optional for a model with a built-in router)");
   infer->add_option("--input", ia->input, "Raw little-endian float32 [T][d_model]")->required();
@@ -429,7 +429,7 @@ void add_run_commands(CLI::App& app) {
 
   auto ba = std::make_shared<BenchArgs>();
   CLI::App* b = app.add_subcommand("bench", "Measure latency and throughput of one MoE layer");
-  b->add_option("--model", ba->model, "Model directory")->required();
+  b->add_option("--model", ba->model, "Model directory or GGUF file")->required();
   auto* routing = b->add_option("--routing", ba->routing, "routing.bin or .route file");
   auto* tokens = b->add_option("--tokens", ba->tokens, "Tokens per call (random routing)")->check(CLI::Range(1, 1 << 24));
   routing->excludes(tokens);

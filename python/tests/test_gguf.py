@@ -1,0 +1,128 @@
+"""GGUF files opened directly: MoE GGUFs written by the gguf package in each
+architecture's naming (gguf_fixtures.py), run through colibri.Model and
+compared with a float64 reference on the weights as the gguf package
+dequantises them, with the built-in router (llama.cpp's rule for the
+architecture) and with routing from the caller."""
+
+import numpy as np
+import pytest
+
+import colibri
+import gguf_fixtures as gf
+
+INT8_TOL = 2e-2
+EXACT_TOL = 1e-5
+BF16_TOL = 5e-3
+
+
+def rel_l2(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def route_reference(fix, layer, x):
+    """llama.cpp's gating for the fixture's architecture, in float64:
+    ids [T, k] and weights [T, k]."""
+    L = fix.layers[layer]
+    logits = x.astype(np.float64) @ L.router.astype(np.float64).T
+    if fix.arch == "deepseek2":
+        probs = 1.0 / (1.0 + np.exp(-logits))
+        choice = probs + L.bias.astype(np.float64)
+    else:
+        z = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs = z / z.sum(axis=1, keepdims=True)
+        choice = probs
+    ids = np.argsort(-choice, axis=1, kind="stable")[:, : fix.top_k]
+    w = np.take_along_axis(probs, ids, axis=1)
+    if fix.norm_topk_prob:
+        w = w / w.sum(axis=1, keepdims=True)
+    if fix.arch == "deepseek2":
+        w = w * 2.5
+    return ids, w
+
+
+def moe_reference(fix, layer, x, ids, w):
+    L = fix.layers[layer]
+    x64 = x.astype(np.float64)
+    y = np.zeros_like(x64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            h = silu(L.gate[e].astype(np.float64) @ x64[t]) * (L.up[e].astype(np.float64) @ x64[t])
+            y[t] += w[t, j] * (L.down[e].astype(np.float64) @ h)
+    if L.shared_gate_proj is not None:
+        h = silu(x64 @ L.shared_gate_proj.astype(np.float64).T) * (x64 @ L.shared_up.astype(np.float64).T)
+        s = h @ L.shared_down.astype(np.float64).T
+        if L.shared_gate is not None:
+            s = s * (1.0 / (1.0 + np.exp(-(x64 @ L.shared_gate.astype(np.float64)))))[:, None]
+        y += s
+    return y
+
+
+CASES = [
+    # (architecture, gate/up type, down type, extra fixture arguments)
+    ("qwen3moe", "q4_k", "q6_k", dict(dense_blocks=1)),  # Q4_K_M-style, Qwen3-MoE naming
+    ("llama", "q4_k", "q6_k", dict()),  # Q4_K_M-style Mixtral (llama architecture)
+    ("qwen2moe", "q8_0", "q8_0", dict(shared_d_ff=128)),
+    ("olmoe", "q4_0", "q4_0", dict(router_dtype="f16")),
+    ("deepseek2", "q5_k", "q6_k", dict(dense_blocks=1, shared_d_ff=256, fused=True)),
+    ("qwen3moe", "bf16", "bf16", dict()),
+    ("llama", "f16", "f16", dict()),
+]
+
+
+@pytest.mark.parametrize("arch,dtype,down,extra", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+@pytest.mark.parametrize("exact", [False, True], ids=["int8", "exact"])
+def test_gguf_layers_match_float64(tmp_path, arch, dtype, down, extra, exact):
+    path = str(tmp_path / "model.gguf")
+    fix = gf.write_moe_gguf(path, arch, n_blocks=3 if extra.get("dense_blocks") else 2, dtype=dtype, down_dtype=down,
+                            seed=hash((arch, dtype)) % 1000, **extra)
+    quantized = dtype not in ("f32", "f16", "bf16")
+    # Default precision: int8 activations for the block formats, and bf16
+    # weights' prefill on bf16-rounded activations (docs/PRECISION.md).
+    tol = EXACT_TOL if exact else INT8_TOL if quantized else BF16_TOL if dtype == "bf16" else EXACT_TOL
+    rng = np.random.default_rng(5)
+    with colibri.Model(path, exact_prefill=exact) as m:
+        info = m.info
+        assert (info.n_layers, info.n_experts, info.d_model, info.d_ff) == (len(fix.layers), fix.n_experts,
+                                                                              fix.d_model, fix.d_ff)
+        assert info.dtype == dtype and info.down_dtype == down
+        assert info.shared_d_ff == fix.shared_d_ff
+        assert m.origin.startswith(f"gguf {arch}, layers 0-{len(fix.layers) - 1} = blocks {fix.first_block}-")
+        if fix.first_block:
+            assert "dense blocks skipped: 0" in m.origin and "skipped" in m.warning
+        for layer in range(len(fix.layers)):
+            for T in (1, 5, 40):
+                x = rng.standard_normal((T, fix.d_model)).astype(np.float32)
+                ids, w = route_reference(fix, layer, x)
+                # The built-in router picks llama.cpp's experts with its weights.
+                got_ids, got_w = m.route(x, layer=layer)
+                assert np.array_equal(np.sort(got_ids, axis=1), np.sort(ids, axis=1)), (layer, T)
+                order = np.argsort(got_ids, axis=1)
+                np.testing.assert_allclose(np.take_along_axis(got_w, order, axis=1),
+                                           np.take_along_axis(w, np.argsort(ids, axis=1), axis=1), rtol=1e-4,
+                                           atol=1e-6)
+                ref = moe_reference(fix, layer, x, ids, w)
+                assert rel_l2(m.infer(x, layer=layer), ref) <= tol, (layer, T)
+                # Caller routing: the same experts and weights given explicitly.
+                assert rel_l2(m.infer(x, ids.astype(np.int32), w.astype(np.float32), layer=layer), ref) <= tol
+
+
+def test_gguf_bad_files_name_the_problem(tmp_path):
+    path = str(tmp_path / "m.gguf")
+    gf.write_moe_gguf(path, "qwen3moe", dtype="q8_0")
+    raw = open(path, "rb").read()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(raw[:-100])
+    with pytest.raises(colibri.ColibriError, match=r"bad\.gguf: tensor blk\.1\.\S+ .*outside the file"):
+        colibri.Model(str(bad))
+    bad.write_bytes(b"GGUF" + (7).to_bytes(4, "little") + raw[8:])
+    with pytest.raises(colibri.ColibriError, match="unknown GGUF version 7"):
+        colibri.Model(str(bad))
+    # An architecture Colibri does not route, and a type it does not compute.
+    gf.write_moe_gguf(path, "qwen3moe", dtype="q8_0", extra_kv={"qwen3moe.expert_gating_func": 2})
+    with pytest.raises(colibri.ColibriError, match="expert_gating_func is 2, not softmax"):
+        colibri.Model(path)

@@ -1,0 +1,505 @@
+#include "moe/gguf_model.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <regex>
+#include <unordered_map>
+
+#include "moe/router.h"
+#include "util/error.h"
+#include "util/half.h"
+
+namespace colibri {
+
+namespace {
+
+// ggml types Colibri computes on, as weight types.
+bool weight_type_of(uint32_t ggml, WeightType* out) {
+  switch (ggml) {
+    case ggml_type::kF32:
+      *out = WeightType::kF32;
+      return true;
+    case ggml_type::kF16:
+      *out = WeightType::kF16;
+      return true;
+    case ggml_type::kBF16:
+      *out = WeightType::kBF16;
+      return true;
+    case ggml_type::kQ8_0:
+      *out = WeightType::kQ8_0;
+      return true;
+    case ggml_type::kQ4_0:
+      *out = WeightType::kQ4_0;
+      return true;
+    case ggml_type::kQ4_K:
+      *out = WeightType::kQ4_K;
+      return true;
+    case ggml_type::kQ5_K:
+      *out = WeightType::kQ5_K;
+      return true;
+    case ggml_type::kQ6_K:
+      *out = WeightType::kQ6_K;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The parts of a split set: "<prefix>-00001-of-0000N.gguf" and its
+// siblings, or just `path`.
+std::vector<GgufFile> open_parts(const std::string& path) {
+  std::vector<GgufFile> files;
+  files.push_back(GgufFile::open(path));
+  const GgufFile& first = files.front();
+  uint64_t count = 1;
+  first.get_uint("split.count", &count);
+  if (count <= 1) return files;
+  uint64_t no = 0;
+  first.get_uint("split.no", &no);
+  if (count > 9999) fail(Status::kFormat, path + ": key split.count is " + std::to_string(count) + ", absurd");
+  const std::regex name_rule(R"((.*)-(\d{5})-of-(\d{5})\.gguf)");
+  std::smatch m;
+  if (!std::regex_match(path, m, name_rule) || no != 0 || std::stoull(m[2].str()) != 1 ||
+      std::stoull(m[3].str()) != count) {
+    fail(Status::kInvalidArgument, path + ": part " + std::to_string(no + 1) + " of a split set of " +
+                                       std::to_string(count) + "; open its first file, <name>-00001-of-" +
+                                       [&] {
+                                         char b[16];
+                                         std::snprintf(b, sizeof b, "%05llu", static_cast<unsigned long long>(count));
+                                         return std::string(b);
+                                       }() +
+                                       ".gguf");
+  }
+  const std::string prefix = m[1].str();
+  for (uint64_t i = 1; i < count; ++i) {
+    char suffix[64];
+    std::snprintf(suffix, sizeof suffix, "-%05llu-of-%05llu.gguf", static_cast<unsigned long long>(i + 1),
+                  static_cast<unsigned long long>(count));
+    const std::string part = prefix + suffix;
+    if (::access(part.c_str(), F_OK) != 0) {
+      fail(Status::kIo, path + ": part " + std::to_string(i + 1) + " of " + std::to_string(count) + " (" + part +
+                            ") is missing");
+    }
+    files.push_back(GgufFile::open(part));
+    uint64_t part_no = 0, part_count = 0;
+    if (!files.back().get_uint("split.no", &part_no) || part_no != i ||
+        !files.back().get_uint("split.count", &part_count) || part_count != count) {
+      fail(Status::kFormat, part + ": keys split.no / split.count do not say part " + std::to_string(i + 1) +
+                                " of " + std::to_string(count));
+    }
+  }
+  return files;
+}
+
+// Tensors by name across the parts of a split set.
+class TensorIndex {
+ public:
+  explicit TensorIndex(const std::vector<GgufFile>& files) {
+    for (const GgufFile& f : files) {
+      for (const GgufTensor& t : f.tensors()) {
+        if (!index_.emplace(t.name, Entry{&f, &t}).second) {
+          fail(Status::kFormat, f.source() + ": duplicate tensor " + t.name + " (also in another part)");
+        }
+      }
+    }
+  }
+  struct Entry {
+    const GgufFile* file;
+    const GgufTensor* tensor;
+  };
+  const Entry* find(const std::string& name) const {
+    const auto it = index_.find(name);
+    return it == index_.end() ? nullptr : &it->second;
+  }
+
+ private:
+  std::unordered_map<std::string, Entry> index_;
+};
+
+class Loader {
+ public:
+  Loader(GgufModel& out) : out_(out), first_(out.files.front()), index_(out.files) {}
+
+  void run() {
+    if (!first_.get_string("general.architecture", &out_.architecture)) {
+      fail(Status::kFormat, first_.source() + ": key general.architecture is missing");
+    }
+    arch_ = out_.architecture;
+    const int64_t blocks = required_count("block_count", 1 << 16);
+    out_.block_count = static_cast<int32_t>(blocks);
+    const int64_t d_model = required_count("embedding_length", kMaxDim);
+    uint64_t experts = 0;
+    if (!first_.get_uint(arch_ + ".expert_count", &experts) || experts == 0) {
+      fail(Status::kUnsupported, first_.source() + ": architecture " + arch_ + " has no " + arch_ +
+                                     ".expert_count: not a mixture-of-experts model");
+    }
+    if (experts > static_cast<uint64_t>(kMaxExperts)) bad_key("expert_count", "is absurd");
+    const int64_t top_k = required_count("expert_used_count", experts);
+    if (top_k == 0) bad_key("expert_used_count", "is 0");
+
+    // Which blocks have experts.
+    for (int32_t b = 0; b < out_.block_count; ++b) {
+      const bool moe = index_.find(name(b, "ffn_gate_exps.weight")) != nullptr ||
+                       index_.find(name(b, "ffn_gate_up_exps.weight")) != nullptr ||
+                       index_.find(name(b, "ffn_down_exps.weight")) != nullptr;
+      if (!moe) {
+        if (!moe_blocks_.empty()) {
+          fail(Status::kUnsupported, first_.source() + ": block " + std::to_string(b) +
+                                         " has no expert tensors but blocks before it do; Colibri runs contiguous "
+                                         "MoE blocks only");
+        }
+        out_.dense_blocks.push_back(b);
+      } else {
+        moe_blocks_.push_back(b);
+      }
+    }
+    if (moe_blocks_.empty()) fail(Status::kFormat, first_.source() + ": no block has expert tensors (blk.N.ffn_*_exps)");
+    uint64_t leading = 0;
+    if (first_.get_uint(arch_ + ".leading_dense_block_count", &leading) &&
+        leading != static_cast<uint64_t>(moe_blocks_.front())) {
+      bad_key("leading_dense_block_count", "is " + std::to_string(leading) + " but block " +
+                                                std::to_string(moe_blocks_.front()) + " is the first with experts");
+    }
+    out_.first_block = moe_blocks_.front();
+
+    Manifest& m = out_.manifest;
+    m.n_layers = static_cast<int32_t>(moe_blocks_.size());
+    m.n_experts = static_cast<int32_t>(experts);
+    m.d_model = static_cast<int32_t>(d_model);
+    first_layer_types(m);
+    m.router = router_rule(static_cast<int32_t>(top_k));
+    shared_expert(m);
+    m.version = m.quantized() ? 3 : 2;
+    m.source_json = "{\"gguf\": \"" + json_escape(out_.path) + "\", \"architecture\": \"" + json_escape(arch_) + "\"}";
+    // The limits every model directory is held to.
+    try {
+      parse_manifest(manifest_to_json(m), first_.source());
+    } catch (const Error& e) {
+      fail(Status::kFormat, e.what());
+    }
+    validate_router(m.router, m.n_experts, first_.source() + ": router", Status::kFormat);
+    for (int32_t b : moe_blocks_) out_.layers.push_back(layer(b));
+  }
+
+ private:
+  GgufModel& out_;
+  const GgufFile& first_;
+  TensorIndex index_;
+  std::string arch_;
+  std::vector<int32_t> moe_blocks_;
+  bool fused_ = false;
+  uint32_t gate_type_ = 0, down_type_ = 0;
+  uint32_t shared_gate_type_ = 0, shared_down_type_ = 0;
+
+  static std::string name(int32_t block, const char* what) {
+    return "blk." + std::to_string(block) + "." + what;
+  }
+  static std::string json_escape(const std::string& s) {
+    std::string r;
+    for (char c : s) {
+      if (c == '"' || c == '\\') r += '\\';
+      if (static_cast<unsigned char>(c) >= 0x20) r += c;
+    }
+    return r;
+  }
+
+  [[noreturn]] void bad_key(const std::string& key, const std::string& why) const {
+    fail(Status::kFormat, first_.source() + ": key " + arch_ + "." + key + " " + why);
+  }
+  [[noreturn]] void bad_tensor(const GgufFile& f, const std::string& tensor, const std::string& why,
+                               Status status = Status::kFormat) const {
+    fail(status, f.source() + ": tensor " + tensor + " " + why);
+  }
+
+  int64_t required_count(const std::string& key, uint64_t max) const {
+    uint64_t v = 0;
+    if (!first_.get_uint(arch_ + "." + key, &v)) {
+      fail(Status::kFormat, first_.source() + ": key " + arch_ + "." + key + " is missing");
+    }
+    if (v > max) bad_key(key, "is " + std::to_string(v) + ", absurd");
+    return static_cast<int64_t>(v);
+  }
+
+  std::string dims(const GgufTensor& t) const {
+    std::string s = "[";
+    for (uint32_t d = 0; d < t.n_dims; ++d) s += (d ? ", " : "") + std::to_string(t.ne[d]);
+    return s + "]";
+  }
+
+  // The tensor `tensor_name` with exactly the dimensions `ne` (ne[0]
+  // first, as GGUF lists them).
+  const TensorIndex::Entry& expect(const std::string& tensor_name, std::vector<uint64_t> ne) const {
+    const TensorIndex::Entry* e = index_.find(tensor_name);
+    if (e == nullptr) fail(Status::kFormat, first_.source() + ": tensor " + tensor_name + " is missing");
+    const GgufTensor& t = *e->tensor;
+    bool same = true;
+    for (size_t d = 0; d < 4; ++d) same &= t.ne[d] == (d < ne.size() ? ne[d] : 1);
+    if (!same) {
+      std::string want = "[";
+      for (size_t d = 0; d < ne.size(); ++d) want += (d ? ", " : "") + std::to_string(ne[d]);
+      bad_tensor(*e->file, tensor_name, "has dimensions " + dims(t) + ", expected " + want + "]");
+    }
+    return *e;
+  }
+
+  WeightType weight_type(const TensorIndex::Entry& e) const {
+    WeightType t;
+    if (!weight_type_of(e.tensor->type, &t)) {
+      bad_tensor(*e.file, e.tensor->name,
+                 "is " + ggml_type_name(e.tensor->type) +
+                     ", a type Colibri does not compute (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)",
+                 Status::kUnsupported);
+    }
+    return t;
+  }
+
+  // Dimensions and types from the first MoE block; every block must agree.
+  void first_layer_types(Manifest& m) {
+    const int32_t b = moe_blocks_.front();
+    fused_ = index_.find(name(b, "ffn_gate_up_exps.weight")) != nullptr;
+    const TensorIndex::Entry* g =
+        index_.find(name(b, fused_ ? "ffn_gate_up_exps.weight" : "ffn_gate_exps.weight"));
+    if (g == nullptr) fail(Status::kFormat, first_.source() + ": tensor " + name(b, "ffn_gate_exps.weight") + " is missing");
+    const GgufTensor& gt = *g->tensor;
+    if (gt.n_dims != 3) bad_tensor(*g->file, gt.name, "has dimensions " + dims(gt) + ", expected [d_model, d_ff, n_experts]");
+    const uint64_t rows = fused_ ? gt.ne[1] / 2 : gt.ne[1];
+    if (fused_ && gt.ne[1] % 2 != 0) bad_tensor(*g->file, gt.name, "has an odd number of gate+up rows");
+    if (rows > static_cast<uint64_t>(kMaxDim)) bad_tensor(*g->file, gt.name, "has absurd dimensions " + dims(gt));
+    m.d_ff = static_cast<int32_t>(rows);
+    expect(gt.name, {static_cast<uint64_t>(m.d_model), fused_ ? 2 * rows : rows, static_cast<uint64_t>(m.n_experts)});
+    uint64_t stated = 0;
+    const std::string ff_key = first_.find(arch_ + ".expert_feed_forward_length") != nullptr
+                                   ? "expert_feed_forward_length"
+                                   : "feed_forward_length";
+    if (first_.get_uint(arch_ + "." + ff_key, &stated) && stated != rows) {
+      bad_key(ff_key, "is " + std::to_string(stated) + " but " + gt.name + " has " + std::to_string(rows) +
+                          " rows per expert");
+    }
+    gate_type_ = gt.type;
+    m.dtype = weight_type(*g);
+    if (!fused_) {
+      const TensorIndex::Entry& up = expect(name(b, "ffn_up_exps.weight"), {static_cast<uint64_t>(m.d_model), rows,
+                                                                           static_cast<uint64_t>(m.n_experts)});
+      if (up.tensor->type != gate_type_) {
+        bad_tensor(*up.file, up.tensor->name,
+                   "is " + ggml_type_name(up.tensor->type) + " but " + gt.name + " is " + ggml_type_name(gate_type_) +
+                       "; gate and up must share a type",
+                   Status::kUnsupported);
+      }
+    }
+    const TensorIndex::Entry& down = expect(name(b, "ffn_down_exps.weight"),
+                                            {rows, static_cast<uint64_t>(m.d_model), static_cast<uint64_t>(m.n_experts)});
+    down_type_ = down.tensor->type;
+    m.down_dtype = weight_type(down);
+    if (const std::string why = dtype_pair_problem(m.dtype, m.down_dtype); !why.empty()) {
+      bad_tensor(*down.file, down.tensor->name, "is " + ggml_type_name(down_type_) + " with " + gt.name + " " +
+                                                    ggml_type_name(gate_type_) + ": " + why,
+                 Status::kUnsupported);
+    }
+    out_.expert_types = "gate/up " + ggml_type_name(gate_type_) + ", down " + ggml_type_name(down_type_);
+  }
+
+  // The architecture's router rule, from its metadata.
+  RouterDesc router_rule(int32_t top_k) const {
+    RouterDesc r;
+    r.top_k = top_k;
+    uint64_t gating = 1;  // llama.cpp: 1 softmax, 2 sigmoid
+    const bool has_gating = first_.get_uint(arch_ + ".expert_gating_func", &gating);
+    double scale = 1.0;
+    const bool has_scale = first_.get_float(arch_ + ".expert_weights_scale", &scale);
+    bool norm = false;
+    const bool has_norm = first_.get_bool(arch_ + ".expert_weights_norm", &norm);
+    uint64_t groups = 1, groups_used = 1;
+    first_.get_uint(arch_ + ".expert_group_count", &groups);
+    first_.get_uint(arch_ + ".expert_group_used_count", &groups_used);
+    auto softmax_only = [&] {
+      if (has_gating && gating != 1) bad_key("expert_gating_func", "is " + std::to_string(gating) + ", not softmax (1)");
+      if (has_scale && scale != 1.0) bad_key("expert_weights_scale", "is " + std::to_string(scale) + ", not 1");
+      if (groups > 1) bad_key("expert_group_count", "is " + std::to_string(groups) + "; " + arch_ + " has no groups");
+    };
+    if (arch_ == "llama" || arch_ == "mixtral") {
+      // Softmax over the experts, top-k, renormalised (llama.cpp's llama
+      // graph; Mixtral's softmax over the top-k logits is the same).
+      softmax_only();
+      r.family = RouterFamily::kMixtral;
+      r.norm_topk_prob = 1;
+    } else if (arch_ == "qwen2moe" || arch_ == "olmoe") {
+      softmax_only();
+      r.family = arch_ == "olmoe" ? RouterFamily::kOlmoe : RouterFamily::kQwen2Moe;
+      r.norm_topk_prob = has_norm && norm ? 1 : 0;  // llama.cpp: not renormalised
+    } else if (arch_ == "qwen3moe") {
+      softmax_only();
+      r.family = RouterFamily::kQwen3Moe;
+      r.norm_topk_prob = has_norm && !norm ? 0 : 1;  // llama.cpp: renormalised
+    } else if (arch_ == "deepseek2") {
+      if (gating == 2) {
+        r.family = RouterFamily::kDeepseekV3;
+      } else if (gating == 1) {
+        r.family = RouterFamily::kDeepseekV2;
+        if (norm && scale != 1.0) {
+          bad_key("expert_weights_scale",
+                  "is " + std::to_string(scale) +
+                      " with expert_weights_norm true and softmax gating: llama.cpp scales the renormalised "
+                      "weights, DeepSeek-V2's rule (Colibri's) does one or the other");
+        }
+      } else {
+        bad_key("expert_gating_func", "is " + std::to_string(gating) + ", not softmax (1) or sigmoid (2)");
+      }
+      r.norm_topk_prob = norm ? 1 : 0;
+      r.routed_scaling_factor = static_cast<float>(scale);
+      if (groups > static_cast<uint64_t>(kMaxExperts) || groups_used > groups) {
+        bad_key("expert_group_used_count", "is " + std::to_string(groups_used) + " of " + std::to_string(groups) +
+                                               " groups");
+      }
+      r.n_group = static_cast<int32_t>(groups < 1 ? 1 : groups);
+      r.topk_group = static_cast<int32_t>(groups_used < 1 ? 1 : groups_used);
+    } else {
+      fail(Status::kUnsupported, first_.source() + ": architecture " + arch_ +
+                                     " is not one Colibri can route (llama/Mixtral, qwen2moe, qwen3moe, olmoe, "
+                                     "deepseek2)");
+    }
+    return r;
+  }
+
+  void shared_expert(Manifest& m) {
+    const int32_t b = moe_blocks_.front();
+    const TensorIndex::Entry* g = index_.find(name(b, "ffn_gate_shexp.weight"));
+    if (g == nullptr) return;
+    const GgufTensor& gt = *g->tensor;
+    if (gt.n_dims != 2 || gt.ne[1] > static_cast<uint64_t>(kMaxDim)) {
+      bad_tensor(*g->file, gt.name, "has dimensions " + dims(gt) + ", expected [d_model, shared d_ff]");
+    }
+    m.shared_d_ff = static_cast<int32_t>(gt.ne[1]);
+    uint64_t stated = 0;
+    if (first_.get_uint(arch_ + ".expert_shared_feed_forward_length", &stated) && stated != gt.ne[1]) {
+      bad_key("expert_shared_feed_forward_length",
+              "is " + std::to_string(stated) + " but " + gt.name + " has " + std::to_string(gt.ne[1]) + " rows");
+    }
+    shared_gate_type_ = gt.type;
+    const TensorIndex::Entry& down =
+        expect(name(b, "ffn_down_shexp.weight"), {gt.ne[1], static_cast<uint64_t>(m.d_model)});
+    shared_down_type_ = down.tensor->type;
+    if (shared_gate_type_ != gate_type_ || shared_down_type_ != down_type_) {
+      bad_tensor(*g->file, gt.name,
+                 "is " + ggml_type_name(shared_gate_type_) + " (down " + ggml_type_name(shared_down_type_) +
+                     ") but the routed experts are " + out_.expert_types +
+                     "; Colibri runs the shared expert in the routed experts' types",
+                 Status::kUnsupported);
+    }
+    m.shared_gate = index_.find(name(b, "ffn_gate_inp_shexp.weight")) != nullptr;
+  }
+
+  // A float vector or matrix (router, biases, gates) as f32: in place when
+  // stored so, else widened into out_.converted.
+  const float* floats(const TensorIndex::Entry& e) {
+    const GgufTensor& t = *e.tensor;
+    const uint8_t* p = e.file->data(t);
+    const size_t n = static_cast<size_t>(t.ne[0] * t.rows());
+    if (t.type == ggml_type::kF32) return reinterpret_cast<const float*>(p);
+    if (t.type != ggml_type::kF16 && t.type != ggml_type::kBF16) {
+      bad_tensor(*e.file, t.name, "is " + ggml_type_name(t.type) + "; Colibri reads it as F32, F16 or BF16",
+                 Status::kUnsupported);
+    }
+    std::vector<float> wide(n);
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      wide[i] = t.type == ggml_type::kF16 ? f16_to_float(h) : bf16_to_float(h);
+    }
+    out_.converted.push_back(std::move(wide));
+    return out_.converted.back().data();
+  }
+
+  void same_type(const TensorIndex::Entry& e, uint32_t want, const std::string& like) const {
+    if (e.tensor->type != want) {
+      bad_tensor(*e.file, e.tensor->name,
+                 "is " + ggml_type_name(e.tensor->type) + " but " + like + " is " + ggml_type_name(want) +
+                     "; Colibri needs one type per matrix across layers",
+                 Status::kUnsupported);
+    }
+  }
+
+  LayerBuffers layer(int32_t b) {
+    const Manifest& m = out_.manifest;
+    const uint64_t D = static_cast<uint64_t>(m.d_model), F = static_cast<uint64_t>(m.d_ff);
+    const uint64_t E = static_cast<uint64_t>(m.n_experts);
+    const std::string first = "block " + std::to_string(moe_blocks_.front()) + "'s";
+    LayerBuffers L;
+    const uint8_t* gate = nullptr;
+    const uint8_t* up = nullptr;
+    const size_t gate_row = weight_row_bytes(m.dtype, static_cast<size_t>(D));
+    size_t gate_step = 0;  // bytes from one expert's gate to the next's
+    if (fused_) {
+      const TensorIndex::Entry& gu = expect(name(b, "ffn_gate_up_exps.weight"), {D, 2 * F, E});
+      same_type(gu, gate_type_, first + " gate/up");
+      gate = gu.file->data(*gu.tensor);
+      up = gate + F * gate_row;  // per expert: F gate rows, then F up rows
+      gate_step = 2 * F * gate_row;
+    } else {
+      const TensorIndex::Entry& g = expect(name(b, "ffn_gate_exps.weight"), {D, F, E});
+      const TensorIndex::Entry& u = expect(name(b, "ffn_up_exps.weight"), {D, F, E});
+      same_type(g, gate_type_, first + " gate");
+      same_type(u, gate_type_, first + " gate");
+      gate = g.file->data(*g.tensor);
+      up = u.file->data(*u.tensor);
+      gate_step = F * gate_row;
+    }
+    const TensorIndex::Entry& d = expect(name(b, "ffn_down_exps.weight"), {F, D, E});
+    same_type(d, down_type_, first + " down");
+    const uint8_t* down = d.file->data(*d.tensor);
+    const size_t down_step = static_cast<size_t>(D) * weight_row_bytes(m.down_dtype, static_cast<size_t>(F));
+    L.experts.resize(static_cast<size_t>(E));
+    for (size_t e = 0; e < E; ++e) {
+      L.experts[e] = ExpertBuffers{gate + e * gate_step, up + e * gate_step, down + e * down_step};
+    }
+    L.router = floats(expect(name(b, "ffn_gate_inp.weight"), {D, E}));
+    if (m.router_has_bias()) {
+      const TensorIndex::Entry* bias = index_.find(name(b, "exp_probs_b.bias"));
+      if (bias != nullptr) L.router_bias = floats(expect(bias->tensor->name, {E}));
+    }
+    if (m.has_shared()) {
+      const uint64_t Fs = static_cast<uint64_t>(m.shared_d_ff);
+      const TensorIndex::Entry& sg = expect(name(b, "ffn_gate_shexp.weight"), {D, Fs});
+      const TensorIndex::Entry& su = expect(name(b, "ffn_up_shexp.weight"), {D, Fs});
+      const TensorIndex::Entry& sd = expect(name(b, "ffn_down_shexp.weight"), {Fs, D});
+      same_type(sg, gate_type_, "the routed experts' gate");
+      same_type(su, gate_type_, "the routed experts' gate");
+      same_type(sd, down_type_, "the routed experts' down");
+      L.shared = ExpertBuffers{sg.file->data(*sg.tensor), su.file->data(*su.tensor), sd.file->data(*sd.tensor)};
+      if (m.shared_gate) {
+        const TensorIndex::Entry* gi = index_.find(name(b, "ffn_gate_inp_shexp.weight"));
+        if (gi == nullptr) {
+          fail(Status::kFormat, first_.source() + ": tensor " + name(b, "ffn_gate_inp_shexp.weight") +
+                                    " is missing (block " + std::to_string(moe_blocks_.front()) + " has one)");
+        }
+        L.shared_gate = floats(expect(gi->tensor->name, gi->tensor->n_dims == 1 ? std::vector<uint64_t>{D}
+                                                                                 : std::vector<uint64_t>{D, 1}));
+      }
+    }
+    return L;
+  }
+};
+
+}  // namespace
+
+bool is_gguf_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char magic[4] = {};
+  const bool gguf = ::read(fd, magic, 4) == 4 && std::memcmp(magic, "GGUF", 4) == 0;
+  ::close(fd);
+  return gguf;
+}
+
+GgufModel load_gguf_model(const std::string& path) {
+  GgufModel out;
+  out.path = path;
+  out.files = open_parts(path);
+  Loader(out).run();
+  return out;
+}
+
+}  // namespace colibri
