@@ -3,16 +3,20 @@
 // set's quantiser bit for bit against the scalar one, the scalar dot
 // products against float64 dots of independently decoded weights and
 // dequantised activations, and every instruction set's dot products against
-// the scalar ones; strides, zero padding and the output entries written.
+// the scalar ones (each table called directly, so both AVX2-level ones,
+// plain and AVX-VNNI, whichever selection picks); strides, zero padding
+// and the output entries written; which table selection picks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <ostream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/kernels.h"
@@ -56,18 +60,38 @@ size_t block_bytes(WeightType t) {
 struct IsaKernels {
   std::string name;
   const QuantDotKernels* (*get)(WeightType);
+  bool (*runs_here)();  // whether this CPU runs them
 };
+
+bool always() { return true; }
+
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+bool has_avx2() { return colibri::kernels::detect_isa() >= colibri::kernels::Isa::kAvx2; }
+bool has_avx512_vnni() {
+  return colibri::kernels::detect_isa() >= colibri::kernels::Isa::kAvx512 && colibri::kernels::cpu_has_avx512_vnni();
+}
+#endif
+
+// The scalar reference first, then every instruction set's tables, each
+// called directly (both AVX2-level ones, whichever selection would pick).
+const std::vector<IsaKernels>& all_isa_kernels() {
+  static const std::vector<IsaKernels> v = {
+      {"scalar", colibri::kernels::quant_dot_scalar, always},
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+      {"avx2", colibri::kernels::quant_dot_avx2, has_avx2},
+      {"avx2-vnni", colibri::kernels::quant_dot_avx_vnni, colibri::kernels::cpu_has_avx_vnni},
+      {"avx512-vnni", colibri::kernels::quant_dot_avx512, has_avx512_vnni},
+#endif
+  };
+  return v;
+}
 
 // The scalar reference first, then each instruction set this CPU runs.
 std::vector<IsaKernels> isa_kernels() {
-  std::vector<IsaKernels> v = {{"scalar", colibri::kernels::quant_dot_scalar}};
-#if defined(COLIBRI_HAVE_X86_KERNELS)
-  const colibri::kernels::Isa isa = colibri::kernels::detect_isa();
-  if (isa >= colibri::kernels::Isa::kAvx2) v.push_back({"avx2", colibri::kernels::quant_dot_avx2});
-  if (isa >= colibri::kernels::Isa::kAvx512 && colibri::kernels::cpu_has_avx512_vnni()) {
-    v.push_back({"avx512-vnni", colibri::kernels::quant_dot_avx512});
+  std::vector<IsaKernels> v;
+  for (const IsaKernels& k : all_isa_kernels()) {
+    if (k.runs_here()) v.push_back(k);
   }
-#endif
   return v;
 }
 
@@ -302,28 +326,53 @@ TEST(QuantDot, TablesAndSizes) {
     EXPECT_EQ(colibri::kernels::act_row_bytes(t, 2048), 2048 + 2048 / 32 * 4 + 2048 / 16 * 2);
     EXPECT_EQ(colibri::kernels::act_row_bytes(t, block_elements(t)), block_elements(t) * 5 / 4);
     EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kScalar), colibri::kernels::quant_dot_scalar(t));
-    for (const IsaKernels& k : isa_kernels()) {
+    // Every table's name, also of those this CPU cannot run.
+    for (const IsaKernels& k : all_isa_kernels()) {
       const QuantDotKernels* q = k.get(t);
       ASSERT_NE(q, nullptr) << k.name;
       EXPECT_EQ(std::string(q->name), std::string(type_name(t)) + "-" + k.name);
     }
 #if defined(COLIBRI_HAVE_X86_KERNELS)
     const Isa isa = colibri::kernels::detect_isa();
-    const bool vnni = isa >= Isa::kAvx512 && colibri::kernels::cpu_has_avx512_vnni();
+    const bool avx512_vnni = isa >= Isa::kAvx512 && colibri::kernels::cpu_has_avx512_vnni();
+    const bool avx_vnni = colibri::kernels::cpu_has_avx_vnni();
+    // The AVX2-level table selection hands out: with vpdpbusd where the CPU has it.
+    const QuantDotKernels* avx2_level =
+        avx_vnni ? colibri::kernels::quant_dot_avx_vnni(t) : colibri::kernels::quant_dot_avx2(t);
+    EXPECT_NE(colibri::kernels::quant_dot_avx2(t), colibri::kernels::quant_dot_avx_vnni(t));
     const QuantDotKernels* top = colibri::kernels::quant_dot_kernels(t, Isa::kAmx);
-    if (vnni) {
+    if (avx512_vnni) {
       EXPECT_EQ(top, colibri::kernels::quant_dot_avx512(t));
       EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAvx512), colibri::kernels::quant_dot_avx512(t));
     } else if (isa >= Isa::kAvx2) {
-      EXPECT_EQ(top, colibri::kernels::quant_dot_avx2(t));
+      EXPECT_EQ(top, avx2_level);
+      EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAvx512), avx2_level);
     } else {
       EXPECT_EQ(top, colibri::kernels::quant_dot_scalar(t));
     }
     if (isa >= Isa::kAvx2) {
-      EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAvx2), colibri::kernels::quant_dot_avx2(t));
+      EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAvx2), avx2_level) << "avx_vnni " << avx_vnni;
+    } else {
+      EXPECT_FALSE(avx_vnni) << "AVX-VNNI without the AVX2 level";
     }
 #endif
   }
+}
+
+// The AVX-VNNI bit (CPUID.(EAX=7,ECX=1):EAX bit 4) as Linux lists it.
+TEST(QuantDot, AvxVnniDetectionMatchesTheKernel) {
+#if defined(COLIBRI_HAVE_X86_KERNELS) && defined(__linux__)
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line) && line.rfind("flags", 0) != 0) {
+  }
+  if (line.rfind("flags", 0) != 0) GTEST_SKIP() << "no flags in /proc/cpuinfo";
+  const bool listed = (line + " ").find(" avx_vnni ") != std::string::npos;
+  const bool avx2 = colibri::kernels::detect_isa() >= colibri::kernels::Isa::kAvx2;
+  EXPECT_EQ(colibri::kernels::cpu_has_avx_vnni(), listed && avx2) << "listed " << listed << ", avx2 " << avx2;
+#else
+  GTEST_SKIP() << "needs x86 kernels and /proc/cpuinfo";
+#endif
 }
 
 TEST(QuantDot, QuantizeActivations) {
@@ -402,8 +451,11 @@ struct DotCase {
   std::vector<int> tokens;
 };
 
-void run_dot_cases(WeightType t, const DotCase& c, std::mt19937& rng) {
-  const auto isas = isa_kernels();
+// The scalar kernels against float64, then `isa`'s (unless it is the
+// scalar one) against the scalar ones.
+void run_dot_cases(WeightType t, const IsaKernels& isa, const DotCase& c, std::mt19937& rng) {
+  std::vector<IsaKernels> isas = {all_isa_kernels()[0]};
+  if (isa.get != isas[0].get) isas.push_back(isa);
   const int max_rows = *std::max_element(c.rows.begin(), c.rows.end());
   const int max_tokens = *std::max_element(c.tokens.begin(), c.tokens.end());
   const size_t n = c.n;
@@ -485,8 +537,14 @@ void run_dot_cases(WeightType t, const DotCase& c, std::mt19937& rng) {
 
 class QuantDotFormat : public testing::TestWithParam<WeightType> {};
 
-TEST_P(QuantDotFormat, DotRows) {
-  const WeightType t = GetParam();
+// Per format and instruction set (an index into all_isa_kernels()), so that
+// each table, both AVX2-level ones included, passes or skips by name.
+class QuantDotIsa : public testing::TestWithParam<std::tuple<WeightType, size_t>> {};
+
+TEST_P(QuantDotIsa, DotRows) {
+  const WeightType t = std::get<0>(GetParam());
+  const IsaKernels& isa = all_isa_kernels()[std::get<1>(GetParam())];
+  if (!isa.runs_here()) GTEST_SKIP() << isa.name << " does not run on this CPU";
   std::mt19937 rng(77 + static_cast<unsigned>(t));
   const std::vector<int> rows = {1, 2, 3, 5, 16, 37};
   const std::vector<int> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 14, 17};  // every pass width of the kernels
@@ -510,7 +568,7 @@ TEST_P(QuantDotFormat, DotRows) {
   }
   for (const DotCase& c : cases) {
     SCOPED_TRACE("n=" + std::to_string(c.n));
-    run_dot_cases(t, c, rng);
+    run_dot_cases(t, isa, c, rng);
     if (testing::Test::HasFatalFailure()) return;
   }
 }
@@ -614,6 +672,16 @@ TEST_P(QuantDotFormat, DequantBf16MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Formats, QuantDotFormat, testing::ValuesIn(kTypes),
                          [](const testing::TestParamInfo<WeightType>& param_info) {
                            return std::string(type_name(param_info.param));
+                         });
+
+INSTANTIATE_TEST_SUITE_P(FormatsAndIsas, QuantDotIsa,
+                         testing::Combine(testing::ValuesIn(kTypes),
+                                          testing::Range(size_t{0}, all_isa_kernels().size())),
+                         [](const testing::TestParamInfo<std::tuple<WeightType, size_t>>& param_info) {
+                           std::string name = std::string(type_name(std::get<0>(param_info.param))) + "_" +
+                                              all_isa_kernels()[std::get<1>(param_info.param)].name;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
                          });
 
 }  // namespace

@@ -7,6 +7,7 @@
 // first AVX-512 instruction, so CPUID alone is not enough.
 #include "kernels/amx.h"
 #include "kernels/kernels.h"
+#include "kernels/quant_dot.h"
 
 #if defined(COLIBRI_HAVE_X86_KERNELS) && (defined(__x86_64__) || defined(__i386__))
 #define COLIBRI_DETECT_X86 1
@@ -20,6 +21,7 @@ struct CpuFeatures {
   Isa level = Isa::kScalar;
   bool avx512_bf16 = false;
   bool avx512_vnni = false;
+  bool avx_vnni = false;  // the VEX form, ymm only
 };
 
 #if defined(COLIBRI_DETECT_X86)
@@ -61,15 +63,22 @@ CpuFeatures probe() {
   const bool avx512vl = bit(ebx, 31);
   const bool avx512_vnni = bit(ecx, 11);
   bool avx512_bf16 = false;
+  bool avx_vnni = false;
   if (max_subleaf >= 1) {
     uint32_t a1 = 0, b1 = 0, c1 = 0, d1 = 0;
-    if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) avx512_bf16 = bit(a1, 5);
+    if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) {
+      avx_vnni = bit(a1, 4);
+      avx512_bf16 = bit(a1, 5);
+    }
   }
 
   // The AVX2 kernels also use FMA and F16C (f16 weights), so all three gate
   // the level; no shipping CPU has AVX2 without them, but VMs can mask bits.
   if (!(avx2 && fma && f16c)) return out;
   out.level = Isa::kAvx2;
+  // Its kernels are the AVX2 ones with vpdpbusd on ymm, so it needs that
+  // level (YMM state is already checked above).
+  out.avx_vnni = avx_vnni;
   if (os_avx512 && avx512f && avx512bw && avx512vl && avx512dq) {
     out.level = Isa::kAvx512;
     out.avx512_bf16 = avx512_bf16;
@@ -101,5 +110,7 @@ Isa detect_isa() {
 bool cpu_has_avx512_bf16() { return features().avx512_bf16; }
 
 bool cpu_has_avx512_vnni() { return features().avx512_vnni; }
+
+bool cpu_has_avx_vnni() { return features().avx_vnni; }
 
 }  // namespace colibri::kernels

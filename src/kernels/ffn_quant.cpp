@@ -437,7 +437,8 @@ const KernelTable& quant_kernels(Isa isa, bool exact) {
   }
   static const KernelTable scalar = quant_table<Isa::kScalar>("int8-scalar");
 #if defined(COLIBRI_HAVE_X86_KERNELS)
-  static const KernelTable avx2 = quant_table<Isa::kAvx2>("int8-avx2");
+  // The AVX2 level's integer kernels take vpdpbusd where the CPU has AVX-VNNI (quant_dot_kernels).
+  static const KernelTable avx2 = quant_table<Isa::kAvx2>(cpu_has_avx_vnni() ? "int8-avx2-vnni" : "int8-avx2");
   static const KernelTable avx512 = quant_table<Isa::kAvx512>("int8-avx512-vnni");
   if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) return avx512;
   if (level >= Isa::kAvx2) return avx2;

@@ -30,10 +30,10 @@ const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa) {
   const Isa detected = detect_isa();
   const Isa level = isa < detected ? isa : detected;
 #if defined(COLIBRI_HAVE_X86_KERNELS)
-  // kAmx decodes with the AVX-512 kernels; without VNNI the AVX-512 level
-  // takes the AVX2 ones.
+  // kAmx decodes with the AVX-512 kernels; without AVX512_VNNI the AVX-512
+  // level takes the AVX2-level ones, with AVX-VNNI where the CPU has it.
   if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) return quant_dot_avx512(t);
-  if (level >= Isa::kAvx2) return quant_dot_avx2(t);
+  if (level >= Isa::kAvx2) return cpu_has_avx_vnni() ? quant_dot_avx_vnni(t) : quant_dot_avx2(t);
 #else
   (void)level;
 #endif

@@ -59,8 +59,14 @@ bool is_quantized(WeightType t);
 size_t act_row_bytes(WeightType t, size_t n);
 
 // The kernels for quantised type t at the highest level <= isa this CPU
-// supports; nullptr when t is not quantised.
+// supports; nullptr when t is not quantised. At the AVX2 level (and at
+// AVX-512 without AVX512_VNNI) the AVX-VNNI kernels where the CPU has them.
 const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa);
+
+// AVX-VNNI (vpdpbusd on ymm, VEX-encoded): CPUID.(EAX=7,ECX=1):EAX bit 4,
+// and only where the AVX2 level is usable (the OS saves YMM state). False
+// without x86 kernels.
+bool cpu_has_avx_vnni();
 
 // Per-ISA entries (qdot_<isa>.cpp); nullptr when t is not quantised.
 const QuantDotKernels* quant_dot_scalar(WeightType t);
@@ -75,6 +81,8 @@ using DequantBf16Fn = void (*)(const void* src, size_t n, uint16_t* dst);
 // CPU has); nullptr when t is not quantised.
 DequantBf16Fn dequant_bf16_avx512(WeightType t);
 const QuantDotKernels* quant_dot_avx2(WeightType t);
+// qdot_avxvnni.cpp: the AVX2 kernels with vpdpbusd; needs cpu_has_avx_vnni().
+const QuantDotKernels* quant_dot_avx_vnni(WeightType t);
 // Needs AVX512_VNNI (cpu_has_avx512_vnni()).
 const QuantDotKernels* quant_dot_avx512(WeightType t);
 #endif

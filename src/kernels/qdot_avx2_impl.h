@@ -1,0 +1,664 @@
+// The AVX2-level integer dot-product kernels (quant_dot.h), written once for
+// the two translation units that compile them with their own flags:
+// qdot_avx2.cpp (AVX2, FMA, F16C) and qdot_avxvnni.cpp (the same plus
+// AVX-VNNI). qdot_scalar.cpp is the reference. Every product of weight
+// codes and activations goes through the including file's Int8Dot trait (a
+// class template argument), so the two differ only in how 32 bytes of
+// unsigned codes times signed activations reach int32:
+//
+//   struct Int8Dot {
+//     // Whether the u8 x s8 pair sums pass through saturating int16
+//     // (vpmaddubsw); false when they go straight into int32 (vpdpbusd).
+//     static constexpr bool kSaturatesInt16;
+//     // acc + in each dword lane the sum over k < K of the four byte
+//     // products u[k] x s[k] of that lane (u unsigned, at most kMaxCode;
+//     // s signed in [-127, 127]).
+//     template <int K, int kMaxCode>
+//     static __m256i dot(__m256i acc, const __m256i* u, const __m256i* s);
+//     // Tokens per pass over format t's weights (1 .. kMaxTokens): each
+//     // code vector, once unpacked, meets that many tokens' activations.
+//     static constexpr int max_tokens(WeightType t);
+//   };
+//
+// K formats: each group of four 32-byte code vectors is transposed per
+// 128-bit lane, so that every dword lane holds codes of one sub-block (two
+// lanes per q4_k / q5_k sub-block, one per q6_k sub-block); the four
+// vectors' products sum in int32 per lane, then per token and group one
+// conversion, one multiply by the lanes' activation scales (one per 32
+// elements) and one FMA with the lanes' d * sc. The offsets through the
+// activations' sums: q6_k's -32 as the dot's starting value, q4_k / q5_k's
+// mins one FMA of dmin * m_j with dx_j * (sum a)_j per super-block.
+// q8_0 / q4_0: 8 blocks at a time transposed so that dword j holds codes of
+// block j (the activations once per call into a stack buffer), the block
+// scales applied lane-wise; the offsets (q4_0's 8, q8_0's 128 where it is
+// biased) times the blocks' activation sums are the dot's starting value.
+// q8_0's signed codes: where the pair sums saturate in int16 the sign trick
+// (|w| x sign(w) * a, _mm256_sign_epi8), since the 128 bias would overflow
+// them (2 * 255 * 127 > 2^15); without that stage the codes are biased by
+// 128 (xor 0x80), one operation per weight vector instead of one per
+// weight vector and token.
+//
+// Each row is read once per pass of Dot::max_tokens tokens (its unpacked
+// codes meet them all) and prefetched 4 KiB ahead into L2, 1 KiB into L1.
+//
+// Everything lives in an anonymous namespace and no inline function of a
+// shared header is called: the objects including this must not emit
+// symbols with vague linkage (tests/isa_linkage.sh).
+#pragma once
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "qdot_avx2_impl.h needs -mavx2 -mfma -mf16c"
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/quant_dot.h"
+#include "kernels/x86_intrinsics.h"
+#include "util/quant_blocks.h"
+
+namespace colibri::kernels {
+namespace {
+
+// Bytes ahead of the current block that each row prefetches into L2 and
+// into L1 (measured: a single-core stream from DRAM needs both).
+constexpr size_t kPrefetchFar = 4096;
+constexpr size_t kPrefetchNear = 1024;
+// The most tokens a pass over the weights takes (Dot::max_tokens is one
+// implementation's, at most this).
+constexpr int kMaxTokens = 8;
+
+// f.template operator()<NT>() for NT == nt (1 <= nt <= kMax): one
+// instantiation of the per-row kernels per token count.
+template <int kMax, int NT = 1, class F>
+inline void with_token_count(int nt, const F& f) {
+  if constexpr (NT < kMax) {
+    if (nt != NT) return with_token_count<kMax, NT + 1>(nt, f);
+  }
+  f.template operator()<NT>();
+}
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+template <size_t kBytes>
+inline void prefetch_block(const uint8_t* p) {
+  for (size_t o = 0; o < kBytes; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchFar + o), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchNear + o), _MM_HINT_T0);
+  }
+}
+
+inline size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
+
+// The results for n == 0 (no blocks): zeros.
+inline void zero_out(int32_t rows, int32_t tokens, float* out, size_t ld_out) {
+  for (int32_t t = 0; t < tokens; ++t) {
+    for (int32_t r = 0; r < rows; ++r) out[static_cast<size_t>(t) * ld_out + static_cast<size_t>(r)] = 0.0f;
+  }
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hmax_ps(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_shuffle_ps(m, m, 0x4e));
+  m = _mm_max_ps(m, _mm_shuffle_ps(m, m, 0xb1));
+  return _mm_cvtss_f32(m);
+}
+
+// ---------------------------------------------------------------- activations
+
+// The activation row of n elements (quant_dot.h): qs[n] at 0, d[n / 32]
+// (float) at n, sums[n / 16] (int16) at n + n / 8.
+inline const uint8_t* act_d(const uint8_t* act, size_t n) { return act + n; }
+inline const uint8_t* act_sums(const uint8_t* act, size_t n) { return act + n + n / 8; }
+
+// The rule of qdot_scalar.cpp with the same float operations (exact
+// division, round to nearest even), so the bits agree: per block of 32.
+// max(|v|, amax) ignores NaNs as the scalar comparison does.
+void quantize_act(const float* x, size_t n_valid, size_t n, void* out) {
+  const size_t nb = n / kActBlock;
+  auto* o = static_cast<uint8_t*>(out);
+  const __m256 lo = _mm256_set1_ps(-127.0f);
+  const __m256 hi = _mm256_set1_ps(127.0f);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (size_t b = 0; b < nb; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      const size_t s = b * kActBlock + 8 * static_cast<size_t>(i);
+      if (s + 8 <= n_valid) {
+        v[i] = _mm256_loadu_ps(x + s);
+      } else if (s < n_valid) {
+        alignas(32) float tmp[8] = {};
+        std::memcpy(tmp, x + s, (n_valid - s) * sizeof(float));
+        v[i] = _mm256_load_ps(tmp);
+      } else {
+        v[i] = _mm256_setzero_ps();
+      }
+      amax = _mm256_max_ps(_mm256_and_ps(v[i], absmask), amax);
+    }
+    const float d = hmax_ps(amax) / 127.0f;
+    std::memcpy(o + n + b * sizeof(float), &d, sizeof d);
+    int8_t* qs = reinterpret_cast<int8_t*>(o + b * kActBlock);
+    int16_t sums[2] = {0, 0};
+    if (d == 0.0f) {
+      std::memset(qs, 0, kActBlock);
+    } else {
+      const __m256 vd = _mm256_set1_ps(d);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j) {
+        __m256 f = _mm256_round_ps(_mm256_div_ps(v[j], vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        f = _mm256_min_ps(_mm256_max_ps(f, lo), hi);
+        q[j] = _mm256_cvtps_epi32(f);
+      }
+      sums[0] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(q[0], q[1])));
+      sums[1] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(q[2], q[3])));
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs), _mm256_permutevar8x32_epi32(p, perm));
+    }
+    std::memcpy(o + n + n / 8 + 2 * b * sizeof(int16_t), sums, sizeof sums);
+  }
+}
+
+// ---------------------------------------------------------------- K formats
+
+// Four vectors whose 128-bit lanes each hold four dwords of one sub-block,
+// transposed per lane: out[k] dword 4l + v = in[v] dword 4l + k. Dword lane
+// 4l + v of every out[k] then holds data of the sub-block in in[v]'s lane
+// l, so the products of out[0..3] sum each lane's sub-block apart from the
+// others, and one vector of per-lane float factors applies the scales.
+inline void transpose4x4(const __m256i* in, __m256i* out) {
+  const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]);
+  const __m256i t1 = _mm256_unpackhi_epi32(in[0], in[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]);
+  const __m256i t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// The 8 six-bit scales (bytes 0-7) and mins (bytes 8-15) of a q4_K / q5_K
+// super-block (ggml's get_scale_min_k4 for all j at once). `s` points at
+// the 12 scale bytes; 4 more bytes of the block are read and ignored.
+inline __m128i unpack_scales_k4(const uint8_t* s) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m128i a = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i low = _mm_and_si128(_mm_blend_epi32(a, _mm_srli_epi16(a, 4), 0x8),
+                                    _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  const __m128i b = _mm_shuffle_epi8(raw, _mm_setr_epi8(-128, -128, -128, -128, 0, 1, 2, 3, -128, -128, -128, -128, 4,
+                                                        5, 6, 7));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30));
+  return _mm_or_si128(low, high);
+}
+
+struct KConsts {
+  // q4_K / q5_K: lane 4l + c holds sub-block 2c (low nibbles) or 2c + 1 (high).
+  __m128i sc_lanes;      // pshufb of [sc0-7, m0-7]: bytes 0-7 the low lanes' scales, 8-15 the high lanes'
+  __m256i dx_lo, dx_hi;  // vpermps of the 8 activation scales, likewise
+  // q6_K: in half h, lane 4l + v holds sub-block 8h + 2v + l.
+  __m128i q6_sc;         // pshufb: byte 8h + 4l + v <- scale 8h + 2v + l
+  __m256i q6_lanes;      // vpermd: lane 4l + v <- sum 2v + l of the half
+  __m256i q6_dx[2];      // vpermps: lane 4l + v <- activation block 4h + v
+};
+
+const KConsts& kconsts() {
+  static const KConsts consts = [] {
+    KConsts k;
+    k.sc_lanes = _mm_setr_epi8(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
+    k.dx_lo = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    k.dx_hi = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+    k.q6_sc = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    k.q6_lanes = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    k.q6_dx[0] = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3);
+    k.q6_dx[1] = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
+    return k;
+  }();
+  return consts;
+}
+
+// The fifth bit of q5_K sub-block J (bit J of qh[l]) moved to bit 4.
+template <int J>
+inline __m256i q5_high(__m256i qh) {
+  const __m256i m10 = _mm256_set1_epi8(0x10);
+  if constexpr (J < 4) {
+    return _mm256_and_si256(_mm256_slli_epi16(qh, 4 - J), m10);
+  } else if constexpr (J == 4) {
+    return _mm256_and_si256(qh, m10);
+  } else {
+    return _mm256_and_si256(_mm256_srli_epi16(qh, J - 4), m10);
+  }
+}
+
+// One token's activations for a chunk of super-blocks in the kernels'
+// order (once per call, shared by all rows), per super-block:
+//   qs:   its 256 quants as two groups of four transposed vectors (q4_K /
+//         q5_K: sub-blocks 0, 2, 4, 6 then 1, 3, 5, 7; q6_K: the halves);
+//   dx:   16 floats, lane 4l + v of each group: the scale of the
+//         activation block that lane's products belong to;
+//   q4_K / q5_K: s = 8 floats, dx_j * (sum of sub-block j's quants), for the mins;
+//   q6_K: init = 16 int32, -32 * (sum of the quants of each lane's
+//         sub-block), the codes' offset.
+struct KPrep {
+  int8_t* qs;
+  float* dx;
+  float* s;
+  int32_t* init;
+};
+
+constexpr size_t kK45PrepBytes = 256 + 64 + 32;
+constexpr size_t kQ6PrepBytes = 256 + 64 + 64;
+constexpr size_t kActBufferBytes = 64 * 1024;
+
+template <bool kQ6>
+void prepare_k(const uint8_t* act, size_t n, size_t sb0, size_t cn, const KPrep& p, const KConsts& k) {
+  const uint8_t* dsrc = act_d(act, n);
+  const uint8_t* ssrc = act_sums(act, n);
+  for (size_t i = 0; i < cn; ++i) {
+    const size_t b = sb0 + i;
+    const uint8_t* q = act + 256 * b;
+    int8_t* qs = p.qs + 256 * i;
+    for (int g = 0; g < 2; ++g) {
+      __m256i v[4], t[4];
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* src = kQ6 ? q + 128 * g + 32 * j : q + 32 * (2 * j + g);
+        v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      }
+      transpose4x4(v, t);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + 128 * g + 32 * j), t[j]);
+    }
+    const __m256 dx8 = _mm256_loadu_ps(reinterpret_cast<const float*>(dsrc + 32 * b));
+    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ssrc + 32 * b));
+    float* dx = p.dx + 16 * i;
+    if constexpr (kQ6) {
+      for (int g = 0; g < 2; ++g) {
+        _mm256_storeu_ps(dx + 8 * g, _mm256_permutevar8x32_ps(dx8, k.q6_dx[g]));
+        const __m256i s = _mm256_permutevar8x32_epi32(
+            _mm256_cvtepi16_epi32(g == 0 ? _mm256_castsi256_si128(s16) : _mm256_extracti128_si256(s16, 1)),
+            k.q6_lanes);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.init + 16 * i + 8 * g),
+                            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, 5)));
+      }
+    } else {
+      _mm256_storeu_ps(dx, _mm256_permutevar8x32_ps(dx8, k.dx_lo));
+      _mm256_storeu_ps(dx + 8, _mm256_permutevar8x32_ps(dx8, k.dx_hi));
+      const __m256 asum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+      _mm256_storeu_ps(p.s + 8 * i, _mm256_mul_ps(asum, dx8));
+    }
+  }
+}
+
+// Four transposed code vectors (x, codes up to kMaxCode) against group g
+// (0, 1) of NT tokens' prepared quants of super-block s: the lanes' exact
+// integer products converted, times the lanes' activation scales and `wf`
+// (the lanes' weight scales) into facc.
+template <class Dot, int kMaxCode, int NT>
+inline void k45_group(const __m256i* x, const KPrep* prep, size_t s, int g, __m256 wf, __m256* facc) {
+  for (int t = 0; t < NT; ++t) {
+    const int8_t* a = prep[t].qs + 256 * s + 128 * g;
+    __m256i av[4];
+    for (int j = 0; j < 4; ++j) av[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j));
+    const __m256i d = Dot::template dot<4, kMaxCode>(_mm256_setzero_si256(), x, av);
+    const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(prep[t].dx + 16 * s + 8 * g));
+    facc[t] = _mm256_fmadd_ps(p, wf, facc[t]);
+  }
+}
+
+// q4_K / q5_K super-blocks of one row against NT tokens. The four 32-byte
+// chunks of codes are transposed (transpose4x4), so lane 4l + c holds codes
+// of sub-block 2c in the low nibbles and of 2c + 1 in the high ones; per
+// token and half two float multiplies and an FMA, the mins one more FMA.
+template <class Dot, bool kFive, int NT>
+void qk45_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m256* facc_io) {
+  constexpr size_t kBytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
+  constexpr int kMaxCode = kFive ? 31 : 15;
+  __m256 facc[NT];
+  for (int t = 0; t < NT; ++t) facc[t] = facc_io[t];
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  for (size_t s = 0; s < nsb; ++s) {
+    const uint8_t* blk = row + s * kBytes;
+    prefetch_block<kBytes>(blk);
+    uint16_t d16, dmin16;
+    const uint8_t* scales;
+    const uint8_t* qs;
+    if constexpr (kFive) {
+      const auto* b = reinterpret_cast<const BlockQ5K*>(blk);
+      d16 = b->d, dmin16 = b->dmin, scales = b->scales, qs = b->qs;
+    } else {
+      const auto* b = reinterpret_cast<const BlockQ4K*>(blk);
+      d16 = b->d, dmin16 = b->dmin, scales = b->scales, qs = b->qs;
+    }
+    const __m128i scm = unpack_scales_k4(scales);
+    const __m128i scl = _mm_shuffle_epi8(scm, k.sc_lanes);
+    const __m256 vd = _mm256_set1_ps(h2f(d16));
+    const __m256 wf_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scl)), vd);
+    const __m256 wf_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scl, 8))), vd);
+    const __m256 wm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8))),
+                                    _mm256_set1_ps(h2f(dmin16)));
+    __m256i c[4], x[4];
+    for (int j = 0; j < 4; ++j) c[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    if constexpr (kFive) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const BlockQ5K*>(blk)->qh));
+      __m256i v[4];
+      v[0] = _mm256_or_si256(_mm256_and_si256(c[0], m4), q5_high<0>(qh));
+      v[1] = _mm256_or_si256(_mm256_and_si256(c[1], m4), q5_high<2>(qh));
+      v[2] = _mm256_or_si256(_mm256_and_si256(c[2], m4), q5_high<4>(qh));
+      v[3] = _mm256_or_si256(_mm256_and_si256(c[3], m4), q5_high<6>(qh));
+      transpose4x4(v, x);
+      k45_group<Dot, kMaxCode, NT>(x, prep, s, 0, wf_lo, facc);
+      v[0] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c[0], 4), m4), q5_high<1>(qh));
+      v[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c[1], 4), m4), q5_high<3>(qh));
+      v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c[2], 4), m4), q5_high<5>(qh));
+      v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c[3], 4), m4), q5_high<7>(qh));
+      transpose4x4(v, x);
+      k45_group<Dot, kMaxCode, NT>(x, prep, s, 1, wf_hi, facc);
+    } else {
+      __m256i tr[4];
+      transpose4x4(c, tr);
+      for (int j = 0; j < 4; ++j) x[j] = _mm256_and_si256(tr[j], m4);
+      k45_group<Dot, kMaxCode, NT>(x, prep, s, 0, wf_lo, facc);
+      for (int j = 0; j < 4; ++j) x[j] = _mm256_and_si256(_mm256_srli_epi16(tr[j], 4), m4);
+      k45_group<Dot, kMaxCode, NT>(x, prep, s, 1, wf_hi, facc);
+    }
+    for (int t = 0; t < NT; ++t) facc[t] = _mm256_fnmadd_ps(wm, _mm256_loadu_ps(prep[t].s + 8 * s), facc[t]);
+  }
+  for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
+}
+
+// q6_K super-blocks of one row against NT tokens: per half the four code
+// vectors (32 elements each, two 16-element sub-blocks in their 128-bit
+// lanes) transposed, so lane 4l + v holds sub-block 8h + 2v + l; the
+// products summed from -32 * (sum a) (the codes' offset), then one
+// conversion, one multiply by the activation scales and one FMA with d * sc
+// per token.
+template <class Dot, int NT>
+void q6k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m256* facc_io) {
+  __m256 facc[NT];
+  for (int t = 0; t < NT; ++t) facc[t] = facc_io[t];
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  const __m256i m30 = _mm256_set1_epi8(0x30);
+  for (size_t s = 0; s < nsb; ++s) {
+    const auto* b = reinterpret_cast<const BlockQ6K*>(row) + s;
+    prefetch_block<sizeof(BlockQ6K)>(reinterpret_cast<const uint8_t*>(b));
+    const __m128i sc8 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)), k.q6_sc);
+    const __m256 vd = _mm256_set1_ps(h2f(b->d));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * h));
+      __m256i c[4], x[4];
+      c[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+      c[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+      c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+      c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+      transpose4x4(c, x);
+      const __m256 wf =
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h == 0 ? sc8 : _mm_srli_si128(sc8, 8))), vd);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* a = prep[t].qs + 256 * s + 128 * h;
+        __m256i av[4];
+        for (int j = 0; j < 4; ++j) av[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j));
+        const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(prep[t].init + 16 * s + 8 * h));
+        const __m256i d = Dot::template dot<4, 63>(init, x, av);
+        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(prep[t].dx + 16 * s + 8 * h));
+        facc[t] = _mm256_fmadd_ps(p, wf, facc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
+}
+
+enum class Kind { kQ4K, kQ5K, kQ6K };
+
+constexpr WeightType weight_type(Kind k) {
+  return k == Kind::kQ4K ? WeightType::kQ4_K : k == Kind::kQ5K ? WeightType::kQ5_K : WeightType::kQ6_K;
+}
+
+template <class Dot, Kind K, int NT>
+inline void k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m256* facc) {
+  if constexpr (K == Kind::kQ6K) {
+    q6k_sbs<Dot, NT>(row, nsb, prep, k, facc);
+  } else {
+    qk45_sbs<Dot, K == Kind::kQ5K, NT>(row, nsb, prep, k, facc);
+  }
+}
+
+// Up to kMaxTokens tokens at a time; per token group the super-blocks in
+// column chunks whose prepared activations fit the stack buffer; per chunk
+// every row.
+template <class Dot, Kind K>
+void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
+                size_t n, float* out, size_t ld_out) {
+  if (rows <= 0 || tokens <= 0) return;
+  constexpr bool kQ6 = K == Kind::kQ6K;
+  constexpr size_t kBytes = kQ6 ? sizeof(BlockQ6K) : K == Kind::kQ5K ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
+  constexpr size_t kPrepBytes = kQ6 ? kQ6PrepBytes : kK45PrepBytes;
+  const KConsts& k = kconsts();
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* ab = static_cast<const uint8_t*>(act);
+  const size_t nsb = n / kQKK;
+  if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
+  alignas(64) uint8_t buf[kActBufferBytes];
+  constexpr int kTokens = Dot::max_tokens(weight_type(K));
+  static_assert(kTokens >= 1 && kTokens <= kMaxTokens);
+  for (int32_t t0 = 0; t0 < tokens; t0 += kTokens) {
+    const int nt = tokens - t0 < kTokens ? tokens - t0 : kTokens;
+    const size_t chunk = kActBufferBytes / (kPrepBytes * static_cast<size_t>(nt));
+    for (size_t c0 = 0; c0 < nsb; c0 += chunk) {
+      const size_t cn = min_size(chunk, nsb - c0);
+      KPrep prep[kMaxTokens];
+      uint8_t* q = buf;
+      for (int t = 0; t < nt; ++t) {
+        prep[t].qs = reinterpret_cast<int8_t*>(q);
+        q += cn * 256;
+        prep[t].dx = reinterpret_cast<float*>(q);
+        q += cn * 64;
+        if constexpr (kQ6) {
+          prep[t].init = reinterpret_cast<int32_t*>(q);
+          q += cn * 64;
+        } else {
+          prep[t].s = reinterpret_cast<float*>(q);
+          q += cn * 32;
+        }
+        prepare_k<kQ6>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, c0, cn, prep[t], k);
+      }
+      for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
+        const uint8_t* row = wb + r * row_bytes + c0 * kBytes;
+        __m256 facc[kMaxTokens];
+        for (int t = 0; t < kMaxTokens; ++t) facc[t] = _mm256_setzero_ps();
+        with_token_count<kTokens>(nt, [&]<int NT>() { k_sbs<Dot, K, NT>(row, cn, prep, k, facc); });
+        for (int t = 0; t < nt; ++t) {
+          float* o = out + static_cast<size_t>(t0 + t) * ld_out + r;
+          const float v = hsum_ps(facc[t]);
+          *o = c0 == 0 ? v : *o + v;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- q8_0 / q4_0
+
+// One token's activations for 8 blocks, transposed: dword j of a[k] holds
+// qs[4k .. 4k+3] of block j; d and off (-offset * sum) lane j likewise.
+struct Group8 {
+  __m256i a[8];
+  __m256 d;
+  __m256i off;
+};
+static_assert(sizeof(Group8) == 320);
+
+constexpr size_t kGroupBuffer = 144;  // 46 KB
+
+// Loads 16 bytes at p + j * kStride for j < 8 and transposes them: dword j
+// of out[k] is dword k of row j.
+template <size_t kStride>
+inline void transpose8(const uint8_t* p, __m256i* out) {
+  __m256i z[4];
+  for (int i = 0; i < 4; ++i) {
+    z[i] = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * kStride))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (i + 4) * kStride)), 1);
+  }
+  const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]);
+  const __m256i t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]);
+  const __m256i t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// Groups [g0, g0 + ng) of one token's activation row (n elements) into
+// out[g * stride].
+template <int kOffset>
+void prepare_groups(const uint8_t* act, size_t n, size_t g0, size_t ng, Group8* out, size_t stride) {
+  const size_t nb = n / kQK32;
+  for (size_t g = 0; g < ng; ++g) {
+    const size_t b0 = (g0 + g) * 8;
+    const size_t cnt = min_size(8, nb - b0);
+    alignas(32) uint8_t tail[8 * kQK32];
+    alignas(32) float d[8] = {};
+    alignas(32) int16_t sums[16] = {};
+    const uint8_t* qs = act + b0 * kQK32;
+    if (cnt < 8) {
+      std::memset(tail, 0, sizeof tail);
+      std::memcpy(tail, qs, cnt * kQK32);
+      qs = tail;
+    }
+    std::memcpy(d, act_d(act, n) + b0 * sizeof(float), cnt * sizeof(float));
+    std::memcpy(sums, act_sums(act, n) + 2 * b0 * sizeof(int16_t), 2 * cnt * sizeof(int16_t));
+    Group8& G = out[g * stride];
+    transpose8<kQK32>(qs, G.a);
+    transpose8<kQK32>(qs + 16, G.a + 4);
+    G.d = _mm256_load_ps(d);
+    // -offset * (the two 16-element sums of each block).
+    G.off = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(sums)),
+                              _mm256_set1_epi16(static_cast<int16_t>(-kOffset)));
+  }
+}
+
+// 8 blocks of a q8_0 / q4_0 row at blk against NT tokens' groups.
+template <class Dot, bool kQ8, int NT>
+inline void group32(const uint8_t* blk, const Group8* G, __m256* facc) {
+  constexpr size_t kBytes = kQ8 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
+  __m256i acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = G[t].off;
+  if constexpr (kQ8) {
+    for (int h = 0; h < 2; ++h) {
+      __m256i wv[4], u[4];
+      transpose8<kBytes>(blk + 2 + 16 * h, wv);
+      if constexpr (Dot::kSaturatesInt16) {
+        for (int i = 0; i < 4; ++i) u[i] = _mm256_abs_epi8(wv[i]);
+        for (int t = 0; t < NT; ++t) {
+          __m256i a[4];
+          for (int i = 0; i < 4; ++i) a[i] = _mm256_sign_epi8(G[t].a[4 * h + i], wv[i]);
+          acc[t] = Dot::template dot<4, 128>(acc[t], u, a);
+        }
+      } else {
+        // w + 128; G.off holds -128 * (sum a).
+        const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+        for (int i = 0; i < 4; ++i) u[i] = _mm256_xor_si256(wv[i], bias);
+        for (int t = 0; t < NT; ++t) acc[t] = Dot::template dot<4, 255>(acc[t], u, G[t].a + 4 * h);
+      }
+    }
+  } else {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i tv[4], u[8];
+    transpose8<kBytes>(blk + 2, tv);
+    // Dword j of a[i] (block j's quants 4i .. 4i + 3) meets the low
+    // nibbles, of a[i + 4] the high ones.
+    for (int i = 0; i < 4; ++i) {
+      u[i] = _mm256_and_si256(tv[i], m4);
+      u[i + 4] = _mm256_and_si256(_mm256_srli_epi16(tv[i], 4), m4);
+    }
+    for (int t = 0; t < NT; ++t) acc[t] = Dot::template dot<8, 15>(acc[t], u, G[t].a);
+  }
+  constexpr int kB = static_cast<int>(kBytes);
+  const __m256i idx = _mm256_setr_epi32(0, kB, 2 * kB, 3 * kB, 4 * kB, 5 * kB, 6 * kB, 7 * kB);
+  const __m256i g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), idx, 1);
+  const __m256i packed = _mm256_shuffle_epi8(
+      g, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -128, -128, -128, -128, -128, -128, -128, -128, 0, 1, 4, 5, 8, 9,
+                          12, 13, -128, -128, -128, -128, -128, -128, -128, -128));
+  const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  for (int t = 0; t < NT; ++t) {
+    facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_mul_ps(dw, G[t].d), facc[t]);
+  }
+}
+
+template <class Dot, bool kQ8, int NT>
+void q32_row(const uint8_t* row, size_t g0, size_t ng, size_t nb, const Group8* groups, float* res) {
+  constexpr size_t kBytes = kQ8 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
+  __m256 facc[NT];
+  for (int t = 0; t < NT; ++t) facc[t] = _mm256_setzero_ps();
+  for (size_t g = 0; g < ng; ++g) {
+    const size_t b0 = (g0 + g) * 8;
+    const uint8_t* blk = row + b0 * kBytes;
+    if (b0 + 8 <= nb) {
+      prefetch_block<8 * kBytes>(blk);
+      group32<Dot, kQ8, NT>(blk, groups + g * NT, facc);
+    } else {
+      alignas(32) uint8_t tail[8 * kBytes];
+      std::memset(tail, 0, sizeof tail);
+      std::memcpy(tail, blk, (nb - b0) * kBytes);
+      group32<Dot, kQ8, NT>(tail, groups + g * NT, facc);
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t] = hsum_ps(facc[t]);
+}
+
+template <class Dot, bool kQ8>
+void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
+                 size_t n, float* out, size_t ld_out) {
+  if (rows <= 0 || tokens <= 0) return;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* ab = static_cast<const uint8_t*>(act);
+  const size_t nb = n / kQK32;
+  if (nb == 0) return zero_out(rows, tokens, out, ld_out);
+  const size_t ng_total = (nb + 7) / 8;
+  // q8_0's codes are signed: 0 with the sign trick, 128 biased.
+  constexpr int kOffset = kQ8 ? (Dot::kSaturatesInt16 ? 0 : 128) : 8;
+  Group8 buf[kGroupBuffer];
+  constexpr int kTokens = Dot::max_tokens(kQ8 ? WeightType::kQ8_0 : WeightType::kQ4_0);
+  static_assert(kTokens >= 1 && kTokens <= kMaxTokens);
+  for (int32_t t0 = 0; t0 < tokens; t0 += kTokens) {
+    const int nt = tokens - t0 < kTokens ? tokens - t0 : kTokens;
+    const size_t chunk_groups = kGroupBuffer / static_cast<size_t>(nt);
+    for (size_t g0 = 0; g0 < ng_total; g0 += chunk_groups) {
+      const size_t ng = min_size(chunk_groups, ng_total - g0);
+      for (int t = 0; t < nt; ++t) {
+        prepare_groups<kOffset>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, g0, ng, buf + t,
+                                static_cast<size_t>(nt));
+      }
+      for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
+        const uint8_t* row = wb + r * row_bytes;
+        float res[kMaxTokens];
+        with_token_count<kTokens>(nt, [&]<int NT>() { q32_row<Dot, kQ8, NT>(row, g0, ng, nb, buf, res); });
+        for (int t = 0; t < nt; ++t) {
+          float* o = out + static_cast<size_t>(t0 + t) * ld_out + r;
+          *o = g0 == 0 ? res[t] : *o + res[t];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace colibri::kernels
