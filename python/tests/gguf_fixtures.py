@@ -80,10 +80,12 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
                    down_dtype=None, dense_blocks=0, shared_d_ff=0, fused=False, router_dtype="f32", seed=0,
                    extra_kv=None, split=None):
     """Writes a GGUF of `n_blocks` blocks, the first `dense_blocks` of which
-    hold no experts. Returns a Fixture with the dequantised weights."""
+    hold no experts (with `split`, a split set of at most that many tensors
+    per file; fixture.path is then its first file). Returns a Fixture with
+    the dequantised weights."""
     rng = np.random.default_rng(seed)
     down_dtype = down_dtype or dtype
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split or 0)
     w.add_block_count(n_blocks)
     w.add_embedding_length(d_model)
     w.add_expert_count(n_experts)
@@ -160,5 +162,8 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split:
+        import pathlib
+        fix.path = str(w.format_shard_names(pathlib.Path(path))[0])
     fix.norm_topk_prob = arch in ("llama", "qwen3moe", "deepseek2")
     return fix

@@ -91,6 +91,12 @@ std::vector<GgufFile> open_parts(const std::string& path) {
                                 " of " + std::to_string(count));
     }
   }
+  uint64_t stated = 0, total = 0;
+  for (const GgufFile& f : files) total += f.tensors().size();
+  if (first.get_uint("split.tensors.count", &stated) && stated != total) {
+    fail(Status::kFormat, path + ": key split.tensors.count is " + std::to_string(stated) + " but the " +
+                              std::to_string(count) + " parts hold " + std::to_string(total) + " tensors");
+  }
   return files;
 }
 

@@ -10,6 +10,7 @@
 
 #include "commands.h"
 #include "common.h"
+#include "lib/gguf_convert.h"
 #include "lib/hf_convert.h"
 #include "io/manifest.h"
 #include "lib/model_writer.h"
@@ -20,7 +21,7 @@ namespace colibri_cli {
 namespace {
 
 struct ConvertArgs {
-  std::string hf, out, dtype, layers;
+  std::string hf, gguf, out, dtype, layers;
   bool progress = false;
 };
 
@@ -82,7 +83,36 @@ std::string layer_list(const std::vector<int32_t>& layers) {
   return s;
 }
 
+// The GGUF's MoE layers, bytes as stored.
+void run_convert_gguf(const ConvertArgs& a) {
+  if (!a.dtype.empty() || !a.layers.empty()) {
+    throw CliError("convert: --gguf keeps every tensor as the file stores it; --dtype and --layers do not apply "
+                   "(colibri quantize rewrites the result in another type)");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  colibri::GgufConvertResult r;
+  try {
+    r = colibri::convert_gguf_model(a.gguf, a.out);
+  } catch (const std::exception& e) {
+    throw CliError(std::string("convert: ") + e.what());
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const colibri::Manifest& m = r.model.manifest;
+  std::printf("converted %s (gguf %s) to %s: %d MoE layer(s) [GGUF blocks %d-%d] x %d experts, d_model %d, d_ff %d%s, "
+              "router %s top-%d, %s, %s in %.1f s\n",
+              a.gguf.c_str(), r.model.architecture.c_str(), a.out.c_str(), m.n_layers, r.model.first_block,
+              r.model.first_block + m.n_layers - 1, m.n_experts, m.d_model, m.d_ff,
+              m.shared_d_ff > 0 ? (", shared expert d_ff " + std::to_string(m.shared_d_ff)).c_str() : "",
+              colibri::router_family_name(m.router.family), m.router.top_k, r.model.expert_types.c_str(),
+              human_bytes(r.bytes_written).c_str(), seconds);
+}
+
 void run_convert(const ConvertArgs& a) {
+  if (a.hf.empty() == a.gguf.empty()) throw CliError("convert: give one of --hf DIR or --gguf FILE");
+  if (!a.gguf.empty()) {
+    run_convert_gguf(a);
+    return;
+  }
   colibri::HfConvertOptions o;
   o.hf_dir = a.hf;
   o.out_dir = a.out;
@@ -170,8 +200,10 @@ void add_convert_commands(CLI::App& app) {
 
   auto ca = std::make_shared<ConvertArgs>();
   CLI::App* c = app.add_subcommand(
-      "convert", "Convert a Hugging Face MoE checkpoint (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)");
-  c->add_option("--hf", ca->hf, "Checkpoint directory: config.json and model*.safetensors")->required();
+      "convert",
+      "Convert a Hugging Face MoE checkpoint (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3) or a GGUF file's MoE layers");
+  CLI::Option* hf = c->add_option("--hf", ca->hf, "Checkpoint directory: config.json and model*.safetensors");
+  c->add_option("--gguf", ca->gguf, "GGUF file (or the first of a split set); tensors kept as stored")->excludes(hf);
   c->add_option("--out", ca->out, "Output model directory (must not exist or be empty)")->required();
   c->add_option("--dtype", ca->dtype,
                 std::string("Weight type: ") + kDtypeChoices + " (default: the checkpoint's); q4_k_m is q4_k with q6_k down")
