@@ -377,6 +377,10 @@ COLIBRI_API const char* colibri_model_kernels(const colibri_model_t* model);
  * first + l; docs/FORMAT.md). Owned by the model; valid until colibri_free.
  * NULL model gives "". Thread-safe. */
 COLIBRI_API const char* colibri_model_source(const colibri_model_t* model);
+/* The source block of layer 0: for a GGUF file the first block with experts
+ * (layer l is GGUF block first + l), 0 for a model directory or caller
+ * memory; -1 for a NULL model. Thread-safe. */
+COLIBRI_API int32_t colibri_model_first_block(const colibri_model_t* model);
 
 /* Re-hashes every weight file named in the manifest's checksums and checks
  * sizes, independent of open. Thread-safe (reads files only). */

@@ -421,6 +421,16 @@ class Model:
             self._release()
         return s.decode("utf-8", "replace") if s else ""
 
+    @property
+    def first_block(self):
+        """The source block of layer 0: for a GGUF file its first block with
+        experts (layer l is GGUF block first_block + l), else 0."""
+        h = self._acquire()
+        try:
+            return int(L.lib().colibri_model_first_block(h))
+        finally:
+            self._release()
+
     # ------------------------------------------------------------ inference
 
     def _check_x(self, x, layer):

@@ -35,6 +35,7 @@ transformers:
 
 import ctypes
 import dataclasses
+import re
 import types
 import warnings
 from typing import List, Optional, Tuple
@@ -944,8 +945,77 @@ def _return_freed_memory():
     trim(0)
 
 
+def _install(report, cmodel, layer, path, module, spec, in_colibri, cdtype, keep_pytorch_weights, released_params):
+    """Points the block at `layer` of `cmodel` (its forward or its experts
+    module's) and records it in the report."""
+    experts = ColibriExperts._view(cmodel, layer)
+    if spec.layout != "fused":
+        target, forward = module, _block_forward
+    elif in_colibri:
+        target, forward = module, _fused_block_forward
+    else:
+        target, forward = module.experts, _fused_forward
+    state = _State(experts, spec.without_weights(), in_colibri, target.__dict__.get("forward"))
+    target.__dict__["_colibri_state"] = state
+    target.__dict__["forward"] = types.MethodType(forward, target)
+    if not keep_pytorch_weights:
+        state.released = _release_weights(module, spec, in_colibri, released_params)
+        report.released_bytes += state.released
+    report.accelerated.append(AcceleratedBlock(
+        path=path, family=spec.family, layout=spec.layout, n_experts=spec.n_experts, top_k=spec.top_k,
+        d_model=spec.d_model, d_ff=spec.d_ff, dtype=cdtype,
+        shared=None if spec.shared is None else ("colibri" if in_colibri else "pytorch"),
+        colibri_layer=layer))
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lock, huge_pages, exact_prefill,
+                          keep_pytorch_weights, released_params):
+    """accelerate(gguf=...): every recognised block runs the GGUF's layer of
+    its decoder-layer index, in the file's stored formats."""
+    cmodel = Model(gguf, threads=threads, lock=lock, huge_pages=huge_pages, bf16_compute=bf16_compute,
+                   exact_prefill=exact_prefill)
+    info, first = cmodel.info, cmodel.first_block
+    dtype = info.dtype if info.down_dtype == info.dtype else "%s/%s" % (info.dtype, info.down_dtype)
+    members = []
+    for path, module, spec in found:
+        m = _LAYER_INDEX.search(path)
+        if m is None:
+            raise ValueError("accelerate(gguf=...): block %s is not under a layers.N module, so its GGUF block "
+                             "is unknown" % path)
+        block = int(m.group(1))
+        layer = block - first
+        where = "block %s (GGUF block %d) against %s" % (path, block, gguf)
+        if not 0 <= layer < info.n_layers:
+            raise ValueError("accelerate(gguf=...): %s: the file's MoE layers are blocks %d-%d"
+                             % (where, first, first + info.n_layers - 1))
+        mine = (spec.n_experts, spec.d_model, spec.d_ff)
+        theirs = (info.n_experts, info.d_model, info.d_ff)
+        if mine != theirs:
+            raise ValueError("accelerate(gguf=...): %s: the block has (experts, d_model, d_ff) = %s, the file %s"
+                             % (where, mine, theirs))
+        file_shared = info.shared_d_ff > 0
+        if file_shared and (spec.shared is None or spec.shared[0].shape[0] != info.shared_d_ff):
+            raise ValueError("accelerate(gguf=...): %s: the file has a shared expert of d_ff %d, the block %s"
+                             % (where, info.shared_d_ff,
+                                "none" if spec.shared is None else "one of d_ff %d" % spec.shared[0].shape[0]))
+        # Colibri adds the file's shared expert itself; a block whose own
+        # forward would add it too (fused layout, forward unknown) cannot take it.
+        if file_shared and (not shared or (spec.layout == "fused" and not spec.known_block)):
+            raise ValueError("accelerate(gguf=...): %s: the file's layers include the shared expert, which this "
+                             "block would also run in PyTorch" % where)
+        members.append((path, module, spec, file_shared, layer))
+    report.source_bytes += cmodel.stats.bytes_mapped
+    report.colibri_bytes += cmodel.stats.bytes_mapped
+    report.models.append(cmodel)
+    for path, module, spec, in_colibri, layer in members:
+        _install(report, cmodel, layer, path, module, spec, in_colibri, dtype, keep_pytorch_weights, released_params)
+
+
 def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
-               verbose=False, exact_prefill=False, keep_pytorch_weights=False):
+               verbose=False, exact_prefill=False, keep_pytorch_weights=False, gguf=None):
     """Runs the experts of every recognised sparse-MoE block of `model` in
     Colibri; returns an AccelerateReport.
 
@@ -966,6 +1036,14 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     (one thread pool) with one layer per block. threads: Colibri threads (0 =
     one per core). shared=False keeps shared experts in PyTorch.
     bf16_compute / exact_prefill: the precision options of colibri.Model.
+
+    gguf: a GGUF file (or the first file of a split set) holding the same
+    model, e.g. the one transformers' own GGUF loader dequantised `model`
+    from: each block's experts then come from the file in their stored
+    formats (Q4_K, Q6_K, ...) instead of from the PyTorch weights; block
+    `model.layers.N` takes GGUF block N. Excludes dtype. Blocks whose shapes
+    differ from the file's, or whose block has no experts in it, raise
+    ValueError naming both. A shared expert in the file runs in Colibri.
 
     Memory: Colibri keeps its own (packed) copy of the expert weights, so by
     default the PyTorch copies of the weights it took over (routed experts,
@@ -1007,6 +1085,13 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 
     report = AccelerateReport([], skipped, [])
     released_params = set()
+    if gguf is not None:
+        if dtype is not None:
+            raise ValueError("accelerate(): dtype and gguf exclude each other (the GGUF's experts run in the types "
+                             "the file stores)")
+        _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lock, huge_pages, exact_prefill,
+                              keep_pytorch_weights, released_params)
+        groups = {}
     for key, members in groups.items():
         cdtype = key[0]
         layers = [spec.layer_dict(shared_in_colibri=in_colibri) for _, _, spec, in_colibri in members]
@@ -1017,24 +1102,8 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
         report.colibri_bytes += cmodel.stats.bytes_mapped
         report.models.append(cmodel)
         for i, (path, module, spec, in_colibri) in enumerate(members):
-            experts = ColibriExperts._view(cmodel, i)
-            if spec.layout != "fused":
-                target, forward = module, _block_forward
-            elif in_colibri:
-                target, forward = module, _fused_block_forward
-            else:
-                target, forward = module.experts, _fused_forward
-            state = _State(experts, spec.without_weights(), in_colibri, target.__dict__.get("forward"))
-            target.__dict__["_colibri_state"] = state
-            target.__dict__["forward"] = types.MethodType(forward, target)
-            if not keep_pytorch_weights:
-                state.released = _release_weights(module, spec, in_colibri, released_params)
-                report.released_bytes += state.released
-            report.accelerated.append(AcceleratedBlock(
-                path=path, family=spec.family, layout=spec.layout, n_experts=spec.n_experts, top_k=spec.top_k,
-                d_model=spec.d_model, d_ff=spec.d_ff, dtype=cdtype,
-                shared=None if spec.shared is None else ("colibri" if in_colibri else "pytorch"),
-                colibri_layer=i))
+            _install(report, cmodel, i, path, module, spec, in_colibri, cdtype, keep_pytorch_weights,
+                     released_params)
     order = {p: n for n, (p, _, _) in enumerate(found)}
     report.accelerated.sort(key=lambda b: order[b.path])
     if report.released_bytes:

@@ -167,3 +167,63 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
         fix.path = str(w.format_shard_names(pathlib.Path(path))[0])
     fix.norm_topk_prob = arch in ("llama", "qwen3moe", "deepseek2")
     return fix
+
+
+ARCH_OF_FAMILY = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen2_moe_norm": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def gguf_from_torch(model, path, family, dtype, down_dtype=None):
+    """Writes the MoE blocks of a reference_moe.TinyModel as a GGUF of
+    `family`'s architecture (block N = model.layers[N]), experts in
+    `dtype`/`down_dtype`, router and shared gate f32, as llama.cpp's
+    converter names them. Returns a deep copy of the model whose expert
+    weights are what the file dequantises to (the reference)."""
+    import copy
+
+    import torch
+
+    down_dtype = down_dtype or dtype
+    arch = ARCH_OF_FAMILY[family]
+    ref = copy.deepcopy(model)
+    layers = ref.layers
+    blocks = [getattr(layer, layer.attr) for layer in layers]
+    first = blocks[0]
+    D = first.gate.weight.shape[1]
+    E = first.gate.weight.shape[0]
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    F_ = getattr(first.experts[0], names[0]).weight.shape[0]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(len(blocks))
+    w.add_embedding_length(D)
+    w.add_expert_count(E)
+    w.add_expert_used_count(first.top_k)
+    if arch == "llama":
+        w.add_feed_forward_length(F_)
+    else:
+        w.add_expert_feed_forward_length(F_)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(first.shared_expert.gate_proj.weight.shape[0])
+    with torch.no_grad():
+        for b, blk in enumerate(blocks):
+            pre = f"blk.{b}."
+            for name, attr, t in (("ffn_gate_exps", names[0], dtype), ("ffn_up_exps", names[1], dtype),
+                                  ("ffn_down_exps", names[2], down_dtype)):
+                stacked = torch.stack([getattr(e, attr).weight for e in blk.experts]).float().numpy()
+                raw, back = encode(stacked, t)
+                w.add_tensor(pre + name + ".weight", raw, raw_dtype=GGUF_TYPE[t] if raw.dtype == np.uint8 else None)
+                for e, expert in enumerate(blk.experts):
+                    getattr(expert, attr).weight.copy_(torch.from_numpy(back[e]))
+            w.add_tensor(pre + "ffn_gate_inp.weight", blk.gate.weight.float().numpy().copy())
+            if hasattr(blk, "shared_expert"):
+                for name, attr, t in (("ffn_gate_shexp", "gate_proj", dtype), ("ffn_up_shexp", "up_proj", dtype),
+                                      ("ffn_down_shexp", "down_proj", down_dtype)):
+                    m = getattr(blk.shared_expert, attr).weight.float().numpy()
+                    raw, back = encode(m, t)
+                    w.add_tensor(pre + name + ".weight", raw, raw_dtype=GGUF_TYPE[t] if raw.dtype == np.uint8 else None)
+                    getattr(blk.shared_expert, attr).weight.copy_(torch.from_numpy(back))
+                w.add_tensor(pre + "ffn_gate_inp_shexp.weight", blk.shared_expert_gate.weight.float().numpy()[0].copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref

@@ -208,3 +208,49 @@ def test_cli_info_and_infer_on_gguf(tmp_path):
     assert rel_l2(y, moe_reference(fix, 1, x, ids, w)) <= INT8_TOL
     with colibri.Model(path, threads=2) as m:
         assert np.array_equal(y, m.infer(x, layer=1))
+
+
+@pytest.mark.parametrize("family,dtype,down", [("mixtral", "q4_k", "q6_k"), ("qwen3_moe", "q8_0", "q8_0"),
+                                               ("qwen2_moe_norm", "q4_0", "q8_0")])
+def test_accelerate_takes_experts_from_the_gguf(tmp_path, family, dtype, down):
+    """accelerate(model, gguf=...) runs each block's experts from the file in
+    their stored formats: the model's outputs match the same model with the
+    weights the file dequantises to, and the PyTorch expert weights are
+    released."""
+    import torch
+    from reference_moe import make_model, rel_l2 as t_rel_l2
+    import colibri.torch as ct
+
+    path = str(tmp_path / "m.gguf")
+    # One MoE layer for int8 (a close second-layer top-k choice could flip),
+    # two for exact.
+    for exact, n_layers, tol in ((False, 1, INT8_TOL), (True, 2, EXACT_TOL)):
+        model = make_model(family, seed=7, n_layers=n_layers, D=256, F_=256)
+        ref = gf.gguf_from_torch(model, path, family, dtype, down)
+        x = torch.randn(2, 9, 256, generator=torch.Generator().manual_seed(8))
+        with torch.no_grad():
+            want = ref(x)
+        report = ct.accelerate(model, gguf=path, threads=2, exact_prefill=exact)
+        assert report.skipped == [] and len(report.accelerated) == n_layers
+        assert [b.colibri_layer for b in report.accelerated] == list(range(n_layers))
+        assert report.released_bytes > 0
+        info = report.models[0].info
+        assert (info.dtype, info.down_dtype) == (dtype, down)
+        with torch.no_grad():
+            got = model(x)
+        assert t_rel_l2(got, want) <= tol, (exact, t_rel_l2(got, want))
+
+
+def test_accelerate_gguf_refuses_a_mismatch(tmp_path):
+    import torch
+    from reference_moe import make_model
+    import colibri.torch as ct
+
+    path = str(tmp_path / "m.gguf")
+    gf.gguf_from_torch(make_model("qwen3_moe", seed=1, n_layers=1, D=256, F_=256), path, "qwen3_moe", "q8_0")
+    other = make_model("qwen3_moe", seed=1, n_layers=2, D=256, F_=512)
+    with pytest.raises(ValueError, match=r"block layers\.0\.mlp \(GGUF block 0\).*\(experts, d_model, d_ff\) = "
+                                         r"\(8, 256, 512\), the file \(8, 256, 256\)"):
+        ct.accelerate(other, gguf=path)
+    with pytest.raises(ValueError, match="dtype and gguf exclude each other"):
+        ct.accelerate(other, gguf=path, dtype="q4_k")

@@ -488,6 +488,10 @@ const char* colibri_model_source(const colibri_model_t* model) {
   return model != nullptr ? model->impl.source_description().c_str() : "";
 }
 
+int32_t colibri_model_first_block(const colibri_model_t* model) {
+  return model != nullptr ? model->impl.first_block() : -1;
+}
+
 colibri_status_t colibri_verify_dir(const char* path) {
   if (path == nullptr) return null_argument("colibri_verify_dir", "path");
   return guarded("colibri_verify_dir", [&] {

@@ -50,6 +50,8 @@ class Model {
   // Where the weights came from: "directory", or for a GGUF file its
   // architecture, which blocks the layers are, and the tensor types.
   const std::string& source_description() const { return source_description_; }
+  // The GGUF block of layer 0 (0 for other sources).
+  int32_t first_block() const { return first_block_; }
   std::atomic<uint64_t>& infer_calls() { return infer_calls_; }
   uint64_t expert_swaps() const { return expert_swaps_.load(std::memory_order_relaxed); }
 
@@ -70,6 +72,7 @@ class Model {
   double load_seconds_ = 0.0;
   std::string kernels_description_;
   std::string source_description_ = "colibri model directory";
+  int32_t first_block_ = 0;
   std::atomic<uint64_t> infer_calls_{0};
   std::atomic<uint64_t> expert_swaps_{0};
 };
