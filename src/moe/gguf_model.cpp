@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <regex>
@@ -48,6 +49,13 @@ bool weight_type_of(uint32_t ggml, WeightType* out) {
   }
 }
 
+// A split-set part number as llama.cpp writes it ("00002"); at most 9999.
+std::string five_digits(uint64_t n) {
+  char b[24];
+  std::snprintf(b, sizeof b, "%05" PRIu64, n);
+  return b;
+}
+
 // The parts of a split set: "<prefix>-00001-of-0000N.gguf" and its
 // siblings, or just `path`.
 std::vector<GgufFile> open_parts(const std::string& path) {
@@ -66,19 +74,11 @@ std::vector<GgufFile> open_parts(const std::string& path) {
       std::stoull(m[3].str()) != count) {
     fail(Status::kInvalidArgument, path + ": part " + std::to_string(no + 1) + " of a split set of " +
                                        std::to_string(count) + "; open its first file, <name>-00001-of-" +
-                                       [&] {
-                                         char b[16];
-                                         std::snprintf(b, sizeof b, "%05llu", static_cast<unsigned long long>(count));
-                                         return std::string(b);
-                                       }() +
-                                       ".gguf");
+                                       five_digits(count) + ".gguf");
   }
   const std::string prefix = m[1].str();
   for (uint64_t i = 1; i < count; ++i) {
-    char suffix[64];
-    std::snprintf(suffix, sizeof suffix, "-%05llu-of-%05llu.gguf", static_cast<unsigned long long>(i + 1),
-                  static_cast<unsigned long long>(count));
-    const std::string part = prefix + suffix;
+    const std::string part = prefix + "-" + five_digits(i + 1) + "-of-" + five_digits(count) + ".gguf";
     if (::access(part.c_str(), F_OK) != 0) {
       fail(Status::kIo, path + ": part " + std::to_string(i + 1) + " of " + std::to_string(count) + " (" + part +
                             ") is missing");
