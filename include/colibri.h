@@ -363,6 +363,12 @@ typedef struct colibri_stats_s {
 /* Both thread-safe. */
 COLIBRI_API colibri_status_t colibri_model_info(const colibri_model_t* model,
                                                 colibri_model_info_t* out_info);
+/* Layer `layer`'s weight types: gate and up, and down. colibri_model_info
+ * gives layer 0's; they differ between layers only for block formats read
+ * from files that vary them (a GGUF Q4_K_M gives some layers' down
+ * matrices Q6_K and the others Q4_K; docs/FORMAT.md). Thread-safe. */
+COLIBRI_API colibri_status_t colibri_layer_dtypes(const colibri_model_t* model, int32_t layer,
+                                                  colibri_dtype_t* out_dtype, colibri_dtype_t* out_down_dtype);
 COLIBRI_API colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* out_stats);
 
 /* Which kernels the model runs, by tokens per expert, e.g. "decode avx512,

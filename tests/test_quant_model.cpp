@@ -186,7 +186,7 @@ TEST(QuantModelFiles, SizesAndMessages) {
   const colibri::Manifest man = colibri::load_manifest(tmp.path());
   EXPECT_EQ(man.version, 3);
   // gate, up: 40 rows of 2 blocks; down: 64 rows of 2 blocks (40 -> 64).
-  EXPECT_EQ(man.expert_file_bytes(), uint64_t{2 * 40 * 2 * 18 + 64 * 2 * 18});
+  EXPECT_EQ(man.expert_file_bytes(0), uint64_t{2 * 40 * 2 * 18 + 64 * 2 * 18});
   EXPECT_EQ(colibri_dtype_row_bytes(COLIBRI_DTYPE_Q4_0, 40), size_t{36});
   EXPECT_EQ(colibri_dtype_row_bytes(COLIBRI_DTYPE_Q4_K, 1), size_t{144});
   EXPECT_EQ(colibri_dtype_row_bytes(static_cast<colibri_dtype_t>(99), 8), size_t{0});
@@ -212,19 +212,42 @@ TEST(QuantModelFiles, ManifestRules) {
   auto parse = [&](const std::string& rest) { return colibri::parse_manifest(base + rest, "m.json"); };
   EXPECT_EQ(parse(R"("version": 3, "dtype": "q4_k", "down_dtype": "q6_k"})").down_dtype, colibri::WeightType::kQ6_K);
   EXPECT_EQ(parse(R"("version": 3, "dtype": "q8_0"})").down_dtype, colibri::WeightType::kQ8_0);
-  auto refused = [&](const std::string& rest, const char* field) {
+  // `rest` completes `head` into a manifest that must be refused naming `field`.
+  auto refused_after = [](const std::string& head, const std::string& rest, const char* field) {
     try {
-      parse(rest);
+      colibri::parse_manifest(head + rest, "m.json");
       ADD_FAILURE() << "accepted: " << rest;
     } catch (const std::exception& e) {
       EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
     }
   };
+  auto refused = [&](const std::string& rest, const char* field) { refused_after(base, rest, field); };
   refused(R"("version": 2, "dtype": "q4_k"})", "version");
   refused(R"("version": 3, "dtype": "f16", "down_dtype": "q4_k"})", "down_dtype");
   refused(R"("version": 3, "dtype": "q4_k", "down_dtype": "bf16"})", "down_dtype");
   refused(R"("version": 3, "dtype": "q3_k"})", "dtype");
   refused(R"("version": 4, "dtype": "q4_k"})", "version");
+
+  // Per-layer types (layer_dtypes): n_layers entries of block formats, the
+  // first equal to dtype / down_dtype; sizes follow each layer's types.
+  const std::string two = R"({"format": "colibri-moe", "n_layers": 2, "n_experts": 2, "d_model": 256, "d_ff": 256,
+                               "activation": "swiglu", "version": 3, "dtype": "q4_k", "down_dtype": "q6_k", )";
+  auto parse2 = [&](const std::string& rest) { return colibri::parse_manifest(two + rest, "m.json"); };
+  const colibri::Manifest mixed = parse2(R"("layer_dtypes": [["q4_k", "q6_k"], ["q4_k", "q4_k"]]})");
+  ASSERT_EQ(mixed.layer_dtypes.size(), 2u);
+  EXPECT_EQ(mixed.layer_types(1).down_dtype, colibri::WeightType::kQ4_K);
+  EXPECT_EQ(mixed.expert_file_bytes(0), uint64_t{2 * 256 * 144 + 256 * 210});
+  EXPECT_EQ(mixed.expert_file_bytes(1), uint64_t{3 * 256 * 144});
+  EXPECT_EQ(mixed.max_expert_file_bytes(), mixed.expert_file_bytes(0));
+  // Written back and read again: the same types.
+  const colibri::Manifest again = colibri::parse_manifest(colibri::manifest_to_json(mixed), "again.json");
+  EXPECT_TRUE(again.layer_dtypes[1] == mixed.layer_dtypes[1]);
+  auto refused2 = [&](const std::string& rest, const char* what) { refused_after(two, rest, what); };
+  refused2(R"("layer_dtypes": [["q4_k", "q6_k"]]})", "n_layers (2) entries");
+  refused2(R"("layer_dtypes": [["q4_k", "q4_k"], ["q4_k", "q6_k"]]})", "must equal dtype / down_dtype");
+  refused2(R"("layer_dtypes": [["q4_k", "q6_k"], ["bf16", "bf16"]]})", "must name block formats");
+  refused2(R"("layer_dtypes": [["q4_k", "q6_k"], ["q4_k"]]})", "[dtype, down_dtype]");
+  refused2(R"("layer_dtypes": [["q4_k", "q6_k"], ["q4_k", "q9_k"]]})", "[dtype, down_dtype]");
 }
 
 // The conversion entry points round-trip and check their arguments.

@@ -369,6 +369,7 @@ _PROTOTYPES = {
     "colibri_model_kernels": (ctypes.c_char_p, [c_void_p]),
     "colibri_model_source": (ctypes.c_char_p, [c_void_p]),
     "colibri_model_first_block": (ctypes.c_int32, [c_void_p]),
+    "colibri_layer_dtypes": (ctypes.c_int, [c_void_p, ctypes.c_int32, _P(ctypes.c_int), _P(ctypes.c_int)]),
     "colibri_verify_dir": (ctypes.c_int, [ctypes.c_char_p]),
     "colibri_route_compile_options_default": (None, [_P(RouteCompileOptions)]),
     "colibri_route_compile": (

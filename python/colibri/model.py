@@ -431,6 +431,19 @@ class Model:
         finally:
             self._release()
 
+    def layer_dtypes(self, layer):
+        """(gate/up dtype, down dtype) of `layer`: info gives layer 0's; block
+        formats read from a GGUF that varies them (Q4_K_M's down Q6_K or
+        Q4_K) differ between layers."""
+        h = self._acquire()
+        try:
+            d, down = ctypes.c_int(), ctypes.c_int()
+            L.check(L.lib().colibri_layer_dtypes(h, int(layer), ctypes.byref(d), ctypes.byref(down)),
+                    "colibri_layer_dtypes")
+        finally:
+            self._release()
+        return L.DTYPE_NAMES.get(d.value, str(d.value)), L.DTYPE_NAMES.get(down.value, str(down.value))
+
     # ------------------------------------------------------------ inference
 
     def _check_x(self, x, layer):

@@ -78,11 +78,12 @@ class Fixture:
 
 def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_model=256, d_ff=256, dtype="q4_k",
                    down_dtype=None, dense_blocks=0, shared_d_ff=0, fused=False, router_dtype="f32", seed=0,
-                   extra_kv=None, split=None):
+                   extra_kv=None, split=None, block_down_dtypes=None):
     """Writes a GGUF of `n_blocks` blocks, the first `dense_blocks` of which
     hold no experts (with `split`, a split set of at most that many tensors
-    per file; fixture.path is then its first file). Returns a Fixture with
-    the dequantised weights."""
+    per file; fixture.path is then its first file; `block_down_dtypes`: the
+    down type of each MoE block, as llama.cpp's Q4_K_M varies it). Returns a
+    Fixture with the dequantised weights."""
     rng = np.random.default_rng(seed)
     down_dtype = down_dtype or dtype
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split or 0)
@@ -123,9 +124,10 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
         up = rng.standard_normal((n_experts, d_ff, d_model)).astype(np.float32) * scale
         down = rng.standard_normal((n_experts, d_model, d_ff)).astype(np.float32) * float(1.0 / np.sqrt(d_ff))
         router = rng.standard_normal((n_experts, d_model)).astype(np.float32)
+        layer_down = block_down_dtypes[b - dense_blocks] if block_down_dtypes else down_dtype
         graw, gf = encode(gate, dtype)
         uraw, uf = encode(up, dtype)
-        draw, df = encode(down, down_dtype)
+        draw, df = encode(down, layer_down)
         rraw, rf = encode(router, router_dtype)
         if fused:
             w.add_tensor(pre + "ffn_gate_up_exps.weight", np.concatenate([graw, uraw], axis=1),
@@ -134,7 +136,7 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
             w.add_tensor(pre + "ffn_gate_exps.weight", graw, raw_dtype=GGUF_TYPE[dtype] if graw.dtype == np.uint8 else None)
             w.add_tensor(pre + "ffn_up_exps.weight", uraw, raw_dtype=GGUF_TYPE[dtype] if uraw.dtype == np.uint8 else None)
         w.add_tensor(pre + "ffn_down_exps.weight", draw,
-                     raw_dtype=GGUF_TYPE[down_dtype] if draw.dtype == np.uint8 else None)
+                     raw_dtype=GGUF_TYPE[layer_down] if draw.dtype == np.uint8 else None)
         w.add_tensor(pre + "ffn_gate_inp.weight", rraw,
                      raw_dtype=GGUF_TYPE[router_dtype] if rraw.dtype == np.uint8 else None)
         layer = Layer(gf, uf, df, rf)
@@ -145,7 +147,7 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
             sg = rng.standard_normal((shared_d_ff, d_model)).astype(np.float32) * scale
             su = rng.standard_normal((shared_d_ff, d_model)).astype(np.float32) * scale
             sd = rng.standard_normal((d_model, shared_d_ff)).astype(np.float32) * float(1.0 / np.sqrt(shared_d_ff))
-            for name, m, t in (("ffn_gate_shexp", sg, dtype), ("ffn_up_shexp", su, dtype), ("ffn_down_shexp", sd, down_dtype)):
+            for name, m, t in (("ffn_gate_shexp", sg, dtype), ("ffn_up_shexp", su, dtype), ("ffn_down_shexp", sd, layer_down)):
                 raw, f = encode(m, t)
                 w.add_tensor(pre + name + ".weight", raw, raw_dtype=GGUF_TYPE[t] if raw.dtype == np.uint8 else None)
                 if name == "ffn_gate_shexp":

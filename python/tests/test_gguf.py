@@ -69,6 +69,9 @@ CASES = [
     ("qwen2moe", "q8_0", "q8_0", dict(shared_d_ff=128)),
     ("olmoe", "q4_0", "q4_0", dict(router_dtype="f16")),
     ("deepseek2", "q5_k", "q6_k", dict(dense_blocks=1, shared_d_ff=256, fused=True)),
+    # Q4_K_M as llama.cpp writes it: the down type changes from block to block.
+    ("llama", "q4_k", "q6_k", dict(n_blocks=3, block_down_dtypes=["q6_k", "q4_k", "q6_k"])),
+    ("qwen2moe", "q4_k", "q4_k", dict(shared_d_ff=256, block_down_dtypes=["q4_k", "q6_k"])),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
 ]
@@ -78,7 +81,9 @@ CASES = [
 @pytest.mark.parametrize("exact", [False, True], ids=["int8", "exact"])
 def test_gguf_layers_match_float64(tmp_path, arch, dtype, down, extra, exact):
     path = str(tmp_path / "model.gguf")
-    fix = gf.write_moe_gguf(path, arch, n_blocks=3 if extra.get("dense_blocks") else 2, dtype=dtype, down_dtype=down,
+    extra = dict(extra)
+    n_blocks = extra.pop("n_blocks", 3 if extra.get("dense_blocks") else 2)
+    fix = gf.write_moe_gguf(path, arch, n_blocks=n_blocks, dtype=dtype, down_dtype=down,
                             seed=hash((arch, dtype)) % 1000, **extra)
     quantized = dtype not in ("f32", "f16", "bf16")
     # Default precision: int8 activations for the block formats, and bf16
@@ -94,6 +99,10 @@ def test_gguf_layers_match_float64(tmp_path, arch, dtype, down, extra, exact):
         assert m.origin.startswith(f"gguf {arch}, layers 0-{len(fix.layers) - 1} = blocks {fix.first_block}-")
         if fix.first_block:
             assert "dense blocks skipped: 0" in m.origin and "skipped" in m.warning
+        for layer, block_down in enumerate(extra.get("block_down_dtypes") or [down] * len(fix.layers)):
+            assert m.layer_dtypes(layer) == (dtype, block_down)
+        if extra.get("block_down_dtypes"):
+            assert " in blocks " in m.origin, m.origin
         for layer in range(len(fix.layers)):
             for T in (1, 5, 40):
                 x = rng.standard_normal((T, fix.d_model)).astype(np.float32)
@@ -156,16 +165,18 @@ def _cli():
     return cli
 
 
-@pytest.mark.parametrize("arch,dtype,down,extra", [CASES[0], CASES[2], CASES[4]],
-                         ids=["qwen3moe-q4_k_m", "qwen2moe-shared", "deepseek2-fused"])
+@pytest.mark.parametrize("arch,dtype,down,extra", [CASES[0], CASES[2], CASES[4], CASES[5], CASES[6]],
+                         ids=["qwen3moe-q4_k_m", "qwen2moe-shared", "deepseek2-fused", "llama-per-block",
+                              "qwen2moe-shared-per-block"])
 def test_convert_gguf_directory_is_bit_identical(tmp_path, arch, dtype, down, extra):
     """`colibri convert --gguf` keeps every byte: the directory and the GGUF
     give the same outputs bit for bit, and the directory verifies."""
     import subprocess
     cli = _cli()
     path = str(tmp_path / "model.gguf")
-    fix = gf.write_moe_gguf(path, arch, n_blocks=3 if extra.get("dense_blocks") else 2, dtype=dtype,
-                            down_dtype=down, seed=3, **extra)
+    extra = dict(extra)
+    n_blocks = extra.pop("n_blocks", 3 if extra.get("dense_blocks") else 2)
+    fix = gf.write_moe_gguf(path, arch, n_blocks=n_blocks, dtype=dtype, down_dtype=down, seed=3, **extra)
     out = tmp_path / "dir"
     r = subprocess.run([cli, "convert", "--gguf", path, "--out", str(out)], capture_output=True, text=True,
                        timeout=300)
@@ -178,8 +189,17 @@ def test_convert_gguf_directory_is_bit_identical(tmp_path, arch, dtype, down, ex
         assert d.origin == "colibri model directory"
         assert (g.info.dtype, g.info.down_dtype) == (d.info.dtype, d.info.down_dtype)
         for layer in range(len(fix.layers)):
+            assert g.layer_dtypes(layer) == d.layer_dtypes(layer)
             assert np.array_equal(g.infer(x, layer=layer), d.infer(x, layer=layer))
             assert np.array_equal(g.route(x, layer=layer)[0], d.route(x, layer=layer)[0])
+        # Hot swap in the directory: each layer's expert files have that
+        # layer's size; expert 0 given expert 1's file then computes as
+        # expert 1 did.
+        last = len(fix.layers) - 1
+        one = np.ones((x.shape[0], 1), np.float32)
+        want = d.infer(x, np.full((x.shape[0], 1), 1, np.int32), one, layer=last)
+        d.swap_expert(last, 0, path=str(out / ("layer_%02d" % last) / "expert_01.bin"))
+        assert np.array_equal(d.infer(x, np.zeros((x.shape[0], 1), np.int32), one, layer=last), want)
     # A second conversion into the same directory is refused.
     r = subprocess.run([cli, "convert", "--gguf", path, "--out", str(out)], capture_output=True, text=True,
                        timeout=300)

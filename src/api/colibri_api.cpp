@@ -420,7 +420,7 @@ colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int3
     if (source->path != nullptr) {
       // Read, not mapped: a file truncated while we read it gives a short
       // read and an error, never SIGBUS.
-      const std::string bytes = colibri::read_small_file(source->path, m.expert_file_bytes());
+      const std::string bytes = colibri::read_small_file(source->path, m.max_expert_file_bytes());
       model->impl.swap_expert(layer, expert, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
                               source->path, checksum, &warnings);
     } else {
@@ -428,12 +428,14 @@ colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int3
         colibri::fail(colibri::Status::kInvalidArgument, "colibri_swap_expert: source has neither path nor data");
       }
       const int dtype = colibri::raw_enum(source->dtype);
-      if (dtype != static_cast<int>(m.dtype)) {
+      // The layer's own type (layers may differ); swap_expert checks the range.
+      const colibri::WeightType want = layer >= 0 && layer < m.n_layers ? m.layer_types(layer).dtype : m.dtype;
+      if (dtype != static_cast<int>(want)) {
         const bool known = dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_Q6_K;
         colibri::fail(colibri::Status::kInvalidArgument,
                       std::string("colibri_swap_expert: source dtype ") +
                           (known ? colibri_dtype_name(static_cast<colibri_dtype_t>(dtype)) : std::to_string(dtype)) +
-                          " is not the model's " + colibri_dtype_name(to_c_dtype(m.dtype)));
+                          " is not the model's " + colibri_dtype_name(to_c_dtype(want)));
       }
       model->impl.swap_expert(layer, expert, static_cast<const uint8_t*>(source->data), source->size,
                               "colibri_swap_expert: source data", checksum, &warnings);
@@ -460,6 +462,24 @@ colibri_status_t colibri_model_info(const colibri_model_t* model, colibri_model_
   out->down_dtype = to_c_dtype(m.down_dtype);
   t_last_error.clear();
   return COLIBRI_OK;
+}
+
+colibri_status_t colibri_layer_dtypes(const colibri_model_t* model, int32_t layer, colibri_dtype_t* out_dtype,
+                                      colibri_dtype_t* out_down_dtype) {
+  if (model == nullptr) return null_argument("colibri_layer_dtypes", "model");
+  if (out_dtype == nullptr) return null_argument("colibri_layer_dtypes", "out_dtype");
+  if (out_down_dtype == nullptr) return null_argument("colibri_layer_dtypes", "out_down_dtype");
+  return guarded("colibri_layer_dtypes", [&] {
+    const colibri::Manifest& m = model->impl.manifest();
+    if (layer < 0 || layer >= m.n_layers) {
+      colibri::fail(colibri::Status::kInvalidArgument, "colibri_layer_dtypes: layer " + std::to_string(layer) +
+                                                           " is out of range [0, " + std::to_string(m.n_layers) + ")");
+    }
+    const colibri::LayerTypes t = m.layer_types(layer);
+    *out_dtype = to_c_dtype(t.dtype);
+    *out_down_dtype = to_c_dtype(t.down_dtype);
+    return COLIBRI_OK;
+  });
 }
 
 colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* out) {

@@ -167,8 +167,9 @@ uint64_t Manifest::matrix_bytes(WeightType t, int32_t rows, int32_t cols) {
 }
 
 // gate and up [F][D], then down [D][F].
-uint64_t Manifest::shared_file_bytes() const {
-  return 2 * matrix_bytes(weight_type(), shared_d_ff, d_model) + matrix_bytes(down_weight_type(), d_model, shared_d_ff);
+uint64_t Manifest::shared_file_bytes(int32_t layer) const {
+  const LayerTypes t = layer_types(layer);
+  return 2 * matrix_bytes(t.dtype, shared_d_ff, d_model) + matrix_bytes(t.down_dtype, d_model, shared_d_ff);
 }
 
 uint64_t Manifest::shared_gate_file_bytes() const { return 4ull * static_cast<uint64_t>(d_model); }
@@ -182,9 +183,10 @@ std::string Manifest::layer_file(int32_t layer, const char* name) const {
 
 bool parse_dtype(const std::string& name, WeightType* out) { return parse_weight_type(name.c_str(), out); }
 
-std::string expert_types(const Manifest& m) {
-  std::string s = weight_format(m.dtype).name;
-  if (m.down_dtype != m.dtype) s += std::string(" (down ") + weight_format(m.down_dtype).name + ")";
+std::string expert_types(const Manifest& m, int32_t layer) {
+  const LayerTypes t = m.layer_types(layer);
+  std::string s = weight_format(t.dtype).name;
+  if (t.down_dtype != t.dtype) s += std::string(" (down ") + weight_format(t.down_dtype).name + ")";
   return s;
 }
 
@@ -210,8 +212,18 @@ std::string dtype_pair_problem(WeightType dtype, WeightType down_dtype) {
          weight_format(dtype).name + " (a different down type is for block formats only)";
 }
 
-uint64_t Manifest::expert_file_bytes() const {
-  return 2 * matrix_bytes(weight_type(), d_ff, d_model) + matrix_bytes(down_weight_type(), d_model, d_ff);
+uint64_t Manifest::expert_file_bytes(int32_t layer) const {
+  const LayerTypes t = layer_types(layer);
+  return 2 * matrix_bytes(t.dtype, d_ff, d_model) + matrix_bytes(t.down_dtype, d_model, d_ff);
+}
+
+uint64_t Manifest::max_expert_file_bytes() const {
+  uint64_t most = expert_file_bytes(0);
+  for (const LayerTypes& t : layer_dtypes) {
+    const uint64_t b = 2 * matrix_bytes(t.dtype, d_ff, d_model) + matrix_bytes(t.down_dtype, d_model, d_ff);
+    if (b > most) most = b;
+  }
+  return most;
 }
 
 std::string Manifest::expert_file(int32_t layer, int32_t expert) const {
@@ -269,6 +281,28 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
   if (m.version < 3 && (m.quantized() || m.down_dtype != m.dtype)) {
     bad_field(source, "dtype", "block-quantised weights need \"version\": 3");
   }
+  if (auto it = doc.find("layer_dtypes"); it != doc.end()) {
+    if (m.version < 3 || !m.quantized()) bad_field(source, "layer_dtypes", "is for block formats in \"version\": 3");
+    if (!it->is_array() || it->size() != static_cast<size_t>(m.n_layers)) {
+      bad_field(source, "layer_dtypes", "must be an array of n_layers (" + std::to_string(m.n_layers) + ") entries");
+    }
+    for (size_t l = 0; l < it->size(); ++l) {
+      const json& e = (*it)[l];
+      const std::string where = "layer_dtypes[" + std::to_string(l) + "]";
+      LayerTypes t;
+      if (!e.is_array() || e.size() != 2 || !e[0].is_string() || !e[1].is_string() ||
+          !parse_dtype(e[0].get<std::string>(), &t.dtype) || !parse_dtype(e[1].get<std::string>(), &t.down_dtype)) {
+        bad_field(source, where, "must be [dtype, down_dtype], both one of " + std::string(dtype_names()));
+      }
+      if (!weight_format(t.dtype).quantized || !weight_format(t.down_dtype).quantized) {
+        bad_field(source, where, "must name block formats");
+      }
+      if (l == 0 && !(t == LayerTypes{m.dtype, m.down_dtype})) {
+        bad_field(source, where, "must equal dtype / down_dtype");
+      }
+      m.layer_dtypes.push_back(t);
+    }
+  }
   const json& activation = require(doc, source, "activation");
   if (!activation.is_string() || activation.get<std::string>() != "swiglu") {
     bad_field(source, "activation", "unknown activation " + activation.dump() + " (expected \"swiglu\")");
@@ -276,7 +310,7 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
 
   // Multiply step by step, checking against the limit before each product:
   // the factors are bounded, but their full product can exceed 64 bits.
-  uint64_t total = m.expert_file_bytes();  // < 3 * 2^40 * 4: fits
+  uint64_t total = m.max_expert_file_bytes();  // < 3 * 2^40 * 4: fits
   for (const uint64_t factor : {static_cast<uint64_t>(m.n_experts), static_cast<uint64_t>(m.n_layers)}) {
     if (total > kMaxModelBytes || total > kMaxModelBytes / factor) {
       fail(Status::kFormat, source + ": dimensions too large: n_layers * n_experts * 3 * d_model * "
@@ -294,7 +328,7 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
       if (!it->is_object()) bad_field(source, "shared_expert", "must be an object");
       m.shared_d_ff = require_dim(*it, source + ": shared_expert", "d_ff", kMaxDim);
       m.shared_gate = require_bool(*it, source + ": shared_expert", "gate", false);
-      if (m.shared_file_bytes() > kMaxModelBytes / static_cast<uint64_t>(m.n_layers)) {
+      if (m.shared_file_bytes(0) > kMaxModelBytes / static_cast<uint64_t>(m.n_layers) / 2) {
         fail(Status::kFormat, source + ": shared expert too large");
       }
     }
@@ -361,6 +395,11 @@ std::string manifest_to_json(const Manifest& m) {
   doc["d_ff"] = m.d_ff;
   doc["dtype"] = weight_format(m.dtype).name;
   if (m.down_dtype != m.dtype) doc["down_dtype"] = weight_format(m.down_dtype).name;
+  if (!m.layer_dtypes.empty()) {
+    json types = json::array();
+    for (const LayerTypes& t : m.layer_dtypes) types.push_back({weight_format(t.dtype).name, weight_format(t.down_dtype).name});
+    doc["layer_dtypes"] = types;
+  }
   doc["activation"] = m.activation;
   if (m.has_router()) {
     const RouterDesc& r = m.router;

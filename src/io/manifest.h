@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "util/error.h"
 #include "util/router_desc.h"
@@ -29,6 +30,13 @@ inline constexpr int64_t kMaxExperts = 65536;
 inline constexpr int64_t kMaxDim = int64_t{1} << 20;
 inline constexpr uint64_t kMaxModelBytes = uint64_t{1} << 46;  // 64 TiB
 
+// One layer's types: gate and up, and down.
+struct LayerTypes {
+  WeightType dtype = WeightType::kF16;
+  WeightType down_dtype = WeightType::kF16;
+  bool operator==(const LayerTypes& o) const { return dtype == o.dtype && down_dtype == o.down_dtype; }
+};
+
 struct Manifest {
   int32_t version = kManifestVersion;
   int32_t n_layers = 0;
@@ -37,6 +45,11 @@ struct Manifest {
   int32_t d_ff = 0;
   WeightType dtype = WeightType::kF16;       // of gate and up (and down, unless down_dtype says otherwise)
   WeightType down_dtype = WeightType::kF16;  // v3; equals dtype for the float types
+  // v3, block formats only: each layer's types, for models whose types
+  // change from layer to layer (llama.cpp's Q4_K_M gives some layers' down
+  // matrices q6_k and the others q4_k). Empty: every layer has dtype /
+  // down_dtype; when set, n_layers entries and entry 0 is (dtype, down_dtype).
+  std::vector<LayerTypes> layer_dtypes;
   std::string activation = "swiglu";
   // v2: built-in router (family NONE = none) and shared expert (0 = none).
   RouterDesc router{};
@@ -48,16 +61,22 @@ struct Manifest {
   bool has_router() const { return router.family != RouterFamily::kNone; }
   bool has_shared() const { return shared_d_ff > 0; }
   bool router_has_bias() const { return router.family == RouterFamily::kDeepseekV3; }
+  // Of layer 0 (of every layer unless layer_dtypes says otherwise).
   WeightType weight_type() const { return dtype; }
   WeightType down_weight_type() const { return down_dtype; }
+  LayerTypes layer_types(int32_t layer) const {
+    return layer_dtypes.empty() ? LayerTypes{dtype, down_dtype} : layer_dtypes[static_cast<size_t>(layer)];
+  }
+  bool uniform_types() const { return layer_dtypes.empty(); }
   bool quantized() const { return weight_format(weight_type()).quantized; }
   // Bytes of a [rows][cols] weight matrix of type t as stored in the
   // model's files (rows of whole blocks, weight_row_bytes).
   static uint64_t matrix_bytes(WeightType t, int32_t rows, int32_t cols);
-  uint64_t expert_file_bytes() const;
+  uint64_t expert_file_bytes(int32_t layer) const;
+  uint64_t max_expert_file_bytes() const;  // over the layers
   // f32 [E][D], then f32 [E] bias for DeepSeek-V3.
   uint64_t router_file_bytes() const;
-  uint64_t shared_file_bytes() const;       // gate, up, down of shared_d_ff
+  uint64_t shared_file_bytes(int32_t layer) const;  // gate, up, down of shared_d_ff
   uint64_t shared_gate_file_bytes() const;  // f32 [D]
   // "expert_03.bin" for one layer, "layer_01/expert_03.bin" for several;
   // likewise router.bin, shared_expert.bin, shared_gate.bin.
@@ -67,16 +86,16 @@ struct Manifest {
   std::string shared_file(int32_t layer) const { return layer_file(layer, "shared_expert.bin"); }
   std::string shared_gate_file(int32_t layer) const { return layer_file(layer, "shared_gate.bin"); }
 
-  // Every weight file of the model with its exact size, layer by layer:
-  // router, experts, shared expert, shared gate.
+  // Every weight file of the model with its exact size and layer, layer by
+  // layer: router, experts, shared expert, shared gate.
   template <class Visit>
   void for_each_weight_file(Visit&& visit) const {
     for (int32_t l = 0; l < n_layers; ++l) {
-      if (has_router()) visit(router_file(l), router_file_bytes());
-      for (int32_t e = 0; e < n_experts; ++e) visit(expert_file(l, e), expert_file_bytes());
+      if (has_router()) visit(router_file(l), router_file_bytes(), l);
+      for (int32_t e = 0; e < n_experts; ++e) visit(expert_file(l, e), expert_file_bytes(l), l);
       if (has_shared()) {
-        visit(shared_file(l), shared_file_bytes());
-        if (shared_gate) visit(shared_gate_file(l), shared_gate_file_bytes());
+        visit(shared_file(l), shared_file_bytes(l), l);
+        if (shared_gate) visit(shared_gate_file(l), shared_gate_file_bytes(), l);
       }
     }
   }
@@ -102,8 +121,8 @@ bool verify_manifest_checksum(const std::string& model_dir);
 void write_manifest(const std::string& model_dir, const Manifest& manifest);
 std::string manifest_to_json(const Manifest& manifest);
 
-// "bf16", or "q4_k (down q6_k)" for mixed block formats: for messages.
-std::string expert_types(const Manifest& m);
+// "bf16", or "q4_k (down q6_k)" for mixed block formats, of one layer: for messages.
+std::string expert_types(const Manifest& m, int32_t layer);
 // "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k".
 bool parse_dtype(const std::string& name, WeightType* out);
 // As parse_dtype, plus the mixes: "q4_k_m" is q4_k gate and up with q6_k

@@ -28,7 +28,7 @@ void verify_model_dir(const std::string& dir, const std::function<void(const Fil
     }
     if (on_file) on_file(r);
   }
-  m.for_each_weight_file([&](const std::string& name, uint64_t expected) {
+  m.for_each_weight_file([&](const std::string& name, uint64_t expected, int32_t /*layer*/) {
     FileReport r;
     r.file = name;
     const std::string path = dir + "/" + r.file;

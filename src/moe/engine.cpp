@@ -27,8 +27,16 @@ int32_t rows_per_item(int64_t total_rows, int threads, int32_t max_rows) {
 }  // namespace
 
 Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, ThreadPool& pool,
-               const kernels::KernelPlan& plan)
-    : store_(store), n_layers_(n_layers), n_experts_(n_experts), pool_(pool), plan_(plan) {
+               std::vector<kernels::KernelPlan> plans)
+    : store_(store), n_layers_(n_layers), n_experts_(n_experts), pool_(pool), plans_(std::move(plans)) {
+  for (int32_t l = 0; l < n_layers; ++l) {
+    const kernels::ExpertShape& s = store.shape(l);
+    bool seen = false;
+    for (const int32_t d : distinct_layers_) {
+      seen |= store.shape(d).weight_type == s.weight_type && store.shape(d).down_type == s.down_type;
+    }
+    if (!seen) distinct_layers_.push_back(l);
+  }
   expert_offsets_.resize(static_cast<size_t>(n_experts) + 1);
   kernel_scratch_ = std::make_unique<kernels::KernelScratch[]>(static_cast<size_t>(pool.size()));
   active_experts_.reserve(static_cast<size_t>(n_experts));
@@ -41,7 +49,7 @@ void Engine::set_router(const RouterDesc& desc) {
   router_ = RouterRule(desc, n_experts_);
   // Router weights are f32 and computed in fp32 whatever the experts' type:
   // the choice of experts should not depend on the weight format.
-  router_plan_ = kernels::plan_kernels(plan_.isa, store_.router_shape(), kernels::PrefillPrecision::kExact);
+  router_plan_ = kernels::plan_kernels(plans_[0].isa, store_.router_shape(), kernels::PrefillPrecision::kExact);
 }
 
 // Grows the per-token scratch (router logits, shared expert) to `tokens`.
@@ -166,22 +174,25 @@ void Engine::reserve(int32_t tokens, int32_t top_k) {
 
 void Engine::reserve_kernel_scratch(int32_t tokens) {
   // An expert can get every token of a call; row ranges are at most a
-  // whole matrix.
-  const kernels::ExpertShape& shape = store_.shape();
-  const kernels::ExpertShape& shared = store_.shared_shape();
+  // whole matrix. Dimensions are the same in every layer, types may differ.
   const kernels::ExpertShape& router = store_.router_shape();
-  const int32_t rows = std::max({shape.d_model, shape.d_ff, shared.d_ff, router.d_model});
+  const int32_t rows = std::max({store_.shape().d_model, store_.shape().d_ff, store_.shared_shape().d_ff, router.d_model});
   for (int t = 0; t < pool_.size(); ++t) {
     kernels::KernelScratch* scratch = &kernel_scratch_[static_cast<size_t>(t)];
     // A failed reservation is not an error: the kernels fall back to the
     // decode kernels when a call finds no scratch.
     // The decode table too: the block-format tables (ffn_quant.cpp) serve
     // every token count and keep their quantised activations there.
-    for (int i = -1; i < plan_.prefill.count; ++i) {
-      const kernels::KernelTable& table = i < 0 ? *plan_.decode : *plan_.prefill.tier[i].table;
-      if (table.reserve == nullptr) continue;
-      (void)table.reserve(shape, tokens, rows, scratch);
-      if (shared.d_ff > 0) (void)table.reserve(shared, tokens, rows, scratch);
+    for (const int32_t layer : distinct_layers_) {
+      const kernels::KernelPlan& plan = plans_[static_cast<size_t>(layer)];
+      const kernels::ExpertShape& shape = store_.shape(layer);
+      const kernels::ExpertShape& shared = store_.shared_shape(layer);
+      for (int i = -1; i < plan.prefill.count; ++i) {
+        const kernels::KernelTable& table = i < 0 ? *plan.decode : *plan.prefill.tier[i].table;
+        if (table.reserve == nullptr) continue;
+        (void)table.reserve(shape, tokens, rows, scratch);
+        if (shared.d_ff > 0) (void)table.reserve(shared, tokens, rows, scratch);
+      }
     }
     if (has_router()) {
       for (int i = 0; i < router_plan_.prefill.count; ++i) {
@@ -195,27 +206,30 @@ void Engine::reserve_kernel_scratch(int32_t tokens) {
 size_t Engine::prepared_bound(size_t slots, int32_t tokens) const {
   // Each region is rounded up to a cache line (at most 64 bytes more per
   // region); one region per active expert and one for the shared expert;
-  // the larger of the two phases (the buffer is reused).
-  const kernels::ExpertShape& shape = store_.shape();
-  const kernels::ExpertShape& shared = store_.shared_shape();
+  // the larger of the two phases (the buffer is reused), of any layer.
   const size_t active = std::min(static_cast<size_t>(n_experts_), slots);
   const int32_t n = static_cast<int32_t>(std::min<size_t>(slots, INT32_MAX));
   size_t bound = 0;
-  for (int i = -1; i < plan_.prefill.count; ++i) {
-    const kernels::KernelTable& table = i < 0 ? *plan_.decode : *plan_.prefill.tier[i].table;
-    if (table.prepared_bytes == nullptr || slots == 0) continue;
-    for (const kernels::Phase phase : {kernels::Phase::kGateUp, kernels::Phase::kDown}) {
-      size_t bytes = table.prepared_bytes(shape, phase, n) + active * (table.prepared_bytes(shape, phase, 1) + 64);
-      if (shared.d_ff > 0 && tokens > 0) bytes += table.prepared_bytes(shared, phase, tokens) + 64;
-      bound = std::max(bound, bytes);
+  for (const int32_t layer : distinct_layers_) {
+    const kernels::KernelPlan& plan = plans_[static_cast<size_t>(layer)];
+    const kernels::ExpertShape& shape = store_.shape(layer);
+    const kernels::ExpertShape& shared = store_.shared_shape(layer);
+    for (int i = -1; i < plan.prefill.count; ++i) {
+      const kernels::KernelTable& table = i < 0 ? *plan.decode : *plan.prefill.tier[i].table;
+      if (table.prepared_bytes == nullptr || slots == 0) continue;
+      for (const kernels::Phase phase : {kernels::Phase::kGateUp, kernels::Phase::kDown}) {
+        size_t bytes = table.prepared_bytes(shape, phase, n) + active * (table.prepared_bytes(shape, phase, 1) + 64);
+        if (shared.d_ff > 0 && tokens > 0) bytes += table.prepared_bytes(shared, phase, tokens) + 64;
+        bound = std::max(bound, bytes);
+      }
     }
   }
   return bound;
 }
 
 void Engine::prepare_inputs(kernels::Phase phase, const InferArgs& a, int threads, bool routed, bool shared) {
-  const kernels::ExpertShape& shape = store_.shape();
-  const kernels::ExpertShape& shared_shape = store_.shared_shape();
+  const kernels::ExpertShape& shape = store_.shape(a.layer);
+  const kernels::ExpertShape& shared_shape = store_.shared_shape(a.layer);
   const bool has_shared = store_.shared_gate_up(a.layer) != nullptr;
   const bool up = phase == kernels::Phase::kGateUp;
   const size_t ldh = static_cast<size_t>(round_up(shape.d_ff, 16));
@@ -231,11 +245,11 @@ void Engine::prepare_inputs(kernels::Phase phase, const InferArgs& a, int thread
     return offset;
   };
   shared_prepared_offset_ =
-      has_shared && shared ? plan(-1, table_for(a.n_tokens), shared_shape, a.n_tokens) : kNotPrepared;
+      has_shared && shared ? plan(-1, table_for(a.layer, a.n_tokens), shared_shape, a.n_tokens) : kNotPrepared;
   for (size_t i = 0; i < active_experts_.size(); ++i) {
     const int32_t e = active_experts_[i];
     const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - expert_offsets_[static_cast<size_t>(e)];
-    prepared_offset_[i] = routed ? plan(static_cast<int32_t>(i), table_for(n), shape, n) : kNotPrepared;
+    prepared_offset_[i] = routed ? plan(static_cast<int32_t>(i), table_for(a.layer, n), shape, n) : kNotPrepared;
   }
   if (prepare_jobs_.empty()) return;
   if (prepared_.size() < total) prepared_.resize(total);
@@ -245,9 +259,9 @@ void Engine::prepare_inputs(kernels::Phase phase, const InferArgs& a, int thread
     uint8_t* out = prepared_.data() + job.offset;
     if (job.active < 0) {
       if (up) {
-        table_for(a.n_tokens).prepare(shared_shape, phase, a.input, D, nullptr, a.n_tokens, out);
+        table_for(a.layer, a.n_tokens).prepare(shared_shape, phase, a.input, D, nullptr, a.n_tokens, out);
       } else {
-        table_for(a.n_tokens).prepare(shared_shape, phase, shared_hidden_.data(), ldh_s, nullptr, a.n_tokens, out);
+        table_for(a.layer, a.n_tokens).prepare(shared_shape, phase, shared_hidden_.data(), ldh_s, nullptr, a.n_tokens, out);
       }
       return;
     }
@@ -255,9 +269,9 @@ void Engine::prepare_inputs(kernels::Phase phase, const InferArgs& a, int thread
     const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
     const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
     if (up) {
-      table_for(n).prepare(shape, phase, a.input, D, slot_token_.data() + begin, n, out);
+      table_for(a.layer, n).prepare(shape, phase, a.input, D, slot_token_.data() + begin, n, out);
     } else {
-      table_for(n).prepare(shape, phase, hidden_.data() + static_cast<size_t>(begin) * ldh, ldh, nullptr, n, out);
+      table_for(a.layer, n).prepare(shape, phase, hidden_.data() + static_cast<size_t>(begin) * ldh, ldh, nullptr, n, out);
     }
   });
 }
@@ -305,7 +319,7 @@ void Engine::bucket(const InferArgs& a) {
 
 void Engine::run_locked(const InferArgs& a) {
   bucket(a);
-  const kernels::ExpertShape& shape = store_.shape();
+  const kernels::ExpertShape& shape = store_.shape(a.layer);
   const int32_t D = shape.d_model;
   const int32_t F = shape.d_ff;
   int threads = (a.threads <= 0 || a.threads > pool_.size()) ? pool_.size() : a.threads;
@@ -314,7 +328,7 @@ void Engine::run_locked(const InferArgs& a) {
   // Handing work to another thread costs a few microseconds (more when the
   // core is busy with something else); a call this small finishes sooner on
   // the caller alone.
-  const kernels::ExpertShape& shared_shape = store_.shared_shape();
+  const kernels::ExpertShape& shared_shape = store_.shared_shape(a.layer);
   const uint8_t* shared_gate_up = store_.shared_gate_up(a.layer);
   const int32_t Fs = shared_gate_up != nullptr ? shared_shape.d_ff : 0;
   const size_t ldh_s = static_cast<size_t>(round_up(Fs, 16));
@@ -343,7 +357,8 @@ void Engine::run_locked(const InferArgs& a) {
     max_tokens = std::max(max_tokens, expert_offsets_[static_cast<size_t>(e) + 1] - expert_offsets_[static_cast<size_t>(e)]);
   }
   if (Fs > 0) max_tokens = std::max(max_tokens, a.n_tokens);
-  const bool coarse = plan_.prefill.count > 0 && max_tokens >= plan_.prefill.tier[0].min_tokens;
+  const kernels::PrefillTiers& tiers = plans_[static_cast<size_t>(a.layer)].prefill;
+  const bool coarse = tiers.count > 0 && max_tokens >= tiers.tier[0].min_tokens;
   const int64_t active = static_cast<int64_t>(active_experts_.size());
 
   // Phase 1: (expert, block of d_ff rows), the shared expert's blocks first
@@ -367,7 +382,7 @@ void Engine::run_locked(const InferArgs& a) {
     kernels::KernelScratch* const scratch = &kernel_scratch_[static_cast<size_t>(thread)];
     const Phase1Item& it = phase1_items_[static_cast<size_t>(item)];
     if (it.active < 0) {
-      const kernels::KernelTable& table = table_for(a.n_tokens);
+      const kernels::KernelTable& table = table_for(a.layer, a.n_tokens);
       const int32_t f_end = std::min(Fs, it.f_begin + f_rows);
       if (shared_prepared_offset_ != kNotPrepared) {
         table.gate_up_prepared(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(),
@@ -382,7 +397,7 @@ void Engine::run_locked(const InferArgs& a) {
     const int32_t e = active_experts_[static_cast<size_t>(it.active)];
     const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
     const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
-    const kernels::KernelTable& table = table_for(n);
+    const kernels::KernelTable& table = table_for(a.layer, n);
     const int32_t f_end = std::min(F, it.f_begin + f_rows);
     float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
     const size_t prepared_at = prepared_offset_[static_cast<size_t>(it.active)];
@@ -417,7 +432,7 @@ void Engine::run_locked(const InferArgs& a) {
       const int32_t e = active_experts_[i];
       const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
       const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
-      const kernels::KernelTable& table = table_for(n);
+      const kernels::KernelTable& table = table_for(a.layer, n);
       const float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
       if (prepared_offset_[i] != kNotPrepared) {
         table.down_prepared(shape, store_.down(a.layer, e), h, ldh, prepared_.data() + prepared_offset_[i],
@@ -429,7 +444,7 @@ void Engine::run_locked(const InferArgs& a) {
       }
     }
     if (Fs > 0) {
-      const kernels::KernelTable& table = table_for(a.n_tokens);
+      const kernels::KernelTable& table = table_for(a.layer, a.n_tokens);
       if (shared_prepared_offset_ != kNotPrepared) {
         table.down_prepared(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s,
                             prepared_.data() + shared_prepared_offset_, identity_.data(), shared_scale_.data(),

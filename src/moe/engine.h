@@ -38,9 +38,10 @@ struct InferArgs {
 
 class Engine {
  public:
-  // `plan`: the tables for the store's experts (kernels::plan_kernels).
+  // `plans`: the tables for each layer's experts (kernels::plan_kernels on
+  // store.shape(layer)), one per layer.
   Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, ThreadPool& pool,
-         const kernels::KernelPlan& plan);
+         std::vector<kernels::KernelPlan> plans);
 
   // Sizes the scratch for calls of up to `tokens` tokens with `top_k`
   // experts each, so such calls allocate nothing. Larger calls grow the
@@ -63,7 +64,9 @@ class Engine {
   void set_router(const RouterDesc& desc);
   bool has_router() const { return router_.desc().family != RouterFamily::kNone; }
 
-  const kernels::KernelTable& kernels() const { return *plan_.decode; }
+  // Layer `layer`'s tables.
+  const kernels::KernelPlan& plan(int32_t layer) const { return plans_[static_cast<size_t>(layer)]; }
+  const kernels::KernelTable& kernels() const { return *plans_[0].decode; }
 
   // Runs fn with no call in flight and none starting until it returns: the
   // grace period of a hot swap (calls are serialised, so once the call lock
@@ -77,7 +80,7 @@ class Engine {
   // Kernels for experts by the tokens they received in a call (the prefill
   // paths); below the first tier the decode kernels run. No tiers disables
   // the switch.
-  const kernels::PrefillTiers& prefill_kernels() const { return plan_.prefill; }
+  const kernels::PrefillTiers& prefill_kernels() const { return plans_[0].prefill; }
 
  private:
   struct Phase1Item {
@@ -105,12 +108,16 @@ class Engine {
   int32_t n_layers_;
   int32_t n_experts_;
   ThreadPool& pool_;
-  kernels::KernelPlan plan_;
+  std::vector<kernels::KernelPlan> plans_;  // [layer]
+  // One layer of each distinct expert shape (types), for reservations.
+  std::vector<int32_t> distinct_layers_;
   // The prefill kernels' working memory, one per pool thread, sized by
   // reserve() and passed to the kernels of the work items that thread runs.
   std::unique_ptr<kernels::KernelScratch[]> kernel_scratch_;
 
-  const kernels::KernelTable& table_for(int32_t n_tokens) const { return plan_.pick(n_tokens); }
+  const kernels::KernelTable& table_for(int32_t layer, int32_t n_tokens) const {
+    return plans_[static_cast<size_t>(layer)].pick(n_tokens);
+  }
 
   FairMutex call_mutex_;  // guards the scratch below; callers served in arrival order
   // Scratch, grown on demand and reused across calls.

@@ -73,15 +73,9 @@ void read_floats(const uint8_t* src, size_t n, float* dst) { std::memcpy(dst, sr
 }  // namespace
 
 void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
-  const kernels::WeightType wt = m.weight_type();
-  const kernels::WeightType down_t = m.down_weight_type();
-  shape_ = kernels::make_expert_shape(m.d_model, m.d_ff, wt, down_t);
   n_layers_ = m.n_layers;
   n_experts_ = m.n_experts;
-  gate_up_bytes_ = packed_gate_up_bytes(shape_);
-  // Every expert on a cache line (block-format rows are not multiples of one).
-  expert_bytes_ = (packed_expert_bytes(shape_) + kernels::kRowAlignBytes - 1) / kernels::kRowAlignBytes *
-                  kernels::kRowAlignBytes;
+  d_model_ = m.d_model;
   has_router_ = m.has_router();
   if (has_router_) {
     // d_model = E output rows, d_ff = D inputs: only the down block is used.
@@ -89,24 +83,42 @@ void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
     router_bytes_ = static_cast<size_t>(m.n_experts) * router_shape_.down_stride * 4;
     if (m.router_has_bias()) router_bias_.assign(static_cast<size_t>(m.n_layers) * m.n_experts, 0.0f);
   }
-  if (m.has_shared()) {
-    shared_shape_ = kernels::make_expert_shape(m.d_model, m.shared_d_ff, wt, down_t);
-    shared_bytes_ = (packed_expert_bytes(shared_shape_) + kernels::kRowAlignBytes - 1) / kernels::kRowAlignBytes *
-                    kernels::kRowAlignBytes;
-    if (m.shared_gate) shared_gate_.assign(static_cast<size_t>(m.n_layers) * m.d_model, 0.0f);
+  if (m.has_shared() && m.shared_gate) shared_gate_.assign(static_cast<size_t>(m.n_layers) * m.d_model, 0.0f);
+  const auto lines = [](size_t bytes) {
+    // Every expert on a cache line (block-format rows are not multiples of one).
+    return (bytes + kernels::kRowAlignBytes - 1) / kernels::kRowAlignBytes * kernels::kRowAlignBytes;
+  };
+  layers_.resize(static_cast<size_t>(m.n_layers));
+  uint64_t total = 0;  // the manifest's limits keep this far below 2^64
+  for (int32_t l = 0; l < m.n_layers; ++l) {
+    Layer& L = layers_[static_cast<size_t>(l)];
+    const LayerTypes t = m.layer_types(l);
+    L.shape = kernels::make_expert_shape(m.d_model, m.d_ff, t.dtype, t.down_dtype);
+    L.gate_up_bytes = packed_gate_up_bytes(L.shape);
+    L.expert_bytes = lines(packed_expert_bytes(L.shape));
+    if (m.has_shared()) {
+      L.shared_shape = kernels::make_expert_shape(m.d_model, m.shared_d_ff, t.dtype, t.down_dtype);
+      L.shared_bytes = lines(packed_expert_bytes(L.shared_shape));
+    }
+    L.offset = static_cast<size_t>(total);
+    total += static_cast<uint64_t>(L.expert_bytes) * static_cast<uint64_t>(m.n_experts) + router_bytes_ +
+             L.shared_bytes;
   }
-  const uint64_t total = static_cast<uint64_t>(expert_bytes_) * static_cast<uint64_t>(m.n_experts) *
-                             static_cast<uint64_t>(m.n_layers) +
-                         static_cast<uint64_t>(router_bytes_ + shared_bytes_) * static_cast<uint64_t>(m.n_layers);
   region_ = WeightRegion(static_cast<size_t>(total), options.huge_pages);
   options_ = options;
   slots_.resize(static_cast<size_t>(m.n_layers) * static_cast<size_t>(m.n_experts));
-  for (size_t i = 0; i < slots_.size(); ++i) slots_[i] = region_.data() + i * expert_bytes_;
+  for (int32_t l = 0; l < m.n_layers; ++l) {
+    const Layer& L = layers_[static_cast<size_t>(l)];
+    for (int32_t e = 0; e < m.n_experts; ++e) {
+      slots_[slot(l, e)] = region_.data() + L.offset + static_cast<size_t>(e) * L.expert_bytes;
+    }
+  }
 }
 
-WeightRegion ExpertStore::pack_replacement(const uint8_t* file_bytes, std::string* warnings) const {
-  WeightRegion fresh(expert_bytes_, options_.huge_pages);
-  pack_expert(file_bytes, shape_, fresh.data());
+WeightRegion ExpertStore::pack_replacement(int32_t layer, const uint8_t* file_bytes, std::string* warnings) const {
+  const Layer& L = layers_[static_cast<size_t>(layer)];
+  WeightRegion fresh(L.expert_bytes, options_.huge_pages);
+  pack_expert(file_bytes, L.shape, fresh.data());
   if (options_.lock_memory) {
     std::string why;
     if (!fresh.lock(&why) && warnings != nullptr) *warnings = why;
@@ -144,14 +156,14 @@ void ExpertStore::finish(const StoreOptions& options, std::string* warnings) {
 ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest& m, const StoreOptions& options,
                          std::string* warnings) {
   layout(m, options);
-  const uint64_t expert_file_bytes = m.expert_file_bytes();
   for (int32_t l = 0; l < m.n_layers; ++l) {
     const LayerBuffers& lw = layers[static_cast<size_t>(l)];
+    const kernels::ExpertShape& shape = this->shape(l);
     for (int32_t e = 0; e < m.n_experts; ++e) {
       const ExpertBuffers& ew = lw.experts[static_cast<size_t>(e)];
       pack_expert_parts(static_cast<const uint8_t*>(ew.gate), static_cast<const uint8_t*>(ew.up),
-                        static_cast<const uint8_t*>(ew.down), shape_, mutable_at(base(l, e)));
-      stats_.bytes_files += expert_file_bytes;
+                        static_cast<const uint8_t*>(ew.down), shape, mutable_at(base(l, e)));
+      stats_.bytes_files += m.expert_file_bytes(l);
     }
     if (has_router_) {
       pack_router(reinterpret_cast<const uint8_t*>(lw.router), router_shape_, mutable_at(router(l)));
@@ -160,9 +172,9 @@ ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest
                     static_cast<size_t>(m.n_experts) * sizeof(float));
       }
     }
-    if (shared_bytes_ != 0) {
+    if (m.has_shared()) {
       pack_expert_parts(static_cast<const uint8_t*>(lw.shared.gate), static_cast<const uint8_t*>(lw.shared.up),
-                        static_cast<const uint8_t*>(lw.shared.down), shared_shape_, mutable_at(shared_gate_up(l)));
+                        static_cast<const uint8_t*>(lw.shared.down), shared_shape(l), mutable_at(shared_gate_up(l)));
       if (!shared_gate_.empty()) {
         std::memcpy(shared_gate_.data() + static_cast<size_t>(l) * m.d_model, lw.shared_gate,
                     static_cast<size_t>(m.d_model) * sizeof(float));
@@ -179,9 +191,11 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
   struct Part {
     std::string name;
     uint64_t bytes;
+    int32_t layer;
   };
   std::vector<Part> parts;
-  m.for_each_weight_file([&](const std::string& name, uint64_t bytes) { parts.push_back({name, bytes}); });
+  m.for_each_weight_file(
+      [&](const std::string& name, uint64_t bytes, int32_t layer) { parts.push_back({name, bytes, layer}); });
   for (const Part& part : parts) {
     const std::string path = model_dir + "/" + part.name;
     struct stat st {};
@@ -192,9 +206,9 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
       fail(Status::kFormat,
            path + ": " + (static_cast<uint64_t>(st.st_size) < part.bytes ? "truncated" : "oversized") +
                " weight file: " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(part.bytes) +
-               (part.bytes == m.expert_file_bytes()
+               (part.bytes == m.expert_file_bytes(part.layer)
                     ? " (gate, up [d_ff " + std::to_string(m.d_ff) + "][d_model " + std::to_string(m.d_model) +
-                          "] and down, " + expert_types(m) + ")"
+                          "] and down, " + expert_types(m, part.layer) + ")"
                     : std::string()));
     }
   }
@@ -239,11 +253,11 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
     }
     for (int32_t e = 0; e < m.n_experts; ++e) {
       const Bytes file = open_checked(m.expert_file(l, e));
-      pack_expert(file.data(), shape_, mutable_at(base(l, e)));
+      pack_expert(file.data(), shape(l), mutable_at(base(l, e)));
     }
     if (m.has_shared()) {
       const Bytes file = open_checked(m.shared_file(l));
-      pack_expert(file.data(), shared_shape_, mutable_at(shared_gate_up(l)));
+      pack_expert(file.data(), shared_shape(l), mutable_at(shared_gate_up(l)));
       if (m.shared_gate) {
         const Bytes g = open_checked(m.shared_gate_file(l));
         read_floats(g.data(), static_cast<size_t>(m.d_model), shared_gate_.data() + static_cast<size_t>(l) * m.d_model);

@@ -44,9 +44,15 @@ class ExpertStore {
   ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest& manifest, const StoreOptions& options,
               std::string* warnings);
 
-  const kernels::ExpertShape& shape() const { return shape_; }
+  // Layer `layer`'s expert shape (its types: layers may differ, see
+  // Manifest::layer_dtypes); shape() is layer 0's.
+  const kernels::ExpertShape& shape(int32_t layer) const { return layers_[static_cast<size_t>(layer)].shape; }
+  const kernels::ExpertShape& shape() const { return shape(0); }
+  int32_t n_layers() const { return n_layers_; }
   const uint8_t* gate_up(int32_t layer, int32_t expert) const { return base(layer, expert); }
-  const uint8_t* down(int32_t layer, int32_t expert) const { return base(layer, expert) + gate_up_bytes_; }
+  const uint8_t* down(int32_t layer, int32_t expert) const {
+    return base(layer, expert) + layers_[static_cast<size_t>(layer)].gate_up_bytes;
+  }
 
   // Router of a layer, packed as the "down" block of router_shape() (E rows
   // of D f32), so the down kernels compute its logits; nullptr without one.
@@ -55,16 +61,22 @@ class ExpertStore {
   const float* router_bias(int32_t layer) const {  // [E], DeepSeek-V3 only
     return router_bias_.empty() ? nullptr : router_bias_.data() + static_cast<size_t>(layer) * n_experts_;
   }
-  // Shared expert (shape shared_shape()) and its gate [D] f32, or nullptr.
-  const kernels::ExpertShape& shared_shape() const { return shared_shape_; }
+  // Shared expert of a layer (shape shared_shape(layer), the layer's types)
+  // and its gate [D] f32, or nullptr.
+  const kernels::ExpertShape& shared_shape(int32_t layer) const {
+    return layers_[static_cast<size_t>(layer)].shared_shape;
+  }
+  const kernels::ExpertShape& shared_shape() const { return shared_shape(0); }
   const uint8_t* shared_gate_up(int32_t layer) const {
-    return shared_bytes_ != 0 ? extras(layer) + router_bytes_ : nullptr;
+    return layers_[static_cast<size_t>(layer)].shared_bytes != 0 ? extras(layer) + router_bytes_ : nullptr;
   }
   const uint8_t* shared_down(int32_t layer) const {
-    return shared_bytes_ != 0 ? extras(layer) + router_bytes_ + packed_gate_up_bytes(shared_shape_) : nullptr;
+    return layers_[static_cast<size_t>(layer)].shared_bytes != 0
+               ? extras(layer) + router_bytes_ + packed_gate_up_bytes(shared_shape(layer))
+               : nullptr;
   }
   const float* shared_gate(int32_t layer) const {
-    return shared_gate_.empty() ? nullptr : shared_gate_.data() + static_cast<size_t>(layer) * shape_.d_model;
+    return shared_gate_.empty() ? nullptr : shared_gate_.data() + static_cast<size_t>(layer) * d_model_;
   }
 
   const WeightRegion& region() const { return region_; }
@@ -77,7 +89,7 @@ class ExpertStore {
   // previous copy if it was a replacement itself (empty otherwise: the
   // original copy stays in the main region). replace must not run while a
   // call reads the store (the engine runs it under its call lock).
-  WeightRegion pack_replacement(const uint8_t* file_bytes, std::string* warnings) const;
+  WeightRegion pack_replacement(int32_t layer, const uint8_t* file_bytes, std::string* warnings) const;
   WeightRegion replace(int32_t layer, int32_t expert, WeightRegion&& fresh);
 
  private:
@@ -89,23 +101,29 @@ class ExpertStore {
   // Where each expert lives: its place in the main region, or a
   // replacement region after a swap.
   const uint8_t* base(int32_t layer, int32_t expert) const { return slots_[slot(layer, expert)]; }
-  // Per-layer router and shared expert, after all experts.
+  // Per-layer router and shared expert, after the layer's experts.
   const uint8_t* extras(int32_t layer) const {
-    return region_.data() + static_cast<size_t>(n_layers_) * n_experts_ * expert_bytes_ +
-           static_cast<size_t>(layer) * (router_bytes_ + shared_bytes_);
+    const Layer& L = layers_[static_cast<size_t>(layer)];
+    return region_.data() + L.offset + static_cast<size_t>(n_experts_) * L.expert_bytes;
   }
   uint8_t* mutable_at(const uint8_t* p) { return const_cast<uint8_t*>(p); }
 
-  kernels::ExpertShape shape_;
+  // One layer's part of the region: its experts, then its router and shared expert.
+  struct Layer {
+    kernels::ExpertShape shape;
+    kernels::ExpertShape shared_shape;
+    size_t offset = 0;         // in region_
+    size_t gate_up_bytes = 0;  // of one packed expert
+    size_t expert_bytes = 0;   // of one packed expert, whole cache lines
+    size_t shared_bytes = 0;
+  };
+  std::vector<Layer> layers_;
   kernels::ExpertShape router_shape_;
-  kernels::ExpertShape shared_shape_;
   int32_t n_layers_ = 0;
   int32_t n_experts_ = 0;
+  int32_t d_model_ = 0;
   bool has_router_ = false;
-  size_t gate_up_bytes_ = 0;
-  size_t expert_bytes_ = 0;
   size_t router_bytes_ = 0;
-  size_t shared_bytes_ = 0;
   std::vector<float> router_bias_;  // [L][E]
   std::vector<float> shared_gate_;  // [L][D]
   WeightRegion region_;

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -178,6 +179,7 @@ class Loader {
     first_layer_types(m);
     m.router = router_rule(static_cast<int32_t>(top_k));
     shared_expert(m);
+    layer_types(m);
     m.version = m.quantized() ? 3 : 2;
     m.source_json = "{\"gguf\": \"" + json_escape(out_.path) + "\", \"architecture\": \"" + json_escape(arch_) + "\"}";
     // The limits every model directory is held to.
@@ -187,7 +189,7 @@ class Loader {
       fail(Status::kFormat, e.what());
     }
     validate_router(m.router, m.n_experts, first_.source() + ": router", Status::kFormat);
-    for (int32_t b : moe_blocks_) out_.layers.push_back(layer(b));
+    for (size_t l = 0; l < moe_blocks_.size(); ++l) out_.layers.push_back(layer(moe_blocks_[l], static_cast<int32_t>(l)));
   }
 
  private:
@@ -198,7 +200,6 @@ class Loader {
   std::vector<int32_t> moe_blocks_;
   bool fused_ = false;
   uint32_t gate_type_ = 0, down_type_ = 0;
-  uint32_t shared_gate_type_ = 0, shared_down_type_ = 0;
 
   static std::string name(int32_t block, const char* what) {
     return "blk." + std::to_string(block) + "." + what;
@@ -384,17 +385,7 @@ class Loader {
       bad_key("expert_shared_feed_forward_length",
               "is " + std::to_string(stated) + " but " + gt.name + " has " + std::to_string(gt.ne[1]) + " rows");
     }
-    shared_gate_type_ = gt.type;
-    const TensorIndex::Entry& down =
-        expect(name(b, "ffn_down_shexp.weight"), {gt.ne[1], static_cast<uint64_t>(m.d_model)});
-    shared_down_type_ = down.tensor->type;
-    if (shared_gate_type_ != gate_type_ || shared_down_type_ != down_type_) {
-      bad_tensor(*g->file, gt.name,
-                 "is " + ggml_type_name(shared_gate_type_) + " (down " + ggml_type_name(shared_down_type_) +
-                     ") but the routed experts are " + out_.expert_types +
-                     "; Colibri runs the shared expert in the routed experts' types",
-                 Status::kUnsupported);
-    }
+    expect(name(b, "ffn_down_shexp.weight"), {gt.ne[1], static_cast<uint64_t>(m.d_model)});
     m.shared_gate = index_.find(name(b, "ffn_gate_inp_shexp.weight")) != nullptr;
   }
 
@@ -419,44 +410,121 @@ class Loader {
     return out_.converted.back().data();
   }
 
-  void same_type(const TensorIndex::Entry& e, uint32_t want, const std::string& like) const {
-    if (e.tensor->type != want) {
-      bad_tensor(*e.file, e.tensor->name,
-                 "is " + ggml_type_name(e.tensor->type) + " but " + like + " is " + ggml_type_name(want) +
-                     "; Colibri needs one type per matrix across layers",
-                 Status::kUnsupported);
+  // Each block's gate/up and down types (Q4_K_M changes the down type from
+  // block to block): recorded in m.layer_dtypes when any block differs from
+  // the first. Within a block gate and up share a type, and the shared
+  // expert has the routed experts' types.
+  void layer_types(Manifest& m) {
+    const uint64_t D = static_cast<uint64_t>(m.d_model), F = static_cast<uint64_t>(m.d_ff);
+    const uint64_t E = static_cast<uint64_t>(m.n_experts);
+    std::vector<LayerTypes> types;
+    std::vector<std::pair<uint32_t, uint32_t>> ggml;  // as stored, for messages
+    bool uniform = true;
+    for (const int32_t b : moe_blocks_) {
+      uint32_t gate = 0;
+      if (fused_) {
+        gate = expect(name(b, "ffn_gate_up_exps.weight"), {D, 2 * F, E}).tensor->type;
+      } else {
+        const TensorIndex::Entry& g = expect(name(b, "ffn_gate_exps.weight"), {D, F, E});
+        const TensorIndex::Entry& u = expect(name(b, "ffn_up_exps.weight"), {D, F, E});
+        if (u.tensor->type != g.tensor->type) {
+          bad_tensor(*u.file, u.tensor->name,
+                     "is " + ggml_type_name(u.tensor->type) + " but " + g.tensor->name + " is " +
+                         ggml_type_name(g.tensor->type) + "; gate and up must share a type",
+                     Status::kUnsupported);
+        }
+        gate = g.tensor->type;
+      }
+      const TensorIndex::Entry& d = expect(name(b, "ffn_down_exps.weight"), {F, D, E});
+      const TensorIndex::Entry& gate_entry =
+          *index_.find(name(b, fused_ ? "ffn_gate_up_exps.weight" : "ffn_gate_exps.weight"));
+      LayerTypes t{weight_type(gate_entry), weight_type(d)};
+      if (const std::string why = dtype_pair_problem(t.dtype, t.down_dtype); !why.empty()) {
+        bad_tensor(*d.file, d.tensor->name, "is " + ggml_type_name(d.tensor->type) + " with gate/up " +
+                                                ggml_type_name(gate) + ": " + why,
+                   Status::kUnsupported);
+      }
+      if (!types.empty() && !(t == types.front())) {
+        uniform = false;
+        if (!weight_format(t.dtype).quantized || !weight_format(t.down_dtype).quantized ||
+            !weight_format(types.front().dtype).quantized || !weight_format(types.front().down_dtype).quantized) {
+          bad_tensor(*d.file, d.tensor->name,
+                     "block " + std::to_string(b) + " has gate/up " + ggml_type_name(gate) + ", down " +
+                         ggml_type_name(d.tensor->type) + " but block " + std::to_string(moe_blocks_.front()) +
+                         " has " + out_.expert_types + "; types may change from block to block for block formats only",
+                     Status::kUnsupported);
+        }
+      }
+      if (m.has_shared()) {
+        const TensorIndex::Entry& sg = expect(name(b, "ffn_gate_shexp.weight"), {D, static_cast<uint64_t>(m.shared_d_ff)});
+        const TensorIndex::Entry& su = expect(name(b, "ffn_up_shexp.weight"), {D, static_cast<uint64_t>(m.shared_d_ff)});
+        const TensorIndex::Entry& sd =
+            expect(name(b, "ffn_down_shexp.weight"), {static_cast<uint64_t>(m.shared_d_ff), D});
+        for (const TensorIndex::Entry* e : {&sg, &su, &sd}) {
+          const uint32_t want = e == &sd ? d.tensor->type : gate;
+          if (e->tensor->type != want) {
+            bad_tensor(*e->file, e->tensor->name,
+                       "is " + ggml_type_name(e->tensor->type) + " but block " + std::to_string(b) +
+                           "'s routed experts' " + (e == &sd ? "down" : "gate/up") + " is " + ggml_type_name(want) +
+                           "; Colibri runs the shared expert in the routed experts' types",
+                       Status::kUnsupported);
+          }
+        }
+      }
+      types.push_back(t);
+      ggml.emplace_back(gate, d.tensor->type);
     }
+    if (uniform) return;
+    m.layer_dtypes = types;
+    // "gate/up Q4_K, down Q6_K in blocks 1, 4, 7, Q4_K in blocks 2, 3, ...": every type with its blocks.
+    auto list = [&](bool down) {
+      std::vector<std::pair<uint32_t, std::string>> sets;
+      for (size_t l = 0; l < ggml.size(); ++l) {
+        const uint32_t t = down ? ggml[l].second : ggml[l].first;
+        auto it = std::find_if(sets.begin(), sets.end(), [&](const auto& e) { return e.first == t; });
+        const std::string block = std::to_string(moe_blocks_[l]);
+        if (it == sets.end()) {
+          sets.emplace_back(t, block);
+        } else {
+          it->second.append(", ").append(block);
+        }
+      }
+      if (sets.size() == 1) return ggml_type_name(sets[0].first);
+      std::string r;
+      for (const auto& [t, blocks] : sets) {
+        if (!r.empty()) r.append("; ");
+        r.append(ggml_type_name(t)).append(" in blocks ").append(blocks);
+      }
+      return r;
+    };
+    out_.expert_types = "gate/up " + list(false) + ", down " + list(true);
   }
 
-  LayerBuffers layer(int32_t b) {
+  LayerBuffers layer(int32_t b, int32_t l) {
     const Manifest& m = out_.manifest;
     const uint64_t D = static_cast<uint64_t>(m.d_model), F = static_cast<uint64_t>(m.d_ff);
     const uint64_t E = static_cast<uint64_t>(m.n_experts);
-    const std::string first = "block " + std::to_string(moe_blocks_.front()) + "'s";
+    const LayerTypes types = m.layer_types(l);  // checked by layer_types()
     LayerBuffers L;
     const uint8_t* gate = nullptr;
     const uint8_t* up = nullptr;
-    const size_t gate_row = weight_row_bytes(m.dtype, static_cast<size_t>(D));
+    const size_t gate_row = weight_row_bytes(types.dtype, static_cast<size_t>(D));
     size_t gate_step = 0;  // bytes from one expert's gate to the next's
     if (fused_) {
       const TensorIndex::Entry& gu = expect(name(b, "ffn_gate_up_exps.weight"), {D, 2 * F, E});
-      same_type(gu, gate_type_, first + " gate/up");
       gate = gu.file->data(*gu.tensor);
       up = gate + F * gate_row;  // per expert: F gate rows, then F up rows
       gate_step = 2 * F * gate_row;
     } else {
       const TensorIndex::Entry& g = expect(name(b, "ffn_gate_exps.weight"), {D, F, E});
       const TensorIndex::Entry& u = expect(name(b, "ffn_up_exps.weight"), {D, F, E});
-      same_type(g, gate_type_, first + " gate");
-      same_type(u, gate_type_, first + " gate");
       gate = g.file->data(*g.tensor);
       up = u.file->data(*u.tensor);
       gate_step = F * gate_row;
     }
     const TensorIndex::Entry& d = expect(name(b, "ffn_down_exps.weight"), {F, D, E});
-    same_type(d, down_type_, first + " down");
     const uint8_t* down = d.file->data(*d.tensor);
-    const size_t down_step = static_cast<size_t>(D) * weight_row_bytes(m.down_dtype, static_cast<size_t>(F));
+    const size_t down_step = static_cast<size_t>(D) * weight_row_bytes(types.down_dtype, static_cast<size_t>(F));
     L.experts.resize(static_cast<size_t>(E));
     for (size_t e = 0; e < E; ++e) {
       L.experts[e] = ExpertBuffers{gate + e * gate_step, up + e * gate_step, down + e * down_step};
@@ -471,9 +539,6 @@ class Loader {
       const TensorIndex::Entry& sg = expect(name(b, "ffn_gate_shexp.weight"), {D, Fs});
       const TensorIndex::Entry& su = expect(name(b, "ffn_up_shexp.weight"), {D, Fs});
       const TensorIndex::Entry& sd = expect(name(b, "ffn_down_shexp.weight"), {Fs, D});
-      same_type(sg, gate_type_, "the routed experts' gate");
-      same_type(su, gate_type_, "the routed experts' gate");
-      same_type(sd, down_type_, "the routed experts' down");
       L.shared = ExpertBuffers{sg.file->data(*sg.tensor), su.file->data(*su.tensor), sd.file->data(*sd.tensor)};
       if (m.shared_gate) {
         const TensorIndex::Entry* gi = index_.find(name(b, "ffn_gate_inp_shexp.weight"));

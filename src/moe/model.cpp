@@ -99,11 +99,11 @@ void Model::swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, siz
     fail(Status::kInvalidArgument, "colibri_swap_expert: expert " + std::to_string(expert) +
                                            " is out of range [0, " + std::to_string(manifest_.n_experts) + ")");
   }
-  const uint64_t want = manifest_.expert_file_bytes();
+  const uint64_t want = manifest_.expert_file_bytes(layer);
   if (size != want) {
     fail(Status::kFormat, what + ": " + std::to_string(size) + " bytes, expected " + std::to_string(want) +
                                  " (gate, up [d_ff " + std::to_string(manifest_.d_ff) + "][d_model " +
-                                 std::to_string(manifest_.d_model) + "] and down, " + expert_types(manifest_) + ")");
+                                 std::to_string(manifest_.d_model) + "] and down, " + expert_types(manifest_, layer) + ")");
   }
   if (checksum != nullptr) {
     const uint64_t actual = xxh64(bytes, size);
@@ -113,7 +113,7 @@ void Model::swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, siz
     }
   }
   // Packed outside the call lock: inference goes on meanwhile.
-  WeightRegion fresh = store_->pack_replacement(bytes, warnings);
+  WeightRegion fresh = store_->pack_replacement(layer, bytes, warnings);
   WeightRegion retired;
   engine_->exclusive([&] { retired = store_->replace(layer, expert, std::move(fresh)); });
   expert_swaps_.fetch_add(1, std::memory_order_relaxed);
@@ -137,14 +137,38 @@ void Model::start(const OpenOptions& o) {
   const kernels::PrefillPrecision precision = o.exact_prefill ? kernels::PrefillPrecision::kExact
                                               : o.bf16_compute ? kernels::PrefillPrecision::kBf16
                                                                     : kernels::PrefillPrecision::kDefault;
-  const kernels::KernelPlan plan = kernels::plan_kernels(isa, store_->shape(), precision);
-  engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_, plan);
-  const kernels::PrefillTiers& prefill = plan.prefill;
+  std::vector<kernels::KernelPlan> plans;
+  plans.reserve(static_cast<size_t>(manifest_.n_layers));
+  for (int32_t l = 0; l < manifest_.n_layers; ++l) plans.push_back(kernels::plan_kernels(isa, store_->shape(l), precision));
+  engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_, plans);
   if (manifest_.has_router()) engine_->set_router(manifest_.router);
-  kernels_description_ = std::string("decode ") + engine_->kernels().name;
-  for (int i = 0; i < prefill.count; ++i) {
-    kernels_description_ += std::string(i == 0 ? ", prefill " : ", ") + prefill.tier[i].table->name + " from " +
-                            std::to_string(prefill.tier[i].min_tokens) + " tokens/expert";
+  // "decode ..., prefill ... from N tokens/expert"; layers of other types
+  // (Manifest::layer_dtypes) run other tables: each set is listed with its layers.
+  const auto describe = [](const kernels::KernelPlan& p) {
+    std::string d = std::string("decode ") + p.decode->name;
+    for (int i = 0; i < p.prefill.count; ++i) {
+      d += std::string(i == 0 ? ", prefill " : ", ") + p.prefill.tier[i].table->name + " from " +
+           std::to_string(p.prefill.tier[i].min_tokens) + " tokens/expert";
+    }
+    return d;
+  };
+  std::vector<std::pair<std::string, std::string>> sets;  // description, its layers
+  for (int32_t l = 0; l < manifest_.n_layers; ++l) {
+    const std::string d = describe(plans[static_cast<size_t>(l)]);
+    auto it = std::find_if(sets.begin(), sets.end(), [&](const auto& e) { return e.first == d; });
+    if (it == sets.end()) {
+      sets.emplace_back(d, std::to_string(l));
+    } else {
+      it->second.append(",").append(std::to_string(l));
+    }
+  }
+  if (sets.size() == 1) {
+    kernels_description_ = sets[0].first;
+  } else {
+    for (const auto& [d, layers] : sets) {
+      if (!kernels_description_.empty()) kernels_description_.append("; ");
+      kernels_description_.append("layers ").append(layers).append(": ").append(d);
+    }
   }
   if (o.reserve_tokens < 0) {
     fail(Status::kInvalidArgument, "options.reserve_tokens must be >= 0, got " +

@@ -178,10 +178,14 @@ void run_quantize(const QuantizeArgs& a) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const colibri::Manifest in = colibri::load_manifest(a.model);
   const colibri::Manifest out = colibri::load_manifest(a.out);
-  const double before = static_cast<double>(in.expert_file_bytes()) * in.n_experts * in.n_layers;
-  const double after = static_cast<double>(out.expert_file_bytes()) * out.n_experts * out.n_layers;
+  double before = 0.0, after = 0.0;
+  for (int32_t l = 0; l < in.n_layers; ++l) {
+    before += static_cast<double>(in.expert_file_bytes(l)) * in.n_experts;
+    after += static_cast<double>(out.expert_file_bytes(l)) * out.n_experts;
+  }
   std::printf("quantized %s (%s) to %s (%s): experts %s -> %s (%.2f bits per weight) in %.1f s\n", a.model.c_str(),
-              colibri::expert_types(in).c_str(), a.out.c_str(), colibri::expert_types(out).c_str(),
+              (colibri::expert_types(in, 0) + (in.uniform_types() ? "" : " in layer 0, others per layer")).c_str(),
+              a.out.c_str(), colibri::expert_types(out, 0).c_str(),
               human_bytes(static_cast<uint64_t>(before)).c_str(), human_bytes(static_cast<uint64_t>(after)).c_str(),
               after * 8.0 / (3.0 * in.d_model * static_cast<double>(in.d_ff) * in.n_experts * in.n_layers), seconds);
 }

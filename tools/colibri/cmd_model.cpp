@@ -1,7 +1,9 @@
 // colibri gen | verify | info
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "commands.h"
 #include "common.h"
@@ -106,6 +108,21 @@ void run_info(const std::string& dir, int threads) {
   std::printf("d_model      %d\n", info.d_model);
   std::printf("d_ff         %d\n", info.d_ff);
   std::printf("dtype        %s\n", dtype_label(info.dtype, info.down_dtype).c_str());
+  // Layers whose types differ from layer 0's (GGUF Q4_K_M), listed by type.
+  std::vector<std::pair<std::string, std::string>> other;  // types, layers
+  for (int32_t l = 1; l < info.n_layers; ++l) {
+    colibri_dtype_t d = info.dtype, down = info.down_dtype;
+    check(colibri_layer_dtypes(h.model, l, &d, &down), "layer dtypes");
+    if (d == info.dtype && down == info.down_dtype) continue;
+    const std::string label = dtype_label(d, down);
+    auto it = std::find_if(other.begin(), other.end(), [&](const auto& e) { return e.first == label; });
+    if (it == other.end()) {
+      other.emplace_back(label, std::to_string(l));
+    } else {
+      it->second.append(",").append(std::to_string(l));
+    }
+  }
+  for (const auto& [label, layers] : other) std::printf("             %s in layers %s\n", label.c_str(), layers.c_str());
   const double expert_bytes =
       2.0 * info.d_ff * static_cast<double>(colibri_dtype_row_bytes(info.dtype, static_cast<size_t>(info.d_model))) +
       static_cast<double>(info.d_model) *

@@ -14,9 +14,10 @@ ReferenceExpert load_reference_expert(const std::string& dir, const Manifest& m,
   const size_t n = D * F;
   // Every format through its reference dequantiser (weight_format.h).
   std::vector<float> widened(3 * n);
-  const size_t gate_bytes = Manifest::matrix_bytes(m.weight_type(), m.d_ff, m.d_model);
-  convert_rows_to_float(m.weight_type(), f.data(), 2 * F, D, widened.data());
-  convert_rows_to_float(m.down_weight_type(), f.data() + 2 * gate_bytes, D, F, widened.data() + 2 * n);
+  const LayerTypes t = m.layer_types(layer);
+  const size_t gate_bytes = Manifest::matrix_bytes(t.dtype, m.d_ff, m.d_model);
+  convert_rows_to_float(t.dtype, f.data(), 2 * F, D, widened.data());
+  convert_rows_to_float(t.down_dtype, f.data() + 2 * gate_bytes, D, F, widened.data() + 2 * n);
   std::vector<double> all(widened.begin(), widened.end());
   ReferenceExpert e;
   e.gate.assign(all.begin(), all.begin() + static_cast<ptrdiff_t>(n));

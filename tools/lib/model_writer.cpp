@@ -105,8 +105,8 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
   parse_manifest(manifest_to_json(m), "model being written");
 
   uint64_t total = static_cast<uint64_t>(m.n_layers) *
-                   (static_cast<uint64_t>(m.n_experts) * m.expert_file_bytes() +
-                    (m.has_router() ? m.router_file_bytes() : 0) + (m.has_shared() ? m.shared_file_bytes() : 0) +
+                   (static_cast<uint64_t>(m.n_experts) * m.expert_file_bytes(0) +
+                    (m.has_router() ? m.router_file_bytes() : 0) + (m.has_shared() ? m.shared_file_bytes(0) : 0) +
                     (m.shared_gate ? m.shared_gate_file_bytes() : 0));
   uint64_t done = 0;
   auto write_one = [&](const std::string& name, const std::vector<uint8_t>& bytes) {
@@ -156,11 +156,12 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,
 namespace {
 
 // A weight file of the model at `dir`, its size and checksum checked.
-MappedFile open_weight_file(const std::string& dir, const Manifest& m, const std::string& name, uint64_t bytes) {
+MappedFile open_weight_file(const std::string& dir, const Manifest& m, int32_t layer, const std::string& name,
+                            uint64_t bytes) {
   MappedFile f(dir + "/" + name);
   if (f.size() != bytes) {
     fail(Status::kFormat, f.path() + ": " + std::to_string(f.size()) + " bytes, expected " + std::to_string(bytes) +
-                                 " (" + expert_types(m) + ")");
+                                 " (" + expert_types(m, layer) + ")");
   }
   if (auto it = m.checksums.find(name); it != m.checksums.end() && xxh64(f.data(), f.size()) != it->second) {
     fail(Status::kChecksum, f.path() + ": checksum mismatch: manifest says " + format_checksum(it->second));
@@ -168,12 +169,13 @@ MappedFile open_weight_file(const std::string& dir, const Manifest& m, const std
   return f;
 }
 
-// An expert file (gate, up [F][D], down [D][F]) widened to floats.
-void widen_expert(const MappedFile& f, const Manifest& m, int32_t d_ff, float* w) {
+// An expert file (gate, up [F][D], down [D][F]) of `layer` widened to floats.
+void widen_expert(const MappedFile& f, const Manifest& m, int32_t layer, int32_t d_ff, float* w) {
   const size_t D = static_cast<size_t>(m.d_model), F = static_cast<size_t>(d_ff);
-  const uint64_t gate_bytes = Manifest::matrix_bytes(m.weight_type(), d_ff, m.d_model);
-  convert_rows_to_float(m.weight_type(), f.data(), 2 * F, D, w);
-  convert_rows_to_float(m.down_weight_type(), f.data() + 2 * gate_bytes, D, F, w + 2 * F * D);
+  const LayerTypes t = m.layer_types(layer);
+  const uint64_t gate_bytes = Manifest::matrix_bytes(t.dtype, d_ff, m.d_model);
+  convert_rows_to_float(t.dtype, f.data(), 2 * F, D, w);
+  convert_rows_to_float(t.down_dtype, f.data() + 2 * gate_bytes, D, F, w + 2 * F * D);
 }
 
 }  // namespace
@@ -197,17 +199,17 @@ void requantize_model_dir(const std::string& in_dir, const std::string& out_dir,
   const size_t E = static_cast<size_t>(in.n_experts);
   ModelFill fill;
   fill.expert = [&](int32_t l, int32_t e, float* w) {
-    widen_expert(open_weight_file(in_dir, in, in.expert_file(l, e), in.expert_file_bytes()), in, in.d_ff, w);
+    widen_expert(open_weight_file(in_dir, in, l, in.expert_file(l, e), in.expert_file_bytes(l)), in, l, in.d_ff, w);
   };
   fill.router = [&](int32_t l, float* router, float* bias) {
-    const MappedFile f = open_weight_file(in_dir, in, in.router_file(l), in.router_file_bytes());
+    const MappedFile f = open_weight_file(in_dir, in, l, in.router_file(l), in.router_file_bytes());
     std::memcpy(router, f.data(), E * D * sizeof(float));
     if (bias != nullptr) std::memcpy(bias, f.data() + E * D * sizeof(float), E * sizeof(float));
   };
   fill.shared = [&](int32_t l, float* w, float* gate) {
-    widen_expert(open_weight_file(in_dir, in, in.shared_file(l), in.shared_file_bytes()), in, in.shared_d_ff, w);
+    widen_expert(open_weight_file(in_dir, in, l, in.shared_file(l), in.shared_file_bytes(l)), in, l, in.shared_d_ff, w);
     if (gate != nullptr) {
-      const MappedFile g = open_weight_file(in_dir, in, in.shared_gate_file(l), in.shared_gate_file_bytes());
+      const MappedFile g = open_weight_file(in_dir, in, l, in.shared_gate_file(l), in.shared_gate_file_bytes());
       std::memcpy(gate, g.data(), D * sizeof(float));
     }
   };
