@@ -31,9 +31,10 @@ GGUF_TYPE = {
 }
 
 
-def encode(w: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def encode(w: np.ndarray, dtype: str, reference: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """float32 [..., n] -> (bytes or floats as the file stores them, the
-    float32 values they dequantise to by the gguf package)."""
+    float32 values they dequantise to by the gguf package, or None without
+    `reference`)."""
     t = GGUF_TYPE[dtype]
     w = np.ascontiguousarray(w, dtype=np.float32)
     if t == Q.F32:
@@ -46,7 +47,7 @@ def encode(w: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     else:
         rows = w.reshape(-1, w.shape[-1])
         raw = colibri.quantize(rows, dtype).reshape(*w.shape[:-1], -1)
-    return raw, gguf.quants.dequantize(raw, t).astype(np.float32)
+    return raw, gguf.quants.dequantize(raw, t).astype(np.float32) if reference else None
 
 
 @dataclass
@@ -78,12 +79,13 @@ class Fixture:
 
 def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_model=256, d_ff=256, dtype="q4_k",
                    down_dtype=None, dense_blocks=0, shared_d_ff=0, fused=False, router_dtype="f32", seed=0,
-                   extra_kv=None, split=None, block_down_dtypes=None):
+                   extra_kv=None, split=None, block_down_dtypes=None, reference=True):
     """Writes a GGUF of `n_blocks` blocks, the first `dense_blocks` of which
     hold no experts (with `split`, a split set of at most that many tensors
     per file; fixture.path is then its first file; `block_down_dtypes`: the
     down type of each MoE block, as llama.cpp's Q4_K_M varies it). Returns a
-    Fixture with the dequantised weights."""
+    Fixture with the dequantised weights (None without `reference`: large
+    files for benchmarks)."""
     rng = np.random.default_rng(seed)
     down_dtype = down_dtype or dtype
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split or 0)
@@ -98,7 +100,7 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
     if dense_blocks:
         w.add_leading_dense_block_count(dense_blocks)
     fix = Fixture(path, arch, n_experts, top_k, d_model, d_ff, first_block=dense_blocks, shared_d_ff=shared_d_ff)
-    if arch == "deepseek2":
+    if arch in ("deepseek2", "glm4moe"):
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_norm(True)
         w.add_expert_weights_scale(2.5)
@@ -125,9 +127,9 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
         down = rng.standard_normal((n_experts, d_model, d_ff)).astype(np.float32) * float(1.0 / np.sqrt(d_ff))
         router = rng.standard_normal((n_experts, d_model)).astype(np.float32)
         layer_down = block_down_dtypes[b - dense_blocks] if block_down_dtypes else down_dtype
-        graw, gf = encode(gate, dtype)
-        uraw, uf = encode(up, dtype)
-        draw, df = encode(down, layer_down)
+        graw, gf = encode(gate, dtype, reference)
+        uraw, uf = encode(up, dtype, reference)
+        draw, df = encode(down, layer_down, reference)
         rraw, rf = encode(router, router_dtype)
         if fused:
             w.add_tensor(pre + "ffn_gate_up_exps.weight", np.concatenate([graw, uraw], axis=1),
@@ -140,7 +142,7 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
         w.add_tensor(pre + "ffn_gate_inp.weight", rraw,
                      raw_dtype=GGUF_TYPE[router_dtype] if rraw.dtype == np.uint8 else None)
         layer = Layer(gf, uf, df, rf)
-        if arch == "deepseek2":
+        if arch in ("deepseek2", "glm4moe"):
             layer.bias = (rng.standard_normal(n_experts) * 0.1).astype(np.float32)
             w.add_tensor(pre + "exp_probs_b.bias", layer.bias)
         if shared_d_ff:
@@ -167,7 +169,7 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
     if split:
         import pathlib
         fix.path = str(w.format_shard_names(pathlib.Path(path))[0])
-    fix.norm_topk_prob = arch in ("llama", "qwen3moe", "deepseek2")
+    fix.norm_topk_prob = arch in ("llama", "qwen3moe", "deepseek2", "glm4moe")
     return fix
 
 

@@ -28,7 +28,7 @@ def route_reference(fix, layer, x):
     ids [T, k] and weights [T, k]."""
     L = fix.layers[layer]
     logits = x.astype(np.float64) @ L.router.astype(np.float64).T
-    if fix.arch == "deepseek2":
+    if fix.arch in ("deepseek2", "glm4moe"):
         probs = 1.0 / (1.0 + np.exp(-logits))
         choice = probs + L.bias.astype(np.float64)
     else:
@@ -39,7 +39,7 @@ def route_reference(fix, layer, x):
     w = np.take_along_axis(probs, ids, axis=1)
     if fix.norm_topk_prob:
         w = w / w.sum(axis=1, keepdims=True)
-    if fix.arch == "deepseek2":
+    if fix.arch in ("deepseek2", "glm4moe"):
         w = w * 2.5
     return ids, w
 
@@ -69,11 +69,14 @@ CASES = [
     ("qwen2moe", "q8_0", "q8_0", dict(shared_d_ff=128)),
     ("olmoe", "q4_0", "q4_0", dict(router_dtype="f16")),
     ("deepseek2", "q5_k", "q6_k", dict(dense_blocks=1, shared_d_ff=256, fused=True)),
+    ("glm4moe", "q8_0", "q8_0", dict(dense_blocks=1, shared_d_ff=256)),
     # Q4_K_M as llama.cpp writes it: the down type changes from block to block.
     ("llama", "q4_k", "q6_k", dict(n_blocks=3, block_down_dtypes=["q6_k", "q4_k", "q6_k"])),
     ("qwen2moe", "q4_k", "q4_k", dict(shared_d_ff=256, block_down_dtypes=["q4_k", "q6_k"])),
+    ("olmoe", "q6_k", "q5_k", dict()),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
+    ("qwen2moe", "f32", "f32", dict(shared_d_ff=128, router_dtype="bf16")),
 ]
 
 
@@ -274,3 +277,73 @@ def test_accelerate_gguf_refuses_a_mismatch(tmp_path):
         ct.accelerate(other, gguf=path)
     with pytest.raises(ValueError, match="dtype and gguf exclude each other"):
         ct.accelerate(other, gguf=path, dtype="q4_k")
+
+
+def test_gguf_inconsistent_files_name_the_tensor_or_key(tmp_path):
+    """Expert tensors whose shapes disagree with each other or with the
+    metadata, and types Colibri does not compute, are refused naming them."""
+    import gguf
+
+    path = str(tmp_path / "m.gguf")
+
+    def write(mutate):
+        w = gguf.GGUFWriter(path, "qwen3moe")
+        w.add_block_count(1)
+        w.add_embedding_length(64)
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+        w.add_expert_feed_forward_length(32)
+        t = {"blk.0.ffn_gate_exps.weight": np.zeros((4, 32, 64), np.float32),
+             "blk.0.ffn_up_exps.weight": np.zeros((4, 32, 64), np.float32),
+             "blk.0.ffn_down_exps.weight": np.zeros((4, 64, 32), np.float32),
+             "blk.0.ffn_gate_inp.weight": np.zeros((4, 64), np.float32)}
+        mutate(w, t)
+        for name, a in t.items():
+            if isinstance(a, tuple):
+                w.add_tensor(name, a[0], raw_dtype=a[1])
+            else:
+                w.add_tensor(name, a)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    def refused(mutate, pattern):
+        write(mutate)
+        with pytest.raises(colibri.ColibriError, match=pattern):
+            colibri.Model(path)
+
+    refused(lambda w, t: t.update({"blk.0.ffn_up_exps.weight": np.zeros((4, 16, 64), np.float32)}),
+            r"tensor blk\.0\.ffn_up_exps\.weight has dimensions \[64, 16, 4\], expected \[64, 32, 4\]")
+    refused(lambda w, t: t.update({"blk.0.ffn_down_exps.weight": np.zeros((4, 64, 16), np.float32)}),
+            r"tensor blk\.0\.ffn_down_exps\.weight has dimensions \[16, 64, 4\], expected \[32, 64, 4\]")
+    refused(lambda w, t: t.update({"blk.0.ffn_gate_inp.weight": np.zeros((3, 64), np.float32)}),
+            r"tensor blk\.0\.ffn_gate_inp\.weight has dimensions \[64, 3\], expected \[64, 4\]")
+    refused(lambda w, t: t.pop("blk.0.ffn_gate_inp.weight"), r"tensor blk\.0\.ffn_gate_inp\.weight is missing")
+    # (the gguf writer keeps the last value of a repeated key: expert_count 8)
+    refused(lambda w, t: w.add_expert_count(8),
+            r"tensor blk\.0\.ffn_gate_exps\.weight has dimensions \[64, 32, 4\], expected \[64, 32, 8\]")
+    # The metadata against the tensors: d_ff, and experts.
+    def ff(w, t):
+        for name in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"):
+            t[name] = np.zeros((4, 16, 64), np.float32)
+        t["blk.0.ffn_down_exps.weight"] = np.zeros((4, 64, 16), np.float32)
+    refused(ff, r"key qwen3moe\.expert_feed_forward_length is 32 but blk\.0\.ffn_gate_exps\.weight has 16 rows")
+    def experts(w, t):
+        for name in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"):
+            t[name] = np.zeros((3, 32, 64), np.float32)
+        t["blk.0.ffn_down_exps.weight"] = np.zeros((3, 64, 32), np.float32)
+    refused(experts, r"ffn_gate_exps\.weight has dimensions \[64, 32, 3\], expected \[64, 32, 4\]")
+    # Gate and up of different types; a type Colibri does not compute.
+    half = np.zeros((4, 32, 64), np.float16)
+    refused(lambda w, t: t.update({"blk.0.ffn_up_exps.weight": half}),
+            r"ffn_up_exps\.weight is F16 but blk\.0\.ffn_gate_exps\.weight is F32; gate and up must share a type")
+    q4_1 = gguf.quants.quantize(np.zeros((4, 32, 64), np.float32), gguf.GGMLQuantizationType.Q4_1)
+    refused(lambda w, t: t.update({"blk.0.ffn_gate_exps.weight": (q4_1, gguf.GGMLQuantizationType.Q4_1),
+                                   "blk.0.ffn_up_exps.weight": (q4_1, gguf.GGMLQuantizationType.Q4_1)}),
+            r"tensor blk\.0\.ffn_gate_exps\.weight is Q4_1, a type Colibri does not compute")
+    # Not an MoE model, and an architecture without a router rule.
+    def dense(w, t):
+        t.clear()
+        t["blk.0.ffn_gate.weight"] = np.zeros((32, 64), np.float32)
+    refused(dense, "no block has expert tensors")

@@ -341,7 +341,12 @@ class Loader {
       softmax_only();
       r.family = RouterFamily::kQwen3Moe;
       r.norm_topk_prob = has_norm && !norm ? 0 : 1;  // llama.cpp: renormalised
-    } else if (arch_ == "deepseek2") {
+    } else if (arch_ == "deepseek2" || arch_ == "glm4moe") {
+      // GLM-4-MoE's router is DeepSeek-V3's (sigmoid, selection bias, groups).
+      if (arch_ == "glm4moe" && has_gating && gating != 2) {
+        bad_key("expert_gating_func", "is " + std::to_string(gating) + ", not sigmoid (2)");
+      }
+      if (arch_ == "glm4moe") gating = 2;
       if (gating == 2) {
         r.family = RouterFamily::kDeepseekV3;
       } else if (gating == 1) {
@@ -366,7 +371,7 @@ class Loader {
     } else {
       fail(Status::kUnsupported, first_.source() + ": architecture " + arch_ +
                                      " is not one Colibri can route (llama/Mixtral, qwen2moe, qwen3moe, olmoe, "
-                                     "deepseek2)");
+                                     "deepseek2, glm4moe)");
     }
     return r;
   }
