@@ -168,9 +168,19 @@ def _cli():
     return cli
 
 
-@pytest.mark.parametrize("arch,dtype,down,extra", [CASES[0], CASES[2], CASES[4], CASES[5], CASES[6]],
-                         ids=["qwen3moe-q4_k_m", "qwen2moe-shared", "deepseek2-fused", "llama-per-block",
-                              "qwen2moe-shared-per-block"])
+CONVERT_CASES = {
+    "qwen3moe-q4_k_m": CASES[0],
+    "qwen2moe-shared": CASES[2],
+    "deepseek2-fused": CASES[4],
+    "glm4moe": CASES[5],
+    "llama-per-block": CASES[6],
+    "qwen2moe-shared-per-block": CASES[7],
+}
+assert CONVERT_CASES["llama-per-block"][3].get("block_down_dtypes")
+assert CONVERT_CASES["qwen2moe-shared-per-block"][3].get("block_down_dtypes")
+
+
+@pytest.mark.parametrize("arch,dtype,down,extra", list(CONVERT_CASES.values()), ids=list(CONVERT_CASES))
 def test_convert_gguf_directory_is_bit_identical(tmp_path, arch, dtype, down, extra):
     """`colibri convert --gguf` keeps every byte: the directory and the GGUF
     give the same outputs bit for bit, and the directory verifies."""
