@@ -118,6 +118,9 @@ class GgufFile {
   const GgufTensor* tensor(const std::string& name) const;
   // The tensor's bytes (inside the file, checked at parse time).
   const uint8_t* data(const GgufTensor& t) const { return bytes_ + t.offset; }
+  // Drops a tensor's pages from memory once it has been copied (opened
+  // files only; MappedFile::release).
+  void release(const GgufTensor& t) const { file_.release(data(t), static_cast<size_t>(t.bytes)); }
 
   // Typed metadata: nullopt-style lookups that throw Error(kFormat) naming
   // the file and key when the key is present with a value of another kind.

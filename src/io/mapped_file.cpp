@@ -69,6 +69,17 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
 
 MappedFile::~MappedFile() { reset(); }
 
+void MappedFile::release(const void* p, size_t n) const {
+  const auto* b = static_cast<const uint8_t*>(p);
+  if (data_ == nullptr || b < data_ || b > data_ + size_ || n > static_cast<size_t>(data_ + size_ - b)) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(b) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(b) + n) / page * page;
+  // A private read-only mapping of a file: MADV_DONTNEED only forgets the
+  // pages here (the file and the page cache are untouched).
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 MappedFile::MappedFile(MappedFile&& other) noexcept
     : path_(std::move(other.path_)), data_(other.data_), size_(other.size_) {
   other.data_ = nullptr;

@@ -25,6 +25,10 @@ class MappedFile {
 
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
+  // Drops the whole pages inside [p, p + n) from this process's memory
+  // (they are read again if touched): a reader done with a part of a large
+  // file keeps its RSS bounded. Ignores ranges outside the mapping.
+  void release(const void* p, size_t n) const;
   const std::string& path() const { return path_; }
 
  private:

@@ -154,7 +154,7 @@ void ExpertStore::finish(const StoreOptions& options, std::string* warnings) {
 }
 
 ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest& m, const StoreOptions& options,
-                         std::string* warnings) {
+                         std::string* warnings, const std::function<void(int32_t layer)>& layer_packed) {
   layout(m, options);
   for (int32_t l = 0; l < m.n_layers; ++l) {
     const LayerBuffers& lw = layers[static_cast<size_t>(l)];
@@ -180,6 +180,7 @@ ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest
                     static_cast<size_t>(m.d_model) * sizeof(float));
       }
     }
+    if (layer_packed) layer_packed(l);
   }
   finish(options, warnings);
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -41,8 +42,10 @@ class ExpertStore {
   // Copies weights already in memory (caller buffers, a mapped file's
   // tensors), one LayerBuffers per layer; `manifest` describes them
   // (checksums unused). Pointers were checked by the caller.
+  // `layer_packed`, when given, runs after each layer is copied (a mapped
+  // file's reader releases that layer's pages).
   ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest& manifest, const StoreOptions& options,
-              std::string* warnings);
+              std::string* warnings, const std::function<void(int32_t layer)>& layer_packed = {});
 
   // Layer `layer`'s expert shape (its types: layers may differ, see
   // Manifest::layer_dtypes); shape() is layer 0's.

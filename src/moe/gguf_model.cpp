@@ -189,6 +189,7 @@ class Loader {
       fail(Status::kFormat, e.what());
     }
     validate_router(m.router, m.n_experts, first_.source() + ": router", Status::kFormat);
+    out_.layer_tensors.resize(moe_blocks_.size());
     for (size_t l = 0; l < moe_blocks_.size(); ++l) out_.layers.push_back(layer(moe_blocks_[l], static_cast<int32_t>(l)));
   }
 
@@ -507,6 +508,8 @@ class Loader {
 
   LayerBuffers layer(int32_t b, int32_t l) {
     const Manifest& m = out_.manifest;
+    auto& used = out_.layer_tensors[static_cast<size_t>(l)];
+    const auto use = [&](const TensorIndex::Entry& e) { used.emplace_back(e.file, e.tensor); };
     const uint64_t D = static_cast<uint64_t>(m.d_model), F = static_cast<uint64_t>(m.d_ff);
     const uint64_t E = static_cast<uint64_t>(m.n_experts);
     const LayerTypes types = m.layer_types(l);  // checked by layer_types()
@@ -517,17 +520,21 @@ class Loader {
     size_t gate_step = 0;  // bytes from one expert's gate to the next's
     if (fused_) {
       const TensorIndex::Entry& gu = expect(name(b, "ffn_gate_up_exps.weight"), {D, 2 * F, E});
+      use(gu);
       gate = gu.file->data(*gu.tensor);
       up = gate + F * gate_row;  // per expert: F gate rows, then F up rows
       gate_step = 2 * F * gate_row;
     } else {
       const TensorIndex::Entry& g = expect(name(b, "ffn_gate_exps.weight"), {D, F, E});
       const TensorIndex::Entry& u = expect(name(b, "ffn_up_exps.weight"), {D, F, E});
+      use(g);
+      use(u);
       gate = g.file->data(*g.tensor);
       up = u.file->data(*u.tensor);
       gate_step = F * gate_row;
     }
     const TensorIndex::Entry& d = expect(name(b, "ffn_down_exps.weight"), {F, D, E});
+    use(d);
     const uint8_t* down = d.file->data(*d.tensor);
     const size_t down_step = static_cast<size_t>(D) * weight_row_bytes(types.down_dtype, static_cast<size_t>(F));
     L.experts.resize(static_cast<size_t>(E));
@@ -544,6 +551,9 @@ class Loader {
       const TensorIndex::Entry& sg = expect(name(b, "ffn_gate_shexp.weight"), {D, Fs});
       const TensorIndex::Entry& su = expect(name(b, "ffn_up_shexp.weight"), {D, Fs});
       const TensorIndex::Entry& sd = expect(name(b, "ffn_down_shexp.weight"), {Fs, D});
+      use(sg);
+      use(su);
+      use(sd);
       L.shared = ExpertBuffers{sg.file->data(*sg.tensor), su.file->data(*su.tensor), sd.file->data(*sd.tensor)};
       if (m.shared_gate) {
         const TensorIndex::Entry* gi = index_.find(name(b, "ffn_gate_inp_shexp.weight"));

@@ -32,6 +32,12 @@ struct GgufModel {
   // shared expert's (empty without one), as stored.
   std::string expert_types;
   std::vector<GgufFile> files;  // every part of a split set, mapped
+  // Each layer's expert tensors, to release (GgufFile::release) once copied:
+  // the open's memory then peaks at the packed experts plus about a layer.
+  std::vector<std::vector<std::pair<const GgufFile*, const GgufTensor*>>> layer_tensors;
+  void release_layer(int32_t layer) const {
+    for (const auto& [file, tensor] : layer_tensors[static_cast<size_t>(layer)]) file->release(*tensor);
+  }
   std::vector<std::vector<float>> converted;  // f16 / bf16 routers and gates widened to f32
 };
 

@@ -56,7 +56,8 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
     // The weights are copied into the store, then the file is unmapped.
     const GgufModel g = load_gguf_model(dir);
     manifest_ = g.manifest;
-    store_ = std::make_unique<ExpertStore>(g.layers, manifest_, store_options(o, false), warnings);
+    store_ = std::make_unique<ExpertStore>(g.layers, manifest_, store_options(o, false), warnings,
+                                           [&g](int32_t layer) { g.release_layer(layer); });
     first_block_ = g.first_block;
     const int32_t last = g.first_block + manifest_.n_layers - 1;
     source_description_ = "gguf " + g.architecture + ", layers 0-" + std::to_string(manifest_.n_layers - 1) +

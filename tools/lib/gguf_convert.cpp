@@ -75,6 +75,7 @@ GgufConvertResult convert_gguf_model(const std::string& gguf_path, const std::st
         write_one(m.shared_gate_file(l), gate);
       }
     }
+    r.model.release_layer(l);
   }
   write_manifest(out_dir, m);
   return r;
