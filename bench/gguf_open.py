@@ -1,6 +1,7 @@
 """Opening a GGUF directly against its converted model directory, at a real
-model's shape: a Qwen3-MoE-shaped (E=128, k=8, d_model=2048, d_ff=768)
-Q4_K_M GGUF written by the gguf package, with llama.cpp's per-block down
+model's shape: a Qwen3-MoE-shaped (E=128, k=8, d_model=2048, d_ff=768) or,
+with --shape mixtral, Mixtral-shaped (E=8, k=2, 4096x14336) Q4_K_M GGUF
+written by the gguf package, with llama.cpp's per-block down
 types (Q6_K in some blocks, Q4_K in the others), then
 
   - open time and peak RSS of `colibri info` on the GGUF and on the directory
@@ -46,6 +47,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--colibri", default="build", help="build directory with libcolibri.so and tools/colibri")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--shape", choices=["qwen3-moe", "mixtral"], default="qwen3-moe",
+                    help="qwen3-moe: E=128 k=8 2048x768 (qwen3moe naming); mixtral: E=8 k=2 4096x14336 (llama naming)")
     ap.add_argument("--work", default="build/bench-work/gguf")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -56,11 +59,12 @@ def main():
 
     work = pathlib.Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    path = work / f"qwen3moe-e128-d2048-f768-l{a.layers}-q4_k_m.gguf"
+    arch, E, k, D, F = {"qwen3-moe": ("qwen3moe", 128, 8, 2048, 768), "mixtral": ("llama", 8, 2, 4096, 14336)}[a.shape]
+    path = work / f"{arch}-e{E}-d{D}-f{F}-l{a.layers}-q4_k_m.gguf"
     downs = ["q6_k" if use_more_bits(i, a.layers) else "q4_k" for i in range(a.layers)]
     if not path.exists():
         t0 = time.time()
-        gf.write_moe_gguf(str(path), "qwen3moe", n_blocks=a.layers, n_experts=128, top_k=8, d_model=2048, d_ff=768,
+        gf.write_moe_gguf(str(path), arch, n_blocks=a.layers, n_experts=E, top_k=k, d_model=D, d_ff=F,
                           dtype="q4_k", down_dtype=downs[0], block_down_dtypes=downs, seed=1, reference=False)
         print(f"wrote {path} ({path.stat().st_size / 2**20:.0f} MiB) in {time.time() - t0:.0f} s", file=sys.stderr)
     directory = work / (path.stem + "-dir")
@@ -83,7 +87,7 @@ def main():
         packed = next(line for line in r.stdout.splitlines() if line.startswith("weights"))
         times = {}
         for T, iters in ((1, 400), (128, 10)):
-            b = subprocess.run([cli, "bench", "--model", str(model), "--tokens", str(T), "--top-k", "8", "--seed", "3",
+            b = subprocess.run([cli, "bench", "--model", str(model), "--tokens", str(T), "--top-k", str(k), "--seed", "3",
                                 "--iters", str(iters), "--warmup", str(max(2, iters // 10)), "--threads",
                                 str(a.threads), "--no-verify", "--json"], capture_output=True, text=True, check=True)
             times[T] = json.loads(b.stdout)
@@ -100,9 +104,9 @@ def main():
     errors = []
     with colibri.Model(str(path), threads=a.threads) as m:
         for layer in range(a.layers):
-            x = rng.standard_normal((4, 2048)).astype(np.float32)
-            ids = np.stack([rng.choice(128, 8, replace=False) for _ in range(4)]).astype(np.int32)
-            w = rng.uniform(0.05, 0.3, (4, 8)).astype(np.float32)
+            x = rng.standard_normal((4, D)).astype(np.float32)
+            ids = np.stack([rng.choice(E, k, replace=False) for _ in range(4)]).astype(np.int32)
+            w = rng.uniform(0.05, 0.3, (4, k)).astype(np.float32)
             got = m.infer(x, ids, w, layer=layer).astype(np.float64)
             want = np.zeros_like(got)
 
@@ -111,7 +115,7 @@ def main():
                 return gguf.quants.dequantize(np.asarray(t.data[e]), t.tensor_type).astype(np.float64)
 
             for t_ in range(4):
-                for j in range(8):
+                for j in range(k):
                     e = int(ids[t_, j])
                     g, u, d = expert("ffn_gate_exps", e), expert("ffn_up_exps", e), expert("ffn_down_exps", e)
                     gx, ux = g @ x[t_], u @ x[t_]
@@ -119,14 +123,14 @@ def main():
             errors.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
 
     file_mib = path.stat().st_size / 2**20
-    print(f"CPU: {cpu_name()}, {a.threads} threads; {a.layers} Qwen3-MoE-shaped layers, Q4_K gate/up, "
+    print(f"CPU: {cpu_name()}, {a.threads} threads; {a.layers} {a.shape}-shaped layers (E={E}, k={k}, {D}x{F}), Q4_K gate/up, "
           f"down {', '.join(downs)} by block; GGUF {file_mib:.0f} MiB\n")
     print("| source | open s | peak RSS MiB | decode T=1 p50 ms | prefill T=128 p50 ms |")
     print("|---|---|---|---|---|")
     for name, load, peak, packed, times in rows:
         p50 = [times[T].get("p50_ms", times[T].get("latency_ms", {}).get("p50")) for T in (1, 128)]
         print(f"| {name} | {load:.2f} | {peak / 2**20:.0f} | {p50[0]} | {p50[1]} |")
-    print(f"\nRelative L2 against float64 on the gguf package's dequantised experts (4 tokens x 8 experts, "
+    print(f"\nRelative L2 against float64 on the gguf package's dequantised experts (4 tokens x {k} experts, "
           f"caller routing, int8 activations), per layer: {', '.join(f'{e:.2e}' for e in errors)}")
 
 
