@@ -7,7 +7,8 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
-#include <regex>
+#include <string>
+#include <string_view>
 #include <unordered_map>
 
 #include "moe/router.h"
@@ -57,6 +58,27 @@ std::string five_digits(uint64_t n) {
   return b;
 }
 
+// Splits "<prefix>-NNNNN-of-MMMMM.gguf" into its prefix and numbers.
+bool split_name(const std::string& path, std::string* prefix, uint64_t* no, uint64_t* count) {
+  static constexpr std::string_view kSuffix = ".gguf";
+  constexpr size_t kTail = 1 + 5 + 4 + 5 + kSuffix.size();  // "-NNNNN-of-MMMMM.gguf"
+  if (path.size() < kTail) return false;
+  const std::string_view tail = std::string_view(path).substr(path.size() - kTail);
+  auto digits = [](std::string_view s, uint64_t* out) {
+    uint64_t v = 0;
+    for (char c : s) {
+      if (c < '0' || c > '9') return false;
+      v = v * 10 + static_cast<uint64_t>(c - '0');
+    }
+    *out = v;
+    return true;
+  };
+  if (tail[0] != '-' || tail.substr(6, 4) != "-of-" || tail.substr(15) != kSuffix) return false;
+  if (!digits(tail.substr(1, 5), no) || !digits(tail.substr(10, 5), count)) return false;
+  *prefix = path.substr(0, path.size() - kTail);
+  return true;
+}
+
 // The parts of a split set: "<prefix>-00001-of-0000N.gguf" and its
 // siblings, or just `path`.
 std::vector<GgufFile> open_parts(const std::string& path) {
@@ -69,15 +91,13 @@ std::vector<GgufFile> open_parts(const std::string& path) {
   uint64_t no = 0;
   first.get_uint("split.no", &no);
   if (count > 9999) fail(Status::kFormat, path + ": key split.count is " + std::to_string(count) + ", absurd");
-  const std::regex name_rule(R"((.*)-(\d{5})-of-(\d{5})\.gguf)");
-  std::smatch m;
-  if (!std::regex_match(path, m, name_rule) || no != 0 || std::stoull(m[2].str()) != 1 ||
-      std::stoull(m[3].str()) != count) {
+  std::string prefix;
+  uint64_t named_no = 0, named_count = 0;
+  if (!split_name(path, &prefix, &named_no, &named_count) || no != 0 || named_no != 1 || named_count != count) {
     fail(Status::kInvalidArgument, path + ": part " + std::to_string(no + 1) + " of a split set of " +
                                        std::to_string(count) + "; open its first file, <name>-00001-of-" +
                                        five_digits(count) + ".gguf");
   }
-  const std::string prefix = m[1].str();
   for (uint64_t i = 1; i < count; ++i) {
     const std::string part = prefix + "-" + five_digits(i + 1) + "-of-" + five_digits(count) + ".gguf";
     if (::access(part.c_str(), F_OK) != 0) {
