@@ -579,7 +579,7 @@ def parse_args(argv):
     ap.add_argument("--iters", type=int, default=100, help="timed iterations of decode rows (T=1)")
     ap.add_argument("--prefill-iters", type=int, default=20, help="timed iterations of rows with T>1")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--dtypes", default="f16,bf16", help="Colibri weight dtypes (f16, bf16, f32, q8_0, q4_0, q4_k, q5_k, q6_k, q4_k_m)")
+    ap.add_argument("--dtypes", default="f16,bf16", help="Colibri weight dtypes (f16, bf16, f32, q8_0, q4_0, q4_k, q5_k, q6_k, mxfp4, q4_k_m)")
     ap.add_argument("--isas", help="comma-separated ISA levels (default: every level this CPU supports)")
     ap.add_argument(
         "--scalar", choices=["decode", "all", "none"], default="decode",
@@ -636,7 +636,7 @@ def parse_args(argv):
         a.baselines = [e for e in pytorch_moe.ENGINES if e in a.baselines]
     a.dtype_list = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     for d in a.dtype_list:
-        if d not in ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m"):
+        if d not in ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4", "q4_k_m"):
             ap.error("unknown dtype %s" % d)
     if a.threads < 1:
         ap.error("--threads must be >= 1")

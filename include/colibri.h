@@ -54,7 +54,8 @@ typedef enum colibri_status {
 /* Weight types. The block-quantised ones store GGUF's blocks byte for byte
  * (docs/FORMAT.md): q8_0 and q4_0 in blocks of 32 weights (8.5 and 4.5
  * bits per weight), q4_k, q5_k and q6_k in super-blocks of 256 (4.5, 5.5,
- * 6.5625 bits). A row of n weights is ceil(n / block) whole blocks, the
+ * 6.5625 bits), and mxfp4 (OCP microscaling FP4: 32 E2M1 values with a
+ * shared power-of-two scale, 4.25 bits, gpt-oss's format). A row of n weights is ceil(n / block) whole blocks, the
  * last padded with zeros (colibri_dtype_row_bytes). */
 typedef enum colibri_dtype {
   COLIBRI_DTYPE_F32 = 0,
@@ -64,7 +65,8 @@ typedef enum colibri_dtype {
   COLIBRI_DTYPE_Q4_0 = 4,
   COLIBRI_DTYPE_Q4_K = 5,
   COLIBRI_DTYPE_Q5_K = 6,
-  COLIBRI_DTYPE_Q6_K = 7
+  COLIBRI_DTYPE_Q6_K = 7,
+  COLIBRI_DTYPE_MXFP4 = 8
 } colibri_dtype_t;
 
 /* Kind of huge pages backing the packed weights. */

@@ -36,7 +36,11 @@ using colibri::WeightType;
 using colibri::kernels::QuantDotKernels;
 
 constexpr WeightType kTypes[] = {WeightType::kQ8_0, WeightType::kQ4_0, WeightType::kQ4_K, WeightType::kQ5_K,
-                                 WeightType::kQ6_K};
+                                 WeightType::kQ6_K, WeightType::kMXFP4};
+
+// Formats the AVX-512 level has no kernels for yet: quant_dot_avx512 and
+// dequant_bf16_avx512 give nullptr and selection falls to the AVX2 level.
+bool avx2_level_only(WeightType t) { return t == WeightType::kMXFP4; }
 
 const char* type_name(WeightType t) { return colibri::weight_format(t).name; }
 
@@ -52,6 +56,8 @@ size_t block_bytes(WeightType t) {
       return sizeof(colibri::BlockQ4K);
     case WeightType::kQ5_K:
       return sizeof(colibri::BlockQ5K);
+    case WeightType::kMXFP4:
+      return sizeof(colibri::BlockMxfp4);
     default:
       return sizeof(colibri::BlockQ6K);
   }
@@ -86,11 +92,12 @@ const std::vector<IsaKernels>& all_isa_kernels() {
   return v;
 }
 
-// The scalar reference first, then each instruction set this CPU runs.
-std::vector<IsaKernels> isa_kernels() {
+// The scalar reference first, then each instruction set this CPU runs
+// that has kernels for t.
+std::vector<IsaKernels> isa_kernels(WeightType t) {
   std::vector<IsaKernels> v;
   for (const IsaKernels& k : all_isa_kernels()) {
-    if (k.runs_here()) v.push_back(k);
+    if (k.runs_here() && k.get(t) != nullptr) v.push_back(k);
   }
   return v;
 }
@@ -129,6 +136,10 @@ std::vector<uint8_t> random_weights(WeightType t, size_t n, int rows, size_t row
         case WeightType::kQ6_K:
           h[0] = random_scale(rng, 1e-4f, 1e-3f, true);
           std::memcpy(blk + offsetof(colibri::BlockQ6K, d), h, 2);
+          break;
+        case WeightType::kMXFP4:
+          // Scales 2^-12 .. 2^-4, and now and then the subnormal ones (e < 2).
+          blk[0] = (rng() % 16 == 0) ? static_cast<uint8_t>(rng() % 2) : static_cast<uint8_t>(116 + rng() % 9);
           break;
         default:
           break;
@@ -185,6 +196,18 @@ void decode_row(WeightType t, const uint8_t* row, size_t n, double* w, double* m
         for (int i = 0; i < 16; ++i) {
           y[i] = d * ((q->qs[i] & 0x0F) - 8);
           y[i + 16] = d * ((q->qs[i] >> 4) - 8);
+        }
+        for (int i = 0; i < 32; ++i) g[i] = std::fabs(y[i]);
+        break;
+      }
+      case WeightType::kMXFP4: {
+        // The OCP E2M1 values (sign, then 0, 0.5, 1, 1.5, 2, 3, 4, 6) times 2^(e - 127).
+        static constexpr double kE2m1[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
+        auto value = [](int code) { return (code & 8) ? -kE2m1[code & 7] : kE2m1[code & 7]; };
+        const double d = std::ldexp(1.0, static_cast<int>(blk[0]) - 127);
+        for (int i = 0; i < 16; ++i) {
+          y[i] = d * value(blk[1 + i] & 0x0F);
+          y[i + 16] = d * value(blk[1 + i] >> 4);
         }
         for (int i = 0; i < 32; ++i) g[i] = std::fabs(y[i]);
         break;
@@ -329,6 +352,10 @@ TEST(QuantDot, TablesAndSizes) {
     // Every table's name, also of those this CPU cannot run.
     for (const IsaKernels& k : all_isa_kernels()) {
       const QuantDotKernels* q = k.get(t);
+      if (avx2_level_only(t) && k.name == "avx512-vnni") {
+        EXPECT_EQ(q, nullptr) << type_name(t) << " has an AVX-512 kernel: drop it from avx2_level_only";
+        continue;
+      }
       ASSERT_NE(q, nullptr) << k.name;
       EXPECT_EQ(std::string(q->name), std::string(type_name(t)) + "-" + k.name);
     }
@@ -341,7 +368,7 @@ TEST(QuantDot, TablesAndSizes) {
         avx_vnni ? colibri::kernels::quant_dot_avx_vnni(t) : colibri::kernels::quant_dot_avx2(t);
     EXPECT_NE(colibri::kernels::quant_dot_avx2(t), colibri::kernels::quant_dot_avx_vnni(t));
     const QuantDotKernels* top = colibri::kernels::quant_dot_kernels(t, Isa::kAmx);
-    if (avx512_vnni) {
+    if (avx512_vnni && !avx2_level_only(t)) {
       EXPECT_EQ(top, colibri::kernels::quant_dot_avx512(t));
       EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAvx512), colibri::kernels::quant_dot_avx512(t));
     } else if (isa >= Isa::kAvx2) {
@@ -377,8 +404,8 @@ TEST(QuantDot, AvxVnniDetectionMatchesTheKernel) {
 
 TEST(QuantDot, QuantizeActivations) {
   std::mt19937 rng(1234);
-  const auto isas = isa_kernels();
   for (WeightType t : kTypes) {
+    const auto isas = isa_kernels(t);
     const size_t be = block_elements(t);
     for (size_t n : {be, 2 * be, 4096 + be, size_t{512} * 7}) {
       if (n % be != 0) continue;
@@ -408,9 +435,9 @@ TEST(QuantDot, QuantizeActivations) {
 // Rounding edge cases: exact halves, values just past the scale, tiny and
 // huge magnitudes.
 TEST(QuantDot, QuantizeActivationsEdgeCases) {
-  const auto isas = isa_kernels();
   std::mt19937 rng(99);
   for (WeightType t : kTypes) {
+    const auto isas = isa_kernels(t);
     const size_t n = 512;
     std::vector<std::vector<float>> cases;
     std::vector<float> halves(n);
@@ -545,6 +572,10 @@ TEST_P(QuantDotIsa, DotRows) {
   const WeightType t = std::get<0>(GetParam());
   const IsaKernels& isa = all_isa_kernels()[std::get<1>(GetParam())];
   if (!isa.runs_here()) GTEST_SKIP() << isa.name << " does not run on this CPU";
+  if (isa.get(t) == nullptr) {
+    ASSERT_TRUE(avx2_level_only(t)) << isa.name << " lacks " << type_name(t);
+    GTEST_SKIP() << isa.name << " has no " << type_name(t) << " kernels (the AVX2 level's serve it)";
+  }
   std::mt19937 rng(77 + static_cast<unsigned>(t));
   const std::vector<int> rows = {1, 2, 3, 5, 16, 37};
   const std::vector<int> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 14, 17};  // every pass width of the kernels
@@ -620,7 +651,7 @@ TEST_P(QuantDotFormat, ReferenceQuantisedWeights) {
       scale[static_cast<size_t>(i * rows + r)] = m;
     }
   }
-  for (const IsaKernels& k : isa_kernels()) {
+  for (const IsaKernels& k : isa_kernels(t)) {
     std::vector<float> out(static_cast<size_t>(rows * tokens));
     k.get(t)->dot_rows(w.data(), row_bytes, rows, act.data(), act_bytes, tokens, n, out.data(), rows);
     for (size_t j = 0; j < out.size(); ++j) {
@@ -639,6 +670,10 @@ TEST_P(QuantDotFormat, DequantBf16MatchesReference) {
   const WeightType t = GetParam();
   const colibri::WeightFormat& f = colibri::weight_format(t);
   const colibri::kernels::DequantBf16Fn dq = colibri::kernels::dequant_bf16_avx512(t);
+  if (avx2_level_only(t)) {
+    EXPECT_EQ(dq, nullptr) << "drop " << type_name(t) << " from avx2_level_only";
+    GTEST_SKIP() << "no AVX-512 dequantiser for " << type_name(t) << " (the AMX tier does not serve it)";
+  }
   ASSERT_NE(dq, nullptr);
   std::mt19937 rng(777 + static_cast<unsigned>(t));
   std::normal_distribution<float> normal(0.0f, 0.05f);

@@ -42,7 +42,8 @@ constexpr Format kQ4_0{"q4_0", WeightType::kQ4_0, kQK32, sizeof(BlockQ4_0), quan
 constexpr Format kQ4K{"q4_k", WeightType::kQ4_K, kQKK, sizeof(BlockQ4K), quantize_q4_k, dequantize_q4_k};
 constexpr Format kQ5K{"q5_k", WeightType::kQ5_K, kQKK, sizeof(BlockQ5K), quantize_q5_k, dequantize_q5_k};
 constexpr Format kQ6K{"q6_k", WeightType::kQ6_K, kQKK, sizeof(BlockQ6K), quantize_q6_k, dequantize_q6_k};
-const Format kFormats[] = {kQ8_0, kQ4_0, kQ4K, kQ5K, kQ6K};
+constexpr Format kMxfp4{"mxfp4", WeightType::kMXFP4, kQK32, sizeof(BlockMxfp4), quantize_mxfp4, dequantize_mxfp4};
+const Format kFormats[] = {kQ8_0, kQ4_0, kQ4K, kQ5K, kQ6K, kMxfp4};
 
 constexpr size_t kGuard = 64;
 
@@ -435,14 +436,16 @@ std::vector<float> random_data(Dist d, size_t n, uint32_t seed) {
 }
 
 // Indexed by format (kFormats order), then Dist.
-constexpr double kRoundTripBound[5][7] = {
+constexpr double kRoundTripBound[6][7] = {
     // normal uniform heavy  negative outlier small  large
     {0.008, 0.0057, 0.017, 0.0078, 0.018, 0.0083, 0.008},  // q8_0
     {0.13, 0.098, 0.17, 0.126, 0.165, 0.13, 0.13},         // q4_0
     {0.107, 0.083, 0.118, 0.056, 0.147, 0.108, 0.107},     // q4_k
     {0.054, 0.042, 0.069, 0.029, 0.073, 0.056, 0.054},     // q5_k
     {0.0265, 0.02, 0.043, 0.0256, 0.05, 0.031, 0.0265},    // q6_k
+    {0.17, 0.21, 0.22, 0.17, 0.17, 0.17, 0.17},             // mxfp4 (power-of-two scales, no 7-8x level)
 };
+static_assert(std::size(kRoundTripBound) == std::size(kFormats));
 
 TEST(QuantRefRoundTrip, RandomData) {
   constexpr size_t kN = 64 * kQKK;
@@ -489,6 +492,22 @@ TEST(QuantRefRoundTrip, ZeroBlocks) {
       }
     }
   }
+}
+
+// MXFP4 blocks of values V[code] * 2^s whose largest magnitude is 8 or 12
+// scales (the two top codes): the quantiser recovers 2^s and every code.
+TEST(QuantRefRoundTrip, Mxfp4OnGridValuesAreExact) {
+  std::mt19937 rng(17);
+  std::vector<float> x(64 * kQK32);
+  for (size_t b = 0; b < x.size() / kQK32; ++b) {
+    const int s = static_cast<int>(rng() % 40) - 30;
+    for (size_t i = 0; i < kQK32; ++i) {
+      x[b * kQK32 + i] = std::ldexp(static_cast<float>(kMxfp4Values[rng() % 16]), s - 1);
+    }
+    x[b * kQK32 + rng() % kQK32] = std::ldexp((rng() & 1) ? 12.0f : -8.0f, s - 1);
+  }
+  const std::vector<float> y = round_trip(kMxfp4, x);
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(y[i], x[i]) << "element " << i;
 }
 
 // Values already on a q8_0 / q4_0 grid (the extreme level present, so the
@@ -635,7 +654,10 @@ TEST(QuantRefDegenerate, ConstantBlocks) {
   for (const Format& f : kFormats) {
     for (float c : {0.7f, -0.7f, -250.0f, 1e-3f, -1e-3f}) {
       const std::vector<float> x(2 * kQKK, c);
-      const double bound = std::fabs(c) > 0.5f ? 5e-4 : 0.035;
+      // mxfp4's scale is a power of two and its top codes 8 and 12, so a
+      // constant c lies in [8, 16) scales and comes back as 8 or 12 of them:
+      // up to 25% off (16 -> 12), whatever c.
+      const double bound = f.type == WeightType::kMXFP4 ? 0.25 : std::fabs(c) > 0.5f ? 5e-4 : 0.035;
       EXPECT_LT(rel_l2(round_trip(f, x), x), bound) << f.name << " " << c;
     }
   }

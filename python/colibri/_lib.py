@@ -41,10 +41,11 @@ STATUS_NAMES = {
 }
 
 DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
-DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K = 3, 4, 5, 6, 7
+DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_MXFP4 = 3, 4, 5, 6, 7, 8
 DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16", DTYPE_Q8_0: "q8_0",
-               DTYPE_Q4_0: "q4_0", DTYPE_Q4_K: "q4_k", DTYPE_Q5_K: "q5_k", DTYPE_Q6_K: "q6_k"}
-QUANTIZED_DTYPES = frozenset({DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K})
+               DTYPE_Q4_0: "q4_0", DTYPE_Q4_K: "q4_k", DTYPE_Q5_K: "q5_k", DTYPE_Q6_K: "q6_k",
+               DTYPE_MXFP4: "mxfp4"}
+QUANTIZED_DTYPES = frozenset({DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_MXFP4})
 DTYPE_CODES = {v: k for k, v in DTYPE_NAMES.items()}
 
 HUGE_PAGE_NAMES = {0: "none", 1: "transparent", 2: "hugetlbfs"}

@@ -18,7 +18,7 @@ __all__ = ["Model", "ModelInfo", "ModelStats", "RouterConfig", "save_model"]
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
     """colibri_model_info(). dtype is 'f32', 'f16', 'bf16' or a block format
-    ('q8_0', 'q4_0', 'q4_k', 'q5_k', 'q6_k'), down_dtype that of the down
+    ('q8_0', 'q4_0', 'q4_k', 'q5_k', 'q6_k', 'mxfp4'), down_dtype that of the down
     matrices (the same unless mixed, e.g. 'q6_k' with 'q4_k'); router_family
     is None without a built-in router, else e.g. 'mixtral' or 'deepseek_v3'."""
 
@@ -187,7 +187,7 @@ class Model:
         (bf16 in NumPy: uint16 bit patterns). The library copies everything
         at open, so nothing is referenced afterwards.
         dtype: 'f32', 'f16' or 'bf16', or a block format ('q8_0', 'q4_0',
-        'q4_k', 'q5_k', 'q6_k', or 'q4_k_m': q4_k with q6_k down) into which
+        'q4_k', 'q5_k', 'q6_k', 'mxfp4', or 'q4_k_m': q4_k with q6_k down) into which
         the expert weights (given as floats) are quantised here with the
         library's reference quantisers (colibri.quantize); the router and
         gates stay f32. router: RouterConfig or dict.

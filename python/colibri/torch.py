@@ -56,7 +56,7 @@ _DTYPES = {
 }
 
 
-_BLOCK_DTYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m")
+_BLOCK_DTYPES = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4", "q4_k_m")
 
 
 def _colibri_dtype(dtype, like=None):
@@ -1030,7 +1030,7 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 
     dtype: Colibri's weight dtype ('f32', 'f16', 'bf16' or a torch dtype;
     None = each block's own), or a block format ('q8_0', 'q4_0', 'q4_k',
-    'q5_k', 'q6_k', 'q4_k_m') into which the expert weights are quantised
+    'q5_k', 'q6_k', 'mxfp4', 'q4_k_m') into which the expert weights are quantised
     on load (report.source_bytes and .colibri_bytes say the sizes before
     and after). Same-shaped blocks share one Colibri model
     (one thread pool) with one layer per block. threads: Colibri threads (0 =

@@ -28,6 +28,7 @@ GGUF_TYPE = {
     "q4_k": Q.Q4_K,
     "q5_k": Q.Q5_K,
     "q6_k": Q.Q6_K,
+    "mxfp4": Q.MXFP4,
 }
 
 
@@ -42,7 +43,7 @@ def encode(w: np.ndarray, dtype: str, reference: bool = True) -> tuple[np.ndarra
     if t == Q.F16:
         h = w.astype(np.float16)
         return h, h.astype(np.float32)
-    if t in (Q.BF16, Q.Q8_0, Q.Q4_0):
+    if t in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4):
         raw = gguf.quants.quantize(w, t)
     else:
         rows = w.reshape(-1, w.shape[-1])

@@ -74,6 +74,8 @@ CASES = [
     ("llama", "q4_k", "q6_k", dict(n_blocks=3, block_down_dtypes=["q6_k", "q4_k", "q6_k"])),
     ("qwen2moe", "q4_k", "q4_k", dict(shared_d_ff=256, block_down_dtypes=["q4_k", "q6_k"])),
     ("olmoe", "q6_k", "q5_k", dict()),
+    # MXFP4 experts (gpt-oss's format) in an architecture Colibri runs.
+    ("qwen3moe", "mxfp4", "mxfp4", dict()),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
     ("qwen2moe", "f32", "f32", dict(shared_d_ff=128, router_dtype="bf16")),

@@ -109,7 +109,8 @@ static_assert(COLIBRI_DTYPE_F32 == static_cast<int>(colibri::WeightType::kF32) &
               COLIBRI_DTYPE_Q4_K == static_cast<int>(colibri::WeightType::kQ4_K) &&
               COLIBRI_DTYPE_Q5_K == static_cast<int>(colibri::WeightType::kQ5_K) &&
               COLIBRI_DTYPE_Q6_K == static_cast<int>(colibri::WeightType::kQ6_K) &&
-              colibri::kWeightTypeCount == COLIBRI_DTYPE_Q6_K + 1);
+              COLIBRI_DTYPE_MXFP4 == static_cast<int>(colibri::WeightType::kMXFP4) &&
+              colibri::kWeightTypeCount == COLIBRI_DTYPE_MXFP4 + 1);
 static_assert(COLIBRI_ROUTER_DEEPSEEK_V3 == colibri::kLastRouterFamily &&
               COLIBRI_ROUTER_MIXTRAL == static_cast<int>(colibri::RouterFamily::kMixtral) &&
               COLIBRI_ROUTER_QWEN2_MOE == static_cast<int>(colibri::RouterFamily::kQwen2Moe) &&
@@ -172,6 +173,7 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
     case COLIBRI_DTYPE_Q4_K: return "q4_k";
     case COLIBRI_DTYPE_Q5_K: return "q5_k";
     case COLIBRI_DTYPE_Q6_K: return "q6_k";
+    case COLIBRI_DTYPE_MXFP4: return "mxfp4";
   }
   return "unknown";
 }
@@ -182,7 +184,7 @@ const char* colibri_cpu_isa(void) { return colibri::kernels::isa_name(colibri::k
 
 namespace {
 
-bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_Q6_K; }
+bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_MXFP4; }
 
 // Checks a conversion's arguments; the byte count of its rows.
 size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) {
@@ -431,7 +433,7 @@ colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int3
       // The layer's own type (layers may differ); swap_expert checks the range.
       const colibri::WeightType want = layer >= 0 && layer < m.n_layers ? m.layer_types(layer).dtype : m.dtype;
       if (dtype != static_cast<int>(want)) {
-        const bool known = dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_Q6_K;
+        const bool known = known_dtype(dtype);
         colibri::fail(colibri::Status::kInvalidArgument,
                       std::string("colibri_swap_expert: source dtype ") +
                           (known ? colibri_dtype_name(static_cast<colibri_dtype_t>(dtype)) : std::to_string(dtype)) +

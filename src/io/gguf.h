@@ -51,6 +51,7 @@ inline constexpr uint32_t kQ4_K = 12;
 inline constexpr uint32_t kQ5_K = 13;
 inline constexpr uint32_t kQ6_K = 14;
 inline constexpr uint32_t kBF16 = 30;
+inline constexpr uint32_t kMXFP4 = 39;
 }  // namespace ggml_type
 
 // Elements and bytes per block of a ggml type, and its name ("Q4_K");

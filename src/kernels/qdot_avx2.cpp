@@ -36,8 +36,9 @@ struct MaddubsDot {
   static constexpr int max_tokens(WeightType) { return 4; }
 };
 
-const QuantDotKernels kQ8_0 = {"q8_0-avx2", quantize_act, dot_rows_32<MaddubsDot, true>};
-const QuantDotKernels kQ4_0 = {"q4_0-avx2", quantize_act, dot_rows_32<MaddubsDot, false>};
+const QuantDotKernels kQ8_0 = {"q8_0-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kQ8_0>};
+const QuantDotKernels kQ4_0 = {"q4_0-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kQ4_0>};
+const QuantDotKernels kMxfp4 = {"mxfp4-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kMxfp4>};
 const QuantDotKernels kQ4_K = {"q4_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ6K>};
@@ -56,6 +57,8 @@ const QuantDotKernels* quant_dot_avx2(WeightType t) {
       return &kQ5_K;
     case WeightType::kQ6_K:
       return &kQ6_K;
+    case WeightType::kMXFP4:
+      return &kMxfp4;
     default:
       return nullptr;
   }

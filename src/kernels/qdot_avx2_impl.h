@@ -28,10 +28,11 @@
 // elements) and one FMA with the lanes' d * sc. The offsets through the
 // activations' sums: q6_k's -32 as the dot's starting value, q4_k / q5_k's
 // mins one FMA of dmin * m_j with dx_j * (sum a)_j per super-block.
-// q8_0 / q4_0: 8 blocks at a time transposed so that dword j holds codes of
+// q8_0 / q4_0 / mxfp4: 8 blocks at a time transposed so that dword j holds codes of
 // block j (the activations once per call into a stack buffer), the block
 // scales applied lane-wise; the offsets (q4_0's 8, q8_0's 128 where it is
-// biased) times the blocks' activation sums are the dot's starting value.
+// biased, mxfp4's 12: a byte table turns its nibbles into its values plus
+// 12) times the blocks' activation sums are the dot's starting value.
 // q8_0's signed codes: where the pair sums saturate in int16 the sign trick
 // (|w| x sign(w) * a, _mm256_sign_epi8), since the 128 bias would overflow
 // them (2 * 255 * 127 > 2^15); without that stage the codes are biased by
@@ -555,13 +556,57 @@ void prepare_groups(const uint8_t* act, size_t n, size_t g0, size_t ng, Group8* 
   }
 }
 
-// 8 blocks of a q8_0 / q4_0 row at blk against NT tokens' groups.
-template <class Dot, bool kQ8, int NT>
+// The formats with blocks of 32 and one scale per block.
+enum class Block32 { kQ8_0, kQ4_0, kMxfp4 };
+
+template <Block32 B>
+constexpr size_t block32_bytes() {
+  return B == Block32::kQ8_0 ? sizeof(BlockQ8_0) : B == Block32::kQ4_0 ? sizeof(BlockQ4_0) : sizeof(BlockMxfp4);
+}
+
+// The 4-bit formats' nibbles as unsigned codes: q4_0's as they are (offset
+// 8); mxfp4's through a byte table, its signed values biased by 12 (codes
+// 0..24, offset 12).
+template <Block32 B>
+inline __m256i nibble_codes(__m256i nibbles) {
+  if constexpr (B == Block32::kMxfp4) {
+    const __m256i biased =
+        _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24,
+                         12, 11, 10, 9, 8, 6, 4, 0);
+    return _mm256_shuffle_epi8(biased, nibbles);
+  } else {
+    return nibbles;
+  }
+}
+
+// The 8 blocks' scales at blk (stride kBytes), lane j block j's.
+template <Block32 B>
+inline __m256 block_scales(const uint8_t* blk) {
+  constexpr int kB = static_cast<int>(block32_bytes<B>());
+  const __m256i idx = _mm256_setr_epi32(0, kB, 2 * kB, 3 * kB, 4 * kB, 5 * kB, 6 * kB, 7 * kB);
+  const __m256i g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), idx, 1);
+  if constexpr (B == Block32::kMxfp4) {
+    // 2^(e - 128) as float bits: (e - 1) << 23, or 0x00200000 << e (subnormal) for e < 2.
+    const __m256i e = _mm256_and_si256(g, _mm256_set1_epi32(0xff));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
+  } else {
+    const __m256i packed = _mm256_shuffle_epi8(
+        g, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -128, -128, -128, -128, -128, -128, -128, -128, 0, 1, 4, 5, 8,
+                            9, 12, 13, -128, -128, -128, -128, -128, -128, -128, -128));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  }
+}
+
+// 8 blocks of a q8_0 / q4_0 / mxfp4 row at blk against NT tokens' groups.
+template <class Dot, Block32 B, int NT>
 inline void group32(const uint8_t* blk, const Group8* G, __m256* facc) {
-  constexpr size_t kBytes = kQ8 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
+  constexpr size_t kBytes = block32_bytes<B>();
   __m256i acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = G[t].off;
-  if constexpr (kQ8) {
+  if constexpr (B == Block32::kQ8_0) {
     for (int h = 0; h < 2; ++h) {
       __m256i wv[4], u[4];
       transpose8<kBytes>(blk + 2 + 16 * h, wv);
@@ -580,32 +625,29 @@ inline void group32(const uint8_t* blk, const Group8* G, __m256* facc) {
       }
     }
   } else {
+    // q4_0's scale is 2 bytes before the nibbles, mxfp4's exponent 1.
+    constexpr size_t kScaleBytes = B == Block32::kQ4_0 ? 2 : 1;
+    constexpr int kMaxCode = B == Block32::kQ4_0 ? 15 : 24;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256i tv[4], u[8];
-    transpose8<kBytes>(blk + 2, tv);
+    transpose8<kBytes>(blk + kScaleBytes, tv);
     // Dword j of a[i] (block j's quants 4i .. 4i + 3) meets the low
     // nibbles, of a[i + 4] the high ones.
     for (int i = 0; i < 4; ++i) {
-      u[i] = _mm256_and_si256(tv[i], m4);
-      u[i + 4] = _mm256_and_si256(_mm256_srli_epi16(tv[i], 4), m4);
+      u[i] = nibble_codes<B>(_mm256_and_si256(tv[i], m4));
+      u[i + 4] = nibble_codes<B>(_mm256_and_si256(_mm256_srli_epi16(tv[i], 4), m4));
     }
-    for (int t = 0; t < NT; ++t) acc[t] = Dot::template dot<8, 15>(acc[t], u, G[t].a);
+    for (int t = 0; t < NT; ++t) acc[t] = Dot::template dot<8, kMaxCode>(acc[t], u, G[t].a);
   }
-  constexpr int kB = static_cast<int>(kBytes);
-  const __m256i idx = _mm256_setr_epi32(0, kB, 2 * kB, 3 * kB, 4 * kB, 5 * kB, 6 * kB, 7 * kB);
-  const __m256i g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), idx, 1);
-  const __m256i packed = _mm256_shuffle_epi8(
-      g, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -128, -128, -128, -128, -128, -128, -128, -128, 0, 1, 4, 5, 8, 9,
-                          12, 13, -128, -128, -128, -128, -128, -128, -128, -128));
-  const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  const __m256 dw = block_scales<B>(blk);
   for (int t = 0; t < NT; ++t) {
     facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_mul_ps(dw, G[t].d), facc[t]);
   }
 }
 
-template <class Dot, bool kQ8, int NT>
+template <class Dot, Block32 B, int NT>
 void q32_row(const uint8_t* row, size_t g0, size_t ng, size_t nb, const Group8* groups, float* res) {
-  constexpr size_t kBytes = kQ8 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
+  constexpr size_t kBytes = block32_bytes<B>();
   __m256 facc[NT];
   for (int t = 0; t < NT; ++t) facc[t] = _mm256_setzero_ps();
   for (size_t g = 0; g < ng; ++g) {
@@ -613,18 +655,18 @@ void q32_row(const uint8_t* row, size_t g0, size_t ng, size_t nb, const Group8* 
     const uint8_t* blk = row + b0 * kBytes;
     if (b0 + 8 <= nb) {
       prefetch_block<8 * kBytes>(blk);
-      group32<Dot, kQ8, NT>(blk, groups + g * NT, facc);
+      group32<Dot, B, NT>(blk, groups + g * NT, facc);
     } else {
       alignas(32) uint8_t tail[8 * kBytes];
       std::memset(tail, 0, sizeof tail);
       std::memcpy(tail, blk, (nb - b0) * kBytes);
-      group32<Dot, kQ8, NT>(tail, groups + g * NT, facc);
+      group32<Dot, B, NT>(tail, groups + g * NT, facc);
     }
   }
   for (int t = 0; t < NT; ++t) res[t] = hsum_ps(facc[t]);
 }
 
-template <class Dot, bool kQ8>
+template <class Dot, Block32 B>
 void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
                  size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
@@ -634,9 +676,12 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
   if (nb == 0) return zero_out(rows, tokens, out, ld_out);
   const size_t ng_total = (nb + 7) / 8;
   // q8_0's codes are signed: 0 with the sign trick, 128 biased.
-  constexpr int kOffset = kQ8 ? (Dot::kSaturatesInt16 ? 0 : 128) : 8;
+  constexpr int kOffset =
+      B == Block32::kQ8_0 ? (Dot::kSaturatesInt16 ? 0 : 128) : B == Block32::kQ4_0 ? 8 : 12;
+  constexpr WeightType kType =
+      B == Block32::kQ8_0 ? WeightType::kQ8_0 : B == Block32::kQ4_0 ? WeightType::kQ4_0 : WeightType::kMXFP4;
   Group8 buf[kGroupBuffer];
-  constexpr int kTokens = Dot::max_tokens(kQ8 ? WeightType::kQ8_0 : WeightType::kQ4_0);
+  constexpr int kTokens = Dot::max_tokens(kType);
   static_assert(kTokens >= 1 && kTokens <= kMaxTokens);
   for (int32_t t0 = 0; t0 < tokens; t0 += kTokens) {
     const int nt = tokens - t0 < kTokens ? tokens - t0 : kTokens;
@@ -650,7 +695,7 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
       for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
         const uint8_t* row = wb + r * row_bytes;
         float res[kMaxTokens];
-        with_token_count<kTokens>(nt, [&]<int NT>() { q32_row<Dot, kQ8, NT>(row, g0, ng, nb, buf, res); });
+        with_token_count<kTokens>(nt, [&]<int NT>() { q32_row<Dot, B, NT>(row, g0, ng, nb, buf, res); });
         for (int t = 0; t < nt; ++t) {
           float* o = out + static_cast<size_t>(t0 + t) * ld_out + r;
           *o = g0 == 0 ? res[t] : *o + res[t];

@@ -34,8 +34,9 @@ struct VnniDot {
   static constexpr int max_tokens(WeightType t) { return t == WeightType::kQ6_K ? 4 : 8; }
 };
 
-const QuantDotKernels kQ8_0 = {"q8_0-avx2-vnni", quantize_act, dot_rows_32<VnniDot, true>};
-const QuantDotKernels kQ4_0 = {"q4_0-avx2-vnni", quantize_act, dot_rows_32<VnniDot, false>};
+const QuantDotKernels kQ8_0 = {"q8_0-avx2-vnni", quantize_act, dot_rows_32<VnniDot, Block32::kQ8_0>};
+const QuantDotKernels kQ4_0 = {"q4_0-avx2-vnni", quantize_act, dot_rows_32<VnniDot, Block32::kQ4_0>};
+const QuantDotKernels kMxfp4 = {"mxfp4-avx2-vnni", quantize_act, dot_rows_32<VnniDot, Block32::kMxfp4>};
 const QuantDotKernels kQ4_K = {"q4_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ6K>};
@@ -54,6 +55,8 @@ const QuantDotKernels* quant_dot_avx_vnni(WeightType t) {
       return &kQ5_K;
     case WeightType::kQ6_K:
       return &kQ6_K;
+    case WeightType::kMXFP4:
+      return &kMxfp4;
     default:
       return nullptr;
   }

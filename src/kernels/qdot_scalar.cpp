@@ -12,6 +12,7 @@
 #include "kernels/quant_dot.h"
 #include "util/half.h"
 #include "util/quant_blocks.h"
+#include "util/quant_ref.h"
 
 namespace colibri::kernels {
 namespace {
@@ -111,6 +112,23 @@ float dot_q4_0(const void* row, const void* act, size_t n) {
       isum += lo * q[i] + hi * q[i + 16];
     }
     acc += f16_to_float(w[b].d) * act_d(a, b) * static_cast<float>(isum);
+  }
+  return acc;
+}
+
+// MXFP4's codes are exact integers (twice the E2M1 values) and its scale a
+// power of two, so the integer product per block is exact as for q4_0.
+float dot_mxfp4(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockMxfp4*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQK32; ++b) {
+    const int8_t* q = a.qs + kQK32 * b;
+    int32_t isum = 0;
+    for (int i = 0; i < kQK32 / 2; ++i) {
+      isum += kMxfp4Values[w[b].qs[i] & 15] * q[i] + kMxfp4Values[w[b].qs[i] >> 4] * q[i + 16];
+    }
+    acc += mxfp4_scale(w[b].e) * act_d(a, b) * static_cast<float>(isum);
   }
   return acc;
 }
@@ -231,6 +249,7 @@ constexpr QuantDotKernels kQ4_0 = {"q4_0-scalar", quantize_act, dot_rows<dot_q4_
 constexpr QuantDotKernels kQ4_K = {"q4_k-scalar", quantize_act, dot_rows<dot_qk45<false>>};
 constexpr QuantDotKernels kQ5_K = {"q5_k-scalar", quantize_act, dot_rows<dot_qk45<true>>};
 constexpr QuantDotKernels kQ6_K = {"q6_k-scalar", quantize_act, dot_rows<dot_q6_k>};
+constexpr QuantDotKernels kMxfp4 = {"mxfp4-scalar", quantize_act, dot_rows<dot_mxfp4>};
 
 }  // namespace
 
@@ -246,6 +265,8 @@ const QuantDotKernels* quant_dot_scalar(WeightType t) {
       return &kQ5_K;
     case WeightType::kQ6_K:
       return &kQ6_K;
+    case WeightType::kMXFP4:
+      return &kMxfp4;
     default:
       return nullptr;
   }

@@ -14,6 +14,7 @@ bool is_quantized(WeightType t) {
     case WeightType::kQ4_K:
     case WeightType::kQ5_K:
     case WeightType::kQ6_K:
+    case WeightType::kMXFP4:
       return true;
     default:
       return false;
@@ -32,7 +33,10 @@ const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa) {
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   // kAmx decodes with the AVX-512 kernels; without AVX512_VNNI the AVX-512
   // level takes the AVX2-level ones, with AVX-VNNI where the CPU has it.
-  if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) return quant_dot_avx512(t);
+  // Formats without an AVX-512 kernel (mxfp4) take the AVX2 level's.
+  if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) {
+    if (const QuantDotKernels* k = quant_dot_avx512(t)) return k;
+  }
   if (level >= Isa::kAvx2) return cpu_has_avx_vnni() ? quant_dot_avx_vnni(t) : quant_dot_avx2(t);
 #else
   (void)level;

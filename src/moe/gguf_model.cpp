@@ -46,6 +46,9 @@ bool weight_type_of(uint32_t ggml, WeightType* out) {
     case ggml_type::kQ6_K:
       *out = WeightType::kQ6_K;
       return true;
+    case ggml_type::kMXFP4:
+      *out = WeightType::kMXFP4;
+      return true;
     default:
       return false;
   }
@@ -278,7 +281,7 @@ class Loader {
     if (!weight_type_of(e.tensor->type, &t)) {
       bad_tensor(*e.file, e.tensor->name,
                  "is " + ggml_type_name(e.tensor->type) +
-                     ", a type Colibri does not compute (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)",
+                     ", a type Colibri does not compute (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4)",
                  Status::kUnsupported);
     }
     return t;

@@ -1,6 +1,6 @@
 // Byte layouts of the block-quantised weight formats, exactly as GGUF
 // stores them (ggml's block_q8_0, block_q4_0, block_q4_K, block_q5_K,
-// block_q6_K), so model files, GGUF tensors and memory hold the same bytes.
+// block_q6_K, block_mxfp4), so model files, GGUF tensors and memory hold the same bytes.
 // docs/FORMAT.md describes every field; weight_format.h owns the sizes.
 #pragma once
 
@@ -50,7 +50,19 @@ struct BlockQ6K {
   uint16_t d;  // f16
 };
 
+// MXFP4 (OCP microscaling, as gpt-oss stores its experts): 32 E2M1 codes
+// with one shared E8M0 scale. x[i] = 2^(e - 128) * kMxfp4Values[qs[i] & 15],
+// x[i + 16] = 2^(e - 128) * kMxfp4Values[qs[i] >> 4], i < 16: the table
+// holds twice the E2M1 values, hence e - 128 rather than e - 127 (ggml's
+// ggml_e8m0_to_fp32_half; e < 2 gives the subnormals 2^-128 and 2^-127).
+struct BlockMxfp4 {
+  uint8_t e;
+  uint8_t qs[kQK32 / 2];
+};
+inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 static_assert(sizeof(BlockQ8_0) == 34);
+static_assert(sizeof(BlockMxfp4) == 17);
 static_assert(sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ4K) == 144);
 static_assert(sizeof(BlockQ5K) == 176);

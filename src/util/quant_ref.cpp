@@ -379,6 +379,25 @@ void dequantize_q5_k(const void* src, float* dst, size_t n) {
   }
 }
 
+float mxfp4_scale(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+void dequantize_mxfp4(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockMxfp4*>(src);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b) {
+    const float d = mxfp4_scale(b->e);
+    for (int j = 0; j < kQK32 / 2; ++j) {
+      dst[j] = d * static_cast<float>(kMxfp4Values[b->qs[j] & 0xf]);
+      dst[j + kQK32 / 2] = d * static_cast<float>(kMxfp4Values[b->qs[j] >> 4]);
+    }
+    dst += kQK32;
+  }
+}
+
 void dequantize_q6_k(const void* src, float* dst, size_t n) {
   const auto* b = static_cast<const BlockQ6K*>(src);
   for (size_t i = 0; i < n / kQKK; ++i, ++b) {
@@ -532,6 +551,42 @@ void quantize_q6_k(const float* src, void* dst, size_t n) {
         b->qh[32 * h + l] = static_cast<uint8_t>((q[l] >> 4) | ((q[l + 32] >> 4) << 2) | ((q[l + 64] >> 4) << 4) |
                                                  ((q[l + 96] >> 4) << 6));
       }
+    }
+  }
+}
+
+void quantize_mxfp4(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockMxfp4*>(dst);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, src += kQK32) {
+    float amax = 0.0f;
+    for (int j = 0; j < kQK32; ++j) amax = std::fmax(amax, std::fabs(src[j]));
+    // ggml's shared exponent: floor(log2(amax)) - 2, so that amax / 2^(e - 128)
+    // lies in [8, 16) and the largest code (12) is at most 1.5x off. Where
+    // ggml's float-to-uint8 conversion is undefined (amax below 2^-125, or
+    // not finite) the exponent is clamped to [0, 254].
+    int e = 0;
+    if (amax > 0.0f) {
+      const float l = std::floor(std::log2(amax)) - 2 + 127;
+      e = !(l >= 0.0f) ? 0 : (l > 254.0f ? 254 : static_cast<int>(l));
+    }
+    b->e = static_cast<uint8_t>(e);
+    const float d = mxfp4_scale(b->e);
+    // The nearest code, the first of equals (gguf's argmin over the table,
+    // whose 0 and -0 entries both decode to 0: index 0 wins).
+    auto level = [d](float x) {
+      int best = 0;
+      float best_err = std::fabs(d * static_cast<float>(kMxfp4Values[0]) - x);
+      for (int c = 1; c < 16; ++c) {
+        const float err = std::fabs(d * static_cast<float>(kMxfp4Values[c]) - x);
+        if (err < best_err) {
+          best_err = err;
+          best = c;
+        }
+      }
+      return static_cast<uint8_t>(best);
+    };
+    for (int j = 0; j < kQK32 / 2; ++j) {
+      b->qs[j] = static_cast<uint8_t>(level(src[j]) | (level(src[j + kQK32 / 2]) << 4));
     }
   }
 }

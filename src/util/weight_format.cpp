@@ -46,6 +46,7 @@ constexpr WeightFormat kFormats[kWeightTypeCount] = {
     {WeightType::kQ4_K, "q4_k", kQKK, sizeof(BlockQ4K), dequantize_q4_k, quantize_q4_k, true},
     {WeightType::kQ5_K, "q5_k", kQKK, sizeof(BlockQ5K), dequantize_q5_k, quantize_q5_k, true},
     {WeightType::kQ6_K, "q6_k", kQKK, sizeof(BlockQ6K), dequantize_q6_k, quantize_q6_k, true},
+    {WeightType::kMXFP4, "mxfp4", kQK32, sizeof(BlockMxfp4), dequantize_mxfp4, quantize_mxfp4, true},
 };
 
 }  // namespace

@@ -26,8 +26,9 @@ enum class WeightType : uint8_t {
   kQ4_K = 5,
   kQ5_K = 6,
   kQ6_K = 7,
+  kMXFP4 = 8,
 };
-inline constexpr int kWeightTypeCount = 8;
+inline constexpr int kWeightTypeCount = 9;
 
 struct WeightFormat {
   WeightType type;
