@@ -179,7 +179,8 @@ ggml_type parse_type(const std::string & s) {
     if (l == "q8_0") return GGML_TYPE_Q8_0;
     if (l == "q4_0") return GGML_TYPE_Q4_0;
     if (l == "q4_k") return GGML_TYPE_Q4_K;
-    die("unsupported --type %s (f16, bf16, f32, q8_0, q4_0, q4_K)", s.c_str());
+    if (l == "mxfp4") return GGML_TYPE_MXFP4;
+    die("unsupported --type %s (f16, bf16, f32, q8_0, q4_0, q4_K, mxfp4)", s.c_str());
 }
 
 std::string json_str(const std::string & s) {

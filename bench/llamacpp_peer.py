@@ -47,7 +47,7 @@ SMOKE_SHAPES = {"peer-smoke": (8, 2, 256, 512, [1, 16])}  # q4_K needs multiples
 QUANT_TYPES = ["q8_0", "q4_0", "q4_K"]
 FLOAT_TYPES = ["f16", "bf16"]
 # ggml's type names -> Colibri's dtype names
-COLIBRI_DTYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_K": "q4_k", "f16": "f16", "bf16": "bf16", "f32": "f32"}
+COLIBRI_DTYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_K": "q4_k", "mxfp4": "mxfp4", "f16": "f16", "bf16": "bf16", "f32": "f32"}
 
 T0 = time.time()
 
@@ -247,7 +247,7 @@ def parse_args(argv):
     ap.add_argument("--shapes", default=",".join(SHAPE_NAMES),
                     help="comma-separated, of: %s, peer-smoke" % ", ".join(run_suite.SHAPES))
     ap.add_argument("--tokens", help="comma-separated token counts (default: the shape's, 1 and 128)")
-    ap.add_argument("--types", default=",".join(QUANT_TYPES), help="ggml weight types (q8_0, q4_0, q4_K, f16, bf16)")
+    ap.add_argument("--types", default=",".join(QUANT_TYPES), help="ggml weight types (q8_0, q4_0, q4_K, mxfp4, f16, bf16)")
     ap.add_argument("--float", action="store_true", help="also f16 and bf16")
     ap.add_argument("--no-cycled", action="store_true", help="no decode rows with a new routing every call")
     ap.add_argument("--threads", type=int, default=2)
