@@ -20,7 +20,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // not wrong; keep the walk to small models.
     if (static_cast<int64_t>(m.n_layers) * m.n_experts <= 4096) {
       uint64_t files = 0;
-      m.for_each_weight_file([&](const std::string&, uint64_t) { ++files; });
+      m.for_each_weight_file([&](const std::string&, uint64_t, int32_t) { ++files; });
       if (files < static_cast<uint64_t>(m.n_layers) * static_cast<uint64_t>(m.n_experts)) __builtin_trap();
     }
   } catch (const colibri::Error&) {
