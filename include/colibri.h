@@ -185,7 +185,9 @@ COLIBRI_API void colibri_free(colibri_model_t* model);
  *                      group score = sum of the group's top two; experts of
  *                      dropped groups never chosen; weights = unbiased sigmoid
  *                      scores, renormalised if norm_topk_prob, times
- *                      routed_scaling_factor */
+ *                      routed_scaling_factor
+ *   GPT_OSS            logits + router bias; top-k of those; weights = softmax
+ *                      over the k chosen (norm_topk_prob must be 1) */
 typedef enum colibri_router_family {
   COLIBRI_ROUTER_NONE = 0,
   COLIBRI_ROUTER_MIXTRAL = 1,
@@ -193,7 +195,8 @@ typedef enum colibri_router_family {
   COLIBRI_ROUTER_QWEN3_MOE = 3,
   COLIBRI_ROUTER_OLMOE = 4,
   COLIBRI_ROUTER_DEEPSEEK_V2 = 5,
-  COLIBRI_ROUTER_DEEPSEEK_V3 = 6
+  COLIBRI_ROUTER_DEEPSEEK_V3 = 6,
+  COLIBRI_ROUTER_GPT_OSS = 7
 } colibri_router_family_t;
 
 typedef struct colibri_router_desc_s {
@@ -210,25 +213,42 @@ typedef struct colibri_router_desc_s {
 COLIBRI_API void colibri_router_desc_default(colibri_router_desc_t* router);
 COLIBRI_API const char* colibri_router_family_name(colibri_router_family_t family);
 
+/* What each expert computes from its gate and up products g and u (after
+ * their biases, when the model has them):
+ *   SWIGLU          h = silu(g) * u
+ *   CLAMPED_SWIGLU  (gpt-oss) g = min(g, limit), u = clamp(u, -limit, limit),
+ *                   h = (u + 1) * g * sigmoid(alpha * g)
+ * and then y += w * (down . h + down_bias). */
+typedef enum colibri_activation {
+  COLIBRI_ACTIVATION_SWIGLU = 0,
+  COLIBRI_ACTIVATION_CLAMPED_SWIGLU = 1
+} colibri_activation_t;
+
 /* ------------------------------------------------ models from memory (v2) */
 
 /* One expert's three matrices, each row-major as nn.Linear.weight, in the
  * model's dtype (down in down_dtype): gate [d_ff][d_model], up
  * [d_ff][d_model], down [d_model][d_ff]; block formats in rows of whole
  * blocks (colibri_dtype_row_bytes). The fused layout's gate_up_proj[e] ([2*d_ff][d_model],
- * gate first) is gate = gate_up_proj[e], up = gate + d_ff*d_model. */
+ * gate first) is gate = gate_up_proj[e], up = gate + d_ff*d_model.
+ * The biases are read when the model desc says expert_bias (NULL = zeros),
+ * float32: gate_bias [d_ff], up_bias [d_ff], down_bias [d_model]. */
 typedef struct colibri_expert_weights_s {
   const void* gate;
   const void* up;
   const void* down;
+  const float* gate_bias;
+  const float* up_bias;
+  const float* down_bias;
 } colibri_expert_weights_t;
 
 typedef struct colibri_layer_weights_s {
   const colibri_expert_weights_t* experts; /* [n_experts] */
   const float* router;      /* [n_experts][d_model]; required when the model
                                has a router, else ignored */
-  const float* router_bias; /* [n_experts] e_score_correction_bias; DeepSeek-V3
-                               only (NULL = zeros) */
+  const float* router_bias; /* [n_experts] DeepSeek-V3's e_score_correction_bias
+                               or gpt-oss's router bias (added to the
+                               logits); those two only (NULL = zeros) */
   colibri_expert_weights_t shared; /* used when shared_d_ff > 0; d_ff is
                                       shared_d_ff */
   const float* shared_gate; /* [d_model] or NULL: with it the shared expert's
@@ -249,9 +269,13 @@ typedef struct colibri_model_desc_s {
                                  format (another block format may be
                                  given, e.g. q6_k down with q4_k gate and
                                  up); ignored for float dtypes */
+  colibri_activation_t activation; /* default SWIGLU */
+  float swiglu_alpha;  /* CLAMPED_SWIGLU: default 1.702 */
+  float swiglu_limit;  /* CLAMPED_SWIGLU: default 7 */
+  int32_t expert_bias; /* 1 = the experts have biases (gpt-oss) */
 } colibri_model_desc_t;
 
-/* Zeroes *desc and sets router defaults. */
+/* Zeroes *desc and sets the router's and the activation's defaults. */
 COLIBRI_API void colibri_model_desc_default(colibri_model_desc_t* desc);
 
 /* Builds a model from buffers: the weights are copied (packed, huge-page
@@ -348,6 +372,10 @@ typedef struct colibri_model_info_s {
   int32_t router_top_k;                  /* 0 without a router */
   int32_t shared_d_ff;                   /* 0 without a shared expert */
   colibri_dtype_t down_dtype;            /* of the down matrices (= dtype unless mixed) */
+  colibri_activation_t activation;
+  float swiglu_alpha;                    /* CLAMPED_SWIGLU only */
+  float swiglu_limit;                    /* CLAMPED_SWIGLU only */
+  int32_t expert_bias;                   /* 1 = experts with biases */
 } colibri_model_info_t;
 
 typedef struct colibri_stats_s {

@@ -52,6 +52,9 @@ int main(void) {
   FIELD(colibri_expert_weights_t, gate);
   FIELD(colibri_expert_weights_t, up);
   FIELD(colibri_expert_weights_t, down);
+  FIELD(colibri_expert_weights_t, gate_bias);
+  FIELD(colibri_expert_weights_t, up_bias);
+  FIELD(colibri_expert_weights_t, down_bias);
   end();
 
   BEGIN(colibri_layer_weights_t);
@@ -72,6 +75,10 @@ int main(void) {
   FIELD(colibri_model_desc_t, router);
   FIELD(colibri_model_desc_t, layers);
   FIELD(colibri_model_desc_t, down_dtype);
+  FIELD(colibri_model_desc_t, activation);
+  FIELD(colibri_model_desc_t, swiglu_alpha);
+  FIELD(colibri_model_desc_t, swiglu_limit);
+  FIELD(colibri_model_desc_t, expert_bias);
   end();
 
   BEGIN(colibri_infer_t);
@@ -108,6 +115,10 @@ int main(void) {
   FIELD(colibri_model_info_t, router_top_k);
   FIELD(colibri_model_info_t, shared_d_ff);
   FIELD(colibri_model_info_t, down_dtype);
+  FIELD(colibri_model_info_t, activation);
+  FIELD(colibri_model_info_t, swiglu_alpha);
+  FIELD(colibri_model_info_t, swiglu_limit);
+  FIELD(colibri_model_info_t, expert_bias);
   end();
 
   BEGIN(colibri_stats_t);

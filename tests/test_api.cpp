@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "colibri.h"
+#include "io/manifest.h"
 #include "lib/model_writer.h"
 
 #include "test_util.h"
@@ -288,7 +289,7 @@ TEST_F(ApiTest, WrongFormatOrVersion) {
   expect_manifest_rejected(doc, {"format"});
 
   doc = manifest_;
-  doc["version"] = 4;
+  doc["version"] = colibri::kManifestVersion + 1;
   expect_manifest_rejected(doc, {"version"});
   // Block formats need version 3.
   doc = manifest_;

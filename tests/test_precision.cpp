@@ -93,7 +93,7 @@ colibri_status_t open_layer(const Layer& L, const colibri_open_options_t& o, col
     const char* base = L.dtype == COLIBRI_DTYPE_F32
                            ? reinterpret_cast<const char*>(L.stored32[static_cast<size_t>(e)].data())
                            : reinterpret_cast<const char*>(L.stored16[static_cast<size_t>(e)].data());
-    ew[static_cast<size_t>(e)] = {base, base + DF * elem, base + 2 * DF * elem};
+    ew[static_cast<size_t>(e)] = {base, base + DF * elem, base + 2 * DF * elem, nullptr, nullptr, nullptr};
   }
   colibri_layer_weights_t lw{};
   lw.experts = ew.data();

@@ -46,21 +46,8 @@ const Case kCases[] = {
     {"mxfp4", COLIBRI_DTYPE_MXFP4, COLIBRI_DTYPE_MXFP4},
 };
 
-struct Opened {
-  colibri_model_t* model = nullptr;
-  ~Opened() { colibri_free(model); }
-};
-
-colibri_model_t* open_model(const std::string& dir, bool exact) {
-  colibri_open_options_t o;
-  colibri_open_options_default(&o);
-  o.lock_memory = 0;
-  o.huge_pages = 0;
-  o.exact_prefill = exact ? 1 : 0;
-  colibri_model_t* m = nullptr;
-  EXPECT_EQ(colibri_open(dir.c_str(), &o, &m), COLIBRI_OK) << colibri_last_error();
-  return m;
-}
+using Opened = colibri_test::OpenedModel;
+using colibri_test::open_test_model;
 
 // Random routing over E experts, k slots per token; `skew` sends most
 // tokens to expert 0 and leaves some slots empty (-1).
@@ -124,7 +111,7 @@ TEST_P(QuantModel, MatchesReferenceOnDequantisedWeights) {
   colibri::write_random_model(tmp.path(), spec, 7);
   for (bool exact : {false, true}) {
     Opened m;
-    m.model = open_model(tmp.path(), exact);
+    m.model = open_test_model(tmp.path(), exact);
     ASSERT_NE(m.model, nullptr);
     colibri_model_info_t info;
     ASSERT_EQ(colibri_model_info(m.model, &info), COLIBRI_OK);
@@ -166,7 +153,7 @@ TEST(QuantModelWide, Q4KMixAtWholeBlocks) {
   spec.down_dtype = colibri::WeightType::kQ6_K;
   colibri::write_random_model(tmp.path(), spec, 11);
   Opened m;
-  m.model = open_model(tmp.path(), false);
+  m.model = open_test_model(tmp.path(), false);
   ASSERT_NE(m.model, nullptr);
   for (int32_t T : {1, 2, 64}) {
     EXPECT_LE(run_and_compare(m.model, tmp.path(), 0, T, 2, spec.n_experts, spec.d_model, false, 100 + T),
@@ -227,7 +214,7 @@ TEST(QuantModelFiles, ManifestRules) {
   refused(R"("version": 3, "dtype": "f16", "down_dtype": "q4_k"})", "down_dtype");
   refused(R"("version": 3, "dtype": "q4_k", "down_dtype": "bf16"})", "down_dtype");
   refused(R"("version": 3, "dtype": "q3_k"})", "dtype");
-  refused(R"("version": 4, "dtype": "q4_k"})", "version");
+  refused(R"("version": 5, "dtype": "q4_k"})", "version");
 
   // Per-layer types (layer_dtypes): n_layers entries of block formats, the
   // first equal to dtype / down_dtype; sizes follow each layer's types.

@@ -38,6 +38,25 @@ struct Choice {
 // families' published forward code, not from src/moe/router.cpp.
 Choice reference_choice(const colibri::RouterDesc& r, const std::vector<double>& logits, const double* bias) {
   const int E = static_cast<int>(logits.size());
+  if (r.family == colibri::RouterFamily::kGptOss) {
+    // transformers' GptOssTopKRouter: linear with bias, topk of the logits,
+    // softmax over the k values.
+    std::vector<double> biased(E);
+    for (int e = 0; e < E; ++e) biased[e] = logits[e] + (bias ? bias[e] : 0.0);
+    std::vector<int> order(E);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return biased[a] > biased[b]; });
+    Choice c;
+    double sum = 0;
+    for (int j = 0; j < r.top_k; ++j) {
+      c.ids.push_back(order[j]);
+      c.weights.push_back(std::exp(biased[order[j]]));
+      sum += c.weights.back();
+    }
+    for (double& w : c.weights) w /= sum;
+    c.margin = r.top_k < E ? biased[order[r.top_k - 1]] - biased[order[r.top_k]] : INFINITY;
+    return c;
+  }
   const bool v3 = r.family == colibri::RouterFamily::kDeepseekV3;
   std::vector<double> score(E), rank(E);
   if (v3) {
@@ -122,6 +141,7 @@ std::vector<colibri::RouterDesc> all_rules(int32_t E) {
       make_router(colibri::RouterFamily::kDeepseekV2, 6, 1, 8, 3, 16.0f),  // renormalised
       make_router(colibri::RouterFamily::kDeepseekV3, 8, 1, 8, 4, 2.5f),
       make_router(colibri::RouterFamily::kDeepseekV3, 8, 0, 1, 1, 2.5f),
+      make_router(colibri::RouterFamily::kGptOss, 4, 1),
   };
 }
 
@@ -472,7 +492,7 @@ struct MemoryModel {
     for (int32_t l = 0; l < m.n_layers; ++l) {
       for (int32_t e = 0; e < m.n_experts; ++e) {
         const uint8_t* p = experts[static_cast<size_t>(l) * m.n_experts + e].data();
-        expert_ptrs[l].push_back({p, p + FD, p + 2 * FD});
+        expert_ptrs[l].push_back({p, p + FD, p + 2 * FD, nullptr, nullptr, nullptr});
       }
       colibri_layer_weights_t lw{};
       lw.experts = expert_ptrs[l].data();
@@ -482,7 +502,7 @@ struct MemoryModel {
       }
       if (m.has_shared()) {
         const uint8_t* p = shared[l].data();
-        lw.shared = {p, p + SD, p + 2 * SD};
+        lw.shared = {p, p + SD, p + 2 * SD, nullptr, nullptr, nullptr};
         if (m.shared_gate) lw.shared_gate = shared_gate[l].data();
       }
       layers.push_back(lw);

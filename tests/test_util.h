@@ -63,4 +63,26 @@ class TempDir {
   std::string path_;
 };
 
+// A model handle freed on scope exit.
+struct OpenedModel {
+  colibri_model_t* model = nullptr;
+  OpenedModel() = default;
+  OpenedModel(const OpenedModel&) = delete;
+  OpenedModel& operator=(const OpenedModel&) = delete;
+  ~OpenedModel() { colibri_free(model); }
+};
+
+// colibri_open of `dir` without mlock or huge pages (tests open many
+// models), exact_prefill as asked; nullptr after a test failure.
+inline colibri_model_t* open_test_model(const std::string& dir, bool exact) {
+  colibri_open_options_t o;
+  colibri_open_options_default(&o);
+  o.lock_memory = 0;
+  o.huge_pages = 0;
+  o.exact_prefill = exact ? 1 : 0;
+  colibri_model_t* m = nullptr;
+  EXPECT_EQ(colibri_open(dir.c_str(), &o, &m), COLIBRI_OK) << colibri_last_error();
+  return m;
+}
+
 }  // namespace colibri_test

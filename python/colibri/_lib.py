@@ -58,6 +58,7 @@ ROUTER_FAMILIES = {
     4: "olmoe",
     5: "deepseek_v2",
     6: "deepseek_v3",
+    7: "gpt_oss",
 }
 ROUTER_CODES = {v: k for k, v in ROUTER_FAMILIES.items() if v is not None}
 
@@ -104,7 +105,14 @@ class RouterDesc(ctypes.Structure):
 
 
 class ExpertWeights(ctypes.Structure):
-    _fields_ = [("gate", c_void_p), ("up", c_void_p), ("down", c_void_p)]
+    _fields_ = [
+        ("gate", c_void_p),
+        ("up", c_void_p),
+        ("down", c_void_p),
+        ("gate_bias", c_void_p),  # const float*, with expert_bias
+        ("up_bias", c_void_p),
+        ("down_bias", c_void_p),
+    ]
 
 
 class LayerWeights(ctypes.Structure):
@@ -128,6 +136,10 @@ class ModelDesc(ctypes.Structure):
         ("router", RouterDesc),
         ("layers", ctypes.POINTER(LayerWeights)),
         ("down_dtype", ctypes.c_int),  # enum
+        ("activation", ctypes.c_int),  # enum
+        ("swiglu_alpha", c_float),
+        ("swiglu_limit", c_float),
+        ("expert_bias", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 
@@ -161,6 +173,10 @@ class ModelInfo(ctypes.Structure):
         ("router_top_k", c_int32),
         ("shared_d_ff", c_int32),
         ("down_dtype", ctypes.c_int),
+        ("activation", ctypes.c_int),
+        ("swiglu_alpha", c_float),
+        ("swiglu_limit", c_float),
+        ("expert_bias", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 
@@ -473,7 +489,7 @@ def router_family_code(family):
     if key in ("none", ""):
         return 0
     aliases = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseekv2": "deepseek_v2",
-               "deepseekv3": "deepseek_v3"}
+               "deepseekv3": "deepseek_v3", "gptoss": "gpt_oss"}
     key = aliases.get(key.replace("_", ""), key)
     if key not in ROUTER_CODES:
         raise ValueError("unknown router family %r; expected one of %s" % (family, sorted(ROUTER_CODES)))

@@ -14,13 +14,18 @@ from ._lib import ColibriError
 
 __all__ = ["Model", "ModelInfo", "ModelStats", "RouterConfig", "save_model"]
 
+ACTIVATIONS = {0: "swiglu", 1: "clamped_swiglu"}  # colibri_activation_t
+ACTIVATION_CODES = {v: k for k, v in ACTIVATIONS.items()}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
     """colibri_model_info(). dtype is 'f32', 'f16', 'bf16' or a block format
     ('q8_0', 'q4_0', 'q4_k', 'q5_k', 'q6_k', 'mxfp4'), down_dtype that of the down
     matrices (the same unless mixed, e.g. 'q6_k' with 'q4_k'); router_family
-    is None without a built-in router, else e.g. 'mixtral' or 'deepseek_v3'."""
+    is None without a built-in router, else e.g. 'mixtral' or 'gpt_oss';
+    activation 'swiglu' or 'clamped_swiglu' (gpt-oss, with swiglu_alpha and
+    swiglu_limit), expert_bias whether the experts have biases."""
 
     n_layers: int
     n_experts: int
@@ -33,6 +38,10 @@ class ModelInfo:
     router_top_k: int
     shared_d_ff: int
     down_dtype: str = ""
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +63,7 @@ class ModelStats:
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     """A built-in router (colibri_router_desc_t). family: 'mixtral',
-    'qwen2_moe', 'qwen3_moe', 'olmoe', 'deepseek_v2' or 'deepseek_v3'; the
+    'qwen2_moe', 'qwen3_moe', 'olmoe', 'deepseek_v2', 'deepseek_v3' or 'gpt_oss'; the
     rules are in include/colibri.h."""
 
     family: str
@@ -162,13 +171,18 @@ class Model:
             router_top_k=info.router_top_k,
             shared_d_ff=info.shared_d_ff,
             down_dtype=L.DTYPE_NAMES.get(info.down_dtype, str(info.down_dtype)),
+            activation=ACTIVATIONS.get(info.activation, str(info.activation)),
+            swiglu_alpha=info.swiglu_alpha,
+            swiglu_limit=info.swiglu_limit,
+            expert_bias=bool(info.expert_bias),
         )
 
     # ------------------------------------------------------------ from memory
 
     @classmethod
     def from_arrays(cls, layers, dtype="f32", router=None, threads=0, lock=True, huge_pages=True,
-                    bf16_compute=False, *, pin_threads=None, reserve_tokens=None, exact_prefill=False):
+                    bf16_compute=False, *, pin_threads=None, reserve_tokens=None, exact_prefill=False,
+                    activation="swiglu", swiglu_alpha=1.702, swiglu_limit=7.0):
         """Builds a model from weights in memory (colibri_open_memory).
 
         layers: a list, one dict per layer, with
@@ -181,7 +195,12 @@ class Model:
             ``router_bias`` [E] (DeepSeek-V3's e_score_correction_bias);
           - ``shared``: (gate [S, D], up [S, D], down [D, S]) for a shared
             expert, ``shared_gate`` [D] (or [1, D]) for Qwen2-MoE's sigmoid
-            gate on it.
+            gate on it;
+          - ``gate_bias`` [E, F], ``up_bias`` [E, F], ``down_bias`` [E, D]:
+            expert biases (gpt-oss), in every layer or in none.
+        activation: 'swiglu' or 'clamped_swiglu' (gpt-oss: gate clamped to
+        at most swiglu_limit, up to [-limit, limit], then
+        (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
         Arrays are NumPy arrays or CPU torch tensors; ones already of `dtype`
         and contiguous are passed without a copy, others are converted
         (bf16 in NumPy: uint16 bit patterns). The library copies everything
@@ -208,15 +227,18 @@ class Model:
         router = RouterConfig.coerce(router)
         if not isinstance(layers, (list, tuple)) or not layers:
             raise ValueError("layers must be a non-empty list of dicts, one per layer")
+        if activation not in ACTIVATION_CODES:
+            raise ValueError("activation must be one of %s, got %r" % (sorted(ACTIVATION_CODES), activation))
         keep = []  # every buffer whose pointer the descriptor holds
         E = D = F = S = None
+        biased = None
         c_layers = (L.LayerWeights * len(layers))()
         expert_arrays = []
         for li, layer in enumerate(layers):
             if not isinstance(layer, dict):
                 raise TypeError("layers[%d] must be a dict, got %s" % (li, type(layer).__name__))
             unknown = set(layer) - {"experts", "gate_up_proj", "down_proj", "router", "router_bias", "shared",
-                                    "shared_gate"}
+                                    "shared_gate", "gate_bias", "up_bias", "down_bias"}
             if unknown:
                 raise ValueError("layers[%d]: unknown keys %s" % (li, sorted(unknown)))
             where = "layers[%d]" % li
@@ -233,12 +255,26 @@ class Model:
                 raise ValueError("%s: %d experts of [d_ff=%d, d_model=%d], but layer 0 has %d of [%d, %d]"
                                  % (where, e_n, f_n, d_n, E, F, D))
             c_experts = (L.ExpertWeights * E)()
+            given = [layer.get(k) is not None for k in ("gate_bias", "up_bias", "down_bias")]
+            if any(given) and not all(given):
+                raise ValueError("%s: gate_bias, up_bias and down_bias go together" % where)
+            if biased is None:
+                biased = all(given)
+            elif biased != all(given):
+                raise ValueError("%s: expert biases must be given in every layer or in none" % where)
+            if biased:
+                biases = [A.as_weight(layer[k], "f32", "%s %s" % (where, k), (E, n))
+                          for k, n in (("gate_bias", F), ("up_bias", F), ("down_bias", D))]
+                keep.extend(biases)
             for e, (g, u, d) in enumerate(triples):
                 g = weight(g, "%s expert %d gate" % (where, e), (F, D))
                 u = weight(u, "%s expert %d up" % (where, e), (F, D))
                 d = weight(d, "%s expert %d down" % (where, e), (D, F), down_dtype)
                 keep.extend((g, u, d))
                 c_experts[e].gate, c_experts[e].up, c_experts[e].down = (A.data_ptr(g), A.data_ptr(u), A.data_ptr(d))
+                if biased:
+                    c_experts[e].gate_bias, c_experts[e].up_bias, c_experts[e].down_bias = (
+                        A.data_ptr(b) + 4 * e * n for b, n in zip(biases, (F, F, D)))
             expert_arrays.append(c_experts)
             c_layers[li].experts = ctypes.cast(c_experts, ctypes.POINTER(L.ExpertWeights))
             if layer.get("router") is not None:
@@ -290,6 +326,10 @@ class Model:
         desc.dtype = L.DTYPE_CODES[dtype]
         desc.down_dtype = L.DTYPE_CODES[down_dtype]
         desc.shared_d_ff = S or 0
+        desc.activation = ACTIVATION_CODES[activation]
+        desc.swiglu_alpha = float(swiglu_alpha)
+        desc.swiglu_limit = float(swiglu_limit)
+        desc.expert_bias = 1 if biased else 0
         if router is not None:
             desc.router = router.to_c()
         desc.layers = ctypes.cast(c_layers, ctypes.POINTER(L.LayerWeights))

@@ -31,6 +31,10 @@ transformers:
   deepseek_v3   .gate (... e_score_correction_bias)         as deepseek_v2
   fused         .experts.gate_up_proj [E, 2F, D] (gate rows first), .experts.down_proj [E, D, F],
                 experts(hidden, top_k_index, top_k_weights) (transformers' fused experts modules)
+  gpt_oss       .router (weight [E, D], bias [E], top_k)    GptOssExperts: gate_up_proj [E, D, 2F]
+                                                            (gate and up columns interleaved) and
+                                                            down_proj [E, F, D] with their biases,
+                                                            .alpha, .limit (the clamped SwiGLU)
 """
 
 import ctypes
@@ -205,7 +209,8 @@ class ColibriExperts(nn.Module):
             if rb is not None:
                 layer["router_bias"] = rb
         cdtype = _colibri_dtype(dtype, spec.weight_like)
-        model = Model.from_arrays([layer], dtype=cdtype, router=rc, threads=threads, **options)
+        model = Model.from_arrays([layer], dtype=cdtype, router=rc, threads=threads, **spec.model_options(),
+                                  **options)
         return cls._view(model, 0)
 
     def extra_repr(self):
@@ -368,6 +373,14 @@ class _Spec:
     returns_logits: bool = True
     router_problem: str = ""  # why the block's router cannot be Colibri's built-in one
     known_block: bool = False  # a transformers 5 block whose whole forward _fused_block_forward reproduces
+    # gpt-oss: the clamped SwiGLU and the experts' biases (gate [E, F], up
+    # [E, F], down [E, D]); the router's bias.
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    biases: tuple = None
+    router_bias: torch.Tensor = None
+    dense_scores: bool = False  # transformers 4.57's GptOssExperts takes routing weights as [N, E]
 
     @property
     def weight_like(self):
@@ -376,13 +389,24 @@ class _Spec:
     def group_key(self, cdtype):
         s = self.shared[0].shape[0] if (self.shared is not None and self.shared_in_colibri) else 0
         return (cdtype, self.n_experts, self.d_model, self.d_ff, s,
-                self.shared_gate is not None and self.shared_in_colibri)
+                self.shared_gate is not None and self.shared_in_colibri,
+                self.activation, self.swiglu_alpha, self.swiglu_limit, self.biases is not None)
+
+    def model_options(self):
+        """Model.from_arrays's activation arguments for this block."""
+        return {"activation": self.activation, "swiglu_alpha": self.swiglu_alpha, "swiglu_limit": self.swiglu_limit}
 
     def layer_dict(self, shared_in_colibri):
-        if self.fused is not None:
+        if self.layout == "gpt_oss":
+            gu, dp = self.fused[0].detach(), self.fused[1].detach()
+            # [E, D, 2F] with gate and up columns interleaved; [E, F, D].
+            d = {"experts": (gu[:, :, 0::2].transpose(1, 2), gu[:, :, 1::2].transpose(1, 2), dp.transpose(1, 2))}
+        elif self.fused is not None:
             d = {"gate_up_proj": self.fused[0].detach(), "down_proj": self.fused[1].detach()}
         else:
             d = {"experts": [tuple(w.detach() for w in t) for t in self.experts]}
+        if self.biases is not None:
+            d["gate_bias"], d["up_bias"], d["down_bias"] = (b.detach() for b in self.biases)
         if shared_in_colibri and self.shared is not None and self.shared_in_colibri:
             d["shared"] = tuple(w.detach() for w in self.shared)
             if self.shared_gate is not None:
@@ -394,7 +418,7 @@ class _Spec:
         to any weight (Colibri has its own copy)."""
         return dataclasses.replace(self, experts=None, fused=None,
                                    shared=None if self.shared is None else ("present",), shared_gate=None,
-                                   gate_weight=None, e_score_correction_bias=None)
+                                   gate_weight=None, e_score_correction_bias=None, biases=None, router_bias=None)
 
     def router_for_colibri(self):
         """(RouterConfig, router weight, router bias) for Colibri's built-in
@@ -408,8 +432,8 @@ class _Spec:
         fam = self.family if self.family in L.ROUTER_CODES else "mixtral"
         rc = RouterConfig(family=fam, top_k=self.top_k, norm_topk_prob=bool(self.norm_topk_prob), n_group=self.n_group,
                           topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
-        rb = self.e_score_correction_bias.detach() if self.e_score_correction_bias is not None else None
-        return rc, self.gate_weight.detach(), rb
+        rb = self.e_score_correction_bias if self.e_score_correction_bias is not None else self.router_bias
+        return rc, self.gate_weight.detach(), None if rb is None else rb.detach()
 
 
 def _int_attr(obj, name):
@@ -649,11 +673,47 @@ def _recognise_fused(block, experts, gu, dp):
     return spec
 
 
+def _recognise_gpt_oss(block, experts):
+    """The _Spec of a gpt-oss block (transformers' GptOssMLP: .router, and
+    GptOssExperts computing the clamped SwiGLU with biases), or why not."""
+    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    gu, gub, dp, dpb = (getattr(experts, n, None) for n in names)
+    if not all(isinstance(t, torch.Tensor) for t in (gu, gub, dp, dpb)):
+        return "GptOssExperts without %s" % "/".join(names)
+    if gu.dim() != 3 or gu.shape[2] % 2:
+        return "gpt-oss gate_up_proj %s is not [E, D, 2F]" % list(gu.shape)
+    E, D, F2 = gu.shape
+    F_ = F2 // 2
+    if tuple(dp.shape) != (E, F_, D) or tuple(gub.shape) != (E, F2) or tuple(dpb.shape) != (E, D):
+        return "gpt-oss shapes gate_up_proj %s, its bias %s, down_proj %s, its bias %s are not [E, D, 2F], " \
+               "[E, 2F], [E, F, D], [E, D]" % (list(gu.shape), list(gub.shape), list(dp.shape), list(dpb.shape))
+    if not gu.is_floating_point() or gu.device.type != "cpu":
+        return "gpt-oss weights are not floating point on the CPU"
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)) or not alpha > 0 or not limit > 0:
+        return "gpt-oss experts without positive .alpha and .limit"
+    router = getattr(block, "router", None)
+    rw, rb = getattr(router, "weight", None), getattr(router, "bias", None)
+    top_k = _int_attr(router, "top_k")
+    if not isinstance(rw, torch.Tensor) or tuple(rw.shape) != (E, D) or not isinstance(rb, torch.Tensor) \
+            or tuple(rb.shape) != (E,) or top_k is None or not 1 <= top_k <= E:
+        return "gpt-oss block without a router of weight [E, D], bias [E] and top_k"
+    return _Spec(family="gpt_oss", layout="gpt_oss", n_experts=E, d_model=D, d_ff=F_, top_k=top_k, experts=None,
+                 fused=(gu, dp), returns_logits=False, gate_weight=rw, router_bias=rb, norm_topk_prob=True,
+                 activation="clamped_swiglu", swiglu_alpha=float(alpha), swiglu_limit=float(limit),
+                 biases=(gub[:, 0::2], gub[:, 1::2], dpb),
+                 # 4.57 reads the number of experts off the routing weights' last dimension ([N, E]
+                 # scores); 5.x takes [N, k] (and has no .expert_dim).
+                 dense_scores=hasattr(experts, "expert_dim"))
+
+
 def recognise(block):
     """The _Spec of a recognised MoE block, or a string saying why not."""
     experts = getattr(block, "experts", None)
     if experts is None:
         return "no .experts"
+    if type(experts).__name__ == "GptOssExperts":
+        return _recognise_gpt_oss(block, experts)
     # ---- the fused layout: experts.gate_up_proj [E, 2F, D], experts.down_proj [E, D, F]
     gu, dp = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if isinstance(gu, torch.Tensor) and isinstance(dp, torch.Tensor):
@@ -876,6 +936,22 @@ def _fused_forward(self, hidden_states, top_k_index=None, top_k_weights=None, *a
     return state.experts(hidden_states, ids, top_k_weights.reshape(ids.shape))
 
 
+def _gpt_oss_forward(self, hidden_states, router_indices=None, routing_weights=None, *args, **kwargs):
+    """Replaces GptOssExperts' forward (bound to it): the block's router
+    stays in PyTorch, the experts with their biases run in Colibri."""
+    state = self.__dict__["_colibri_state"]
+    if router_indices is None or routing_weights is None or _needs_pytorch(self, hidden_states, args, kwargs):
+        return _original(self, state)(hidden_states, router_indices, routing_weights, *args, **kwargs)
+    state.calls += 1
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, state.spec.d_model)
+    ids = _colibri_ids(router_indices, x.shape[0], state.spec.n_experts)
+    w = routing_weights.reshape(x.shape[0], -1)
+    if state.spec.dense_scores:
+        w = w.gather(1, router_indices.reshape(x.shape[0], -1).long())
+    return state.experts(x, ids, w.reshape(ids.shape)).reshape(shape)
+
+
 def _route_deepseek(spec, gate, logits):
     """DeepSeek-V2/V3 top-k from router logits [N, E], by the gate's
     attributes (used only when the gate returns bare logits)."""
@@ -903,7 +979,10 @@ def _route_deepseek(spec, gate, logits):
 
 def _expert_weight_params(module, spec, shared_in_colibri):
     """The parameters holding the weights Colibri took over from a block."""
-    if spec.layout == "fused":
+    if spec.layout == "gpt_oss":
+        ex = module.experts
+        params = [ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ex.down_proj_bias]
+    elif spec.layout == "fused":
         ex = module.experts
         params = [ex.gate_up_proj, ex.down_proj]
     else:
@@ -949,7 +1028,9 @@ def _install(report, cmodel, layer, path, module, spec, in_colibri, cdtype, keep
     """Points the block at `layer` of `cmodel` (its forward or its experts
     module's) and records it in the report."""
     experts = ColibriExperts._view(cmodel, layer)
-    if spec.layout != "fused":
+    if spec.layout == "gpt_oss":
+        target, forward = module.experts, _gpt_oss_forward
+    elif spec.layout != "fused":
         target, forward = module, _block_forward
     elif in_colibri:
         target, forward = module, _fused_block_forward
@@ -1080,7 +1161,9 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
         # forward is known.
         in_colibri = (shared and spec.shared is not None and spec.shared_in_colibri
                       and (spec.layout != "fused" or spec.known_block))
-        key = spec.group_key(cdtype) if in_colibri else spec.group_key(cdtype)[:4] + (0, False)
+        key = spec.group_key(cdtype)
+        if not in_colibri:
+            key = key[:4] + (0, False) + key[6:]
         groups.setdefault(key, []).append((path, module, spec, in_colibri))
 
     report = AccelerateReport([], skipped, [])
@@ -1097,7 +1180,8 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
         layers = [spec.layer_dict(shared_in_colibri=in_colibri) for _, _, spec, in_colibri in members]
         report.source_bytes += sum(_tensor_bytes(layer) for layer in layers)
         cmodel = Model.from_arrays(layers, dtype=cdtype, threads=threads, lock=lock, huge_pages=huge_pages,
-                                   bf16_compute=bf16_compute, exact_prefill=exact_prefill)
+                                   bf16_compute=bf16_compute, exact_prefill=exact_prefill,
+                                   **members[0][2].model_options())
         del layers
         report.colibri_bytes += cmodel.stats.bytes_mapped
         report.models.append(cmodel)

@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import colibri.quant as Q  # noqa: E402
 import colibri.torch as ct  # noqa: E402
 
 TF5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -64,10 +65,15 @@ def _config(family):
                                  layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                                  linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                                  linear_conv_kernel_dim=4)
+    if family == "gpt_oss":
+        return c.GptOssConfig(**common, **ATTN, intermediate_size=F_MOE, num_hidden_layers=2, num_local_experts=6,
+                              num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+                              sliding_window=8)
     raise KeyError(family)
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next",
+            "gpt_oss"]
 N_MOE_LAYERS = {"deepseek_v2": 2, "deepseek_v3": 2, "glm4_moe": 2}
 
 
@@ -119,7 +125,7 @@ def test_accelerate_float32_logits_generate_and_report(family):
     n_moe = N_MOE_LAYERS.get(family, 2)
     assert len(report.accelerated) == n_moe, str(report)
     assert report.skipped == [], str(report)
-    layout = "fused" if TF5 else "experts"
+    layout = "gpt_oss" if family == "gpt_oss" else "fused" if TF5 else "experts"
     for b in report.accelerated:
         assert b.layout == layout and b.dtype == "f32", str(report)
         assert b.d_model == D and b.d_ff == F_MOE
@@ -239,20 +245,43 @@ def test_gating_variants_are_left_to_pytorch_with_a_reason(case):
         assert rel_l2(logits(model, ids), ref) <= 1e-5
 
 
-def test_gpt_oss_is_refused_with_a_reason():
-    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                    num_experts_per_tok=2, layer_types=["full_attention", "full_attention"])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    ids = input_ids()
-    ref = logits(model, ids)
-    report = ct.accelerate(model, threads=2)
-    assert report.accelerated == []
-    assert [p for p, _ in report.skipped] == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    for _, why in report.skipped:
-        assert "bias" in why or "transposed" in why, why
-    assert rel_l2(logits(model, ids), ref) == 0.0
+def test_gpt_oss_clamp_biases_and_router_in_colibri():
+    """A gpt-oss block with inputs large enough that the clamps bite on many
+    rows: the accelerated experts (PyTorch router) and from_moe_block's
+    built-in gpt_oss router both match the block's own forward, and so does
+    MXFP4 within the quantised tolerance."""
+    model = build("gpt_oss")
+    block = model.model.layers[1].mlp
+    g = torch.Generator().manual_seed(5)
+    x = 25.0 * torch.randn(2, 19, D, generator=g)
+    with torch.no_grad():
+        ex = block.experts
+        gu = x.reshape(-1, D) @ ex.gate_up_proj[0] + ex.gate_up_proj_bias[0]
+    clamped = float(((gu[:, 0::2] > ex.limit) | (gu[:, 1::2].abs() > ex.limit)).float().mean())
+    assert clamped > 0.2, "the clamp hardly bites (%.2f of the rows)" % clamped
+    ref = _block_output(block, x)
+    router = ct.ColibriExperts.from_moe_block(block, router=True, threads=2)
+    with torch.inference_mode():
+        got = router(x)
+    assert rel_l2(got, ref) <= 1e-5
+    # MXFP4 against the block holding the same weights rounded through MXFP4
+    # (rows along the input dimension, as Colibri stores them).
+    rounded = copy.deepcopy(block)
+    with torch.no_grad():
+        def mxfp4(w):  # [rows, n] float -> the same through MXFP4
+            n = w.shape[1]
+            return torch.from_numpy(Q.dequantize(Q.quantize(w.float().numpy(), "mxfp4"), "mxfp4", n))
+        ex = rounded.experts
+        for e in range(ex.gate_up_proj.shape[0]):
+            ex.gate_up_proj[e] = mxfp4(ex.gate_up_proj[e].T).T
+            ex.down_proj[e] = mxfp4(ex.down_proj[e].T).T
+    ref_mxfp4 = _block_output(rounded, x)
+    for dtype, want, tol in (("f32", ref, 1e-5), ("mxfp4", ref_mxfp4, 2e-2)):
+        m = copy.deepcopy(model)
+        report = ct.accelerate(m, dtype=dtype, threads=2)
+        assert [b.layout for b in report.accelerated] == ["gpt_oss", "gpt_oss"], str(report)
+        err = rel_l2(_block_output(m.model.layers[1].mlp, x), want)
+        assert err <= tol, "%s: %.3g" % (dtype, err)
 
 
 _RSS_CHILD = r"""

@@ -111,7 +111,8 @@ static_assert(COLIBRI_DTYPE_F32 == static_cast<int>(colibri::WeightType::kF32) &
               COLIBRI_DTYPE_Q6_K == static_cast<int>(colibri::WeightType::kQ6_K) &&
               COLIBRI_DTYPE_MXFP4 == static_cast<int>(colibri::WeightType::kMXFP4) &&
               colibri::kWeightTypeCount == COLIBRI_DTYPE_MXFP4 + 1);
-static_assert(COLIBRI_ROUTER_DEEPSEEK_V3 == colibri::kLastRouterFamily &&
+static_assert(COLIBRI_ROUTER_GPT_OSS == colibri::kLastRouterFamily &&
+              COLIBRI_ROUTER_DEEPSEEK_V3 == static_cast<int>(colibri::RouterFamily::kDeepseekV3) &&
               COLIBRI_ROUTER_MIXTRAL == static_cast<int>(colibri::RouterFamily::kMixtral) &&
               COLIBRI_ROUTER_QWEN2_MOE == static_cast<int>(colibri::RouterFamily::kQwen2Moe) &&
               COLIBRI_ROUTER_QWEN3_MOE == static_cast<int>(colibri::RouterFamily::kQwen3Moe) &&
@@ -288,6 +289,9 @@ void colibri_model_desc_default(colibri_model_desc_t* d) {
   std::memset(d, 0, sizeof *d);
   d->dtype = COLIBRI_DTYPE_F32;
   colibri_router_desc_default(&d->router);
+  d->activation = COLIBRI_ACTIVATION_SWIGLU;
+  d->swiglu_alpha = 1.702f;
+  d->swiglu_limit = 7.0f;
 }
 
 colibri_status_t colibri_open_memory(const colibri_model_desc_t* desc, const colibri_open_options_t* options,
@@ -462,6 +466,10 @@ colibri_status_t colibri_model_info(const colibri_model_t* model, colibri_model_
   out->router_top_k = m.has_router() ? m.router.top_k : 0;
   out->shared_d_ff = m.shared_d_ff;
   out->down_dtype = to_c_dtype(m.down_dtype);
+  out->activation = m.clamped_swiglu() ? COLIBRI_ACTIVATION_CLAMPED_SWIGLU : COLIBRI_ACTIVATION_SWIGLU;
+  out->swiglu_alpha = m.swiglu_alpha;
+  out->swiglu_limit = m.swiglu_limit;
+  out->expert_bias = m.expert_bias ? 1 : 0;
   t_last_error.clear();
   return COLIBRI_OK;
 }

@@ -1,5 +1,6 @@
 #include "api/desc.h"
 
+#include <algorithm>
 #include <string>
 
 #include "moe/router.h"
@@ -27,11 +28,17 @@ namespace {
   fail(Status::kInvalidArgument, "colibri_open_memory: " + what);
 }
 
-ExpertBuffers expert_buffers(const colibri_expert_weights_t& w, const std::string& name) {
+ExpertBuffers expert_buffers(const colibri_expert_weights_t& w, const std::string& name, bool biased) {
   if (w.gate == nullptr) bad_desc(name + ".gate is NULL");
   if (w.up == nullptr) bad_desc(name + ".up is NULL");
   if (w.down == nullptr) bad_desc(name + ".down is NULL");
-  return ExpertBuffers{w.gate, w.up, w.down};
+  ExpertBuffers b{w.gate, w.up, w.down};
+  if (biased) {
+    b.gate_bias = w.gate_bias;
+    b.up_bias = w.up_bias;
+    b.down_bias = w.down_bias;
+  }
+  return b;
 }
 
 // The manifest a directory holding `desc` would have: the same limits apply.
@@ -54,6 +61,11 @@ Manifest manifest_of(const colibri_model_desc_t& d) {
     bad_desc("router.family " + std::to_string(family) + " is not a known router family");
   }
   if (d.shared_d_ff < 0) bad_desc("shared_d_ff must be >= 0, got " + std::to_string(d.shared_d_ff));
+  const int activation = raw_enum(d.activation);
+  if (activation != COLIBRI_ACTIVATION_SWIGLU && activation != COLIBRI_ACTIVATION_CLAMPED_SWIGLU) {
+    bad_desc("activation " + std::to_string(activation) + " is not a known activation");
+  }
+  if (d.expert_bias != 0 && d.expert_bias != 1) bad_desc("expert_bias must be 0 or 1");
   Manifest m;
   m.n_layers = d.n_layers;
   m.n_experts = d.n_experts;
@@ -68,7 +80,13 @@ Manifest manifest_of(const colibri_model_desc_t& d) {
   m.router.topk_group = d.router.topk_group;
   m.router.routed_scaling_factor = d.router.routed_scaling_factor;
   m.shared_d_ff = d.shared_d_ff;
-  m.version = quantized ? 3 : 2;
+  if (activation == COLIBRI_ACTIVATION_CLAMPED_SWIGLU) {
+    m.activation = "clamped_swiglu";
+    m.swiglu_alpha = d.swiglu_alpha;
+    m.swiglu_limit = d.swiglu_limit;
+  }
+  m.expert_bias = d.expert_bias == 1;
+  m.version = std::max(m.minimum_version(), 2);
   // Dimension and size limits first (the manifest parser holds them), so
   // the loops of memory_model never walk past what the caller could have
   // allocated.
@@ -96,13 +114,14 @@ MemoryModel memory_model(const colibri_model_desc_t& d) {
     if (lw.experts == nullptr) bad_desc(layer + ".experts is NULL");
     buffers.experts.reserve(static_cast<size_t>(d.n_experts));
     for (int64_t e = 0; e < d.n_experts; ++e) {
-      buffers.experts.push_back(expert_buffers(lw.experts[e], layer + ".experts[" + std::to_string(e) + "]"));
+      buffers.experts.push_back(
+          expert_buffers(lw.experts[e], layer + ".experts[" + std::to_string(e) + "]", m.expert_bias));
     }
     if (m.has_router() && lw.router == nullptr) bad_desc(layer + ".router is NULL (the model has a router)");
     buffers.router = lw.router;
     buffers.router_bias = lw.router_bias;
     if (m.has_shared()) {
-      buffers.shared = expert_buffers(lw.shared, layer + ".shared");
+      buffers.shared = expert_buffers(lw.shared, layer + ".shared", false);
       buffers.shared_gate = lw.shared_gate;
       any_gate |= lw.shared_gate != nullptr;
       all_gate &= lw.shared_gate != nullptr;

@@ -86,10 +86,10 @@ RouterDesc parse_router(const json& r, const std::string& source, int32_t n_expe
   if (!family.is_string() || !parse_router_family(family.get<std::string>(), &d.family) ||
       d.family == RouterFamily::kNone) {
     bad_field(where, "family", "unknown router family " + family.dump() +
-                                   " (expected mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or deepseek_v3)");
+                                   " (expected mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3 or gpt_oss)");
   }
   d.top_k = require_dim(r, where, "top_k", kMaxExperts);
-  d.norm_topk_prob = require_bool(r, where, "norm_topk_prob", d.family == RouterFamily::kMixtral) ? 1 : 0;
+  d.norm_topk_prob = require_bool(r, where, "norm_topk_prob", d.family == RouterFamily::kMixtral || d.family == RouterFamily::kGptOss) ? 1 : 0;
   if (r.contains("n_group")) d.n_group = require_dim(r, where, "n_group", kMaxExperts);
   if (r.contains("topk_group")) d.topk_group = require_dim(r, where, "topk_group", kMaxExperts);
   if (auto it = r.find("routed_scaling_factor"); it != r.end()) {
@@ -111,6 +111,7 @@ const char* router_family_name(RouterFamily family) {
     case RouterFamily::kOlmoe: return "olmoe";
     case RouterFamily::kDeepseekV2: return "deepseek_v2";
     case RouterFamily::kDeepseekV3: return "deepseek_v3";
+    case RouterFamily::kGptOss: return "gpt_oss";
   }
   return "unknown";
 }
@@ -129,7 +130,7 @@ bool parse_router_family(const std::string& name, RouterFamily* out) {
 void validate_router(const RouterDesc& r, int32_t n_experts, const std::string& where,
                      Status status) {
   auto bad = [&](const std::string& what) { fail(status, where + ": " + what); };
-  if (r.family < RouterFamily::kNone || r.family > RouterFamily::kDeepseekV3) {
+  if (r.family < RouterFamily::kNone || r.family > RouterFamily::kGptOss) {
     bad("unknown family " + std::to_string(static_cast<int>(r.family)));
   }
   if (r.family == RouterFamily::kNone) return;
@@ -155,6 +156,9 @@ void validate_router(const RouterDesc& r, int32_t n_experts, const std::string& 
     bad("routed_scaling_factor must be a positive finite number");
   }
   if (!deepseek && r.routed_scaling_factor != 1.0f) bad("routed_scaling_factor applies to DeepSeek routers only");
+  if (r.family == RouterFamily::kGptOss && r.norm_topk_prob == 0) {
+    bad("gpt_oss weights are a softmax over the chosen experts: norm_topk_prob must be true");
+  }
 }
 
 uint64_t Manifest::router_file_bytes() const {
@@ -212,15 +216,26 @@ std::string dtype_pair_problem(WeightType dtype, WeightType down_dtype) {
          weight_format(dtype).name + " (a different down type is for block formats only)";
 }
 
+uint64_t Manifest::expert_bias_bytes() const {
+  return expert_bias ? 4 * (2 * static_cast<uint64_t>(d_ff) + static_cast<uint64_t>(d_model)) : 0;
+}
+
+int32_t Manifest::minimum_version() const {
+  if (expert_bias || activation != "swiglu") return 4;
+  if (quantized() || down_dtype != dtype) return 3;
+  return has_router() || has_shared() ? 2 : 1;
+}
+
 uint64_t Manifest::expert_file_bytes(int32_t layer) const {
   const LayerTypes t = layer_types(layer);
-  return 2 * matrix_bytes(t.dtype, d_ff, d_model) + matrix_bytes(t.down_dtype, d_model, d_ff);
+  return 2 * matrix_bytes(t.dtype, d_ff, d_model) + matrix_bytes(t.down_dtype, d_model, d_ff) + expert_bias_bytes();
 }
 
 uint64_t Manifest::max_expert_file_bytes() const {
   uint64_t most = expert_file_bytes(0);
   for (const LayerTypes& t : layer_dtypes) {
-    const uint64_t b = 2 * matrix_bytes(t.dtype, d_ff, d_model) + matrix_bytes(t.down_dtype, d_model, d_ff);
+    const uint64_t b =
+        2 * matrix_bytes(t.dtype, d_ff, d_model) + matrix_bytes(t.down_dtype, d_model, d_ff) + expert_bias_bytes();
     if (b > most) most = b;
   }
   return most;
@@ -304,9 +319,25 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
     }
   }
   const json& activation = require(doc, source, "activation");
-  if (!activation.is_string() || activation.get<std::string>() != "swiglu") {
-    bad_field(source, "activation", "unknown activation " + activation.dump() + " (expected \"swiglu\")");
+  if (!activation.is_string() ||
+      (activation.get<std::string>() != "swiglu" && activation.get<std::string>() != "clamped_swiglu")) {
+    bad_field(source, "activation",
+              "unknown activation " + activation.dump() + " (expected \"swiglu\" or \"clamped_swiglu\")");
   }
+  m.activation = activation.get<std::string>();
+  if (m.version < 4 && m.clamped_swiglu()) bad_field(source, "activation", "clamped_swiglu needs \"version\": 4");
+  for (const auto& [field, value] : {std::pair{"swiglu_alpha", &m.swiglu_alpha}, std::pair{"swiglu_limit", &m.swiglu_limit}}) {
+    auto it = doc.find(field);
+    if (it == doc.end()) continue;
+    if (!m.clamped_swiglu()) bad_field(source, field, "applies to \"activation\": \"clamped_swiglu\" only");
+    if (!it->is_number() || !std::isfinite(it->get<double>()) || !(it->get<double>() > 0.0) ||
+        it->get<double>() > 1e30) {
+      bad_field(source, field, "must be a positive finite number");
+    }
+    *value = it->get<float>();
+  }
+  m.expert_bias = require_bool(doc, source, "expert_bias", false);
+  if (m.version < 4 && m.expert_bias) bad_field(source, "expert_bias", "needs \"version\": 4");
 
   // Multiply step by step, checking against the limit before each product:
   // the factors are bounded, but their full product can exceed 64 bits.
@@ -330,6 +361,9 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
       m.shared_gate = require_bool(*it, source + ": shared_expert", "gate", false);
       if (m.shared_file_bytes(0) > kMaxModelBytes / static_cast<uint64_t>(m.n_layers) / 2) {
         fail(Status::kFormat, source + ": shared expert too large");
+      }
+      if (m.expert_bias || m.clamped_swiglu()) {
+        bad_field(source, "shared_expert", "cannot go with expert_bias or clamped_swiglu (no model family has both)");
       }
     }
     if (auto it = doc.find("source"); it != doc.end()) m.source_json = it->dump();
@@ -401,6 +435,11 @@ std::string manifest_to_json(const Manifest& m) {
     doc["layer_dtypes"] = types;
   }
   doc["activation"] = m.activation;
+  if (m.clamped_swiglu()) {
+    doc["swiglu_alpha"] = m.swiglu_alpha;
+    doc["swiglu_limit"] = m.swiglu_limit;
+  }
+  if (m.expert_bias) doc["expert_bias"] = true;
   if (m.has_router()) {
     const RouterDesc& r = m.router;
     doc["router"] = {{"family", router_family_name(r.family)},

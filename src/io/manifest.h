@@ -21,8 +21,9 @@ inline constexpr const char* kManifestFormat = "colibri-moe";
 // Written for models with a router or a shared expert; v1 otherwise, so
 // older readers still open plain expert models. Both are read.
 // v3: block-quantised weights (dtype q8_0 ... q6_k, down_dtype), which
-// older readers must refuse rather than misread.
-inline constexpr int kManifestVersion = 3;
+// older readers must refuse rather than misread. v4: expert biases and the
+// clamped SwiGLU (gpt-oss).
+inline constexpr int kManifestVersion = 4;
 
 // Limits that keep every size computation in range; far above real models.
 inline constexpr int64_t kMaxLayers = 4096;
@@ -50,7 +51,14 @@ struct Manifest {
   // matrices q6_k and the others q4_k). Empty: every layer has dtype /
   // down_dtype; when set, n_layers entries and entry 0 is (dtype, down_dtype).
   std::vector<LayerTypes> layer_dtypes;
+  // "swiglu" (silu(gate) * up) or "clamped_swiglu" (v4, gpt-oss:
+  // (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit).
   std::string activation = "swiglu";
+  float swiglu_alpha = 1.702f;  // clamped_swiglu only
+  float swiglu_limit = 7.0f;    // clamped_swiglu only
+  // v4: each expert file ends with its biases, f32 gate [d_ff], up [d_ff],
+  // down [d_model].
+  bool expert_bias = false;
   // v2: built-in router (family NONE = none) and shared expert (0 = none).
   RouterDesc router{};
   int32_t shared_d_ff = 0;
@@ -60,7 +68,15 @@ struct Manifest {
 
   bool has_router() const { return router.family != RouterFamily::kNone; }
   bool has_shared() const { return shared_d_ff > 0; }
-  bool router_has_bias() const { return router.family == RouterFamily::kDeepseekV3; }
+  // DeepSeek-V3's selection bias, gpt-oss's logit bias.
+  bool router_has_bias() const {
+    return router.family == RouterFamily::kDeepseekV3 || router.family == RouterFamily::kGptOss;
+  }
+  bool clamped_swiglu() const { return activation == "clamped_swiglu"; }
+  // The lowest version that holds this model (what writers write).
+  int32_t minimum_version() const;
+  // Bytes of the biases at the end of each expert file (0 without).
+  uint64_t expert_bias_bytes() const;
   // Of layer 0 (of every layer unless layer_dtypes says otherwise).
   WeightType weight_type() const { return dtype; }
   WeightType down_weight_type() const { return down_dtype; }
@@ -74,7 +90,7 @@ struct Manifest {
   static uint64_t matrix_bytes(WeightType t, int32_t rows, int32_t cols);
   uint64_t expert_file_bytes(int32_t layer) const;
   uint64_t max_expert_file_bytes() const;  // over the layers
-  // f32 [E][D], then f32 [E] bias for DeepSeek-V3.
+  // f32 [E][D], then f32 [E] bias for DeepSeek-V3 and gpt-oss.
   uint64_t router_file_bytes() const;
   uint64_t shared_file_bytes(int32_t layer) const;  // gate, up, down of shared_d_ff
   uint64_t shared_gate_file_bytes() const;  // f32 [D]

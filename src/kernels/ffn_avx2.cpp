@@ -73,7 +73,11 @@ struct Avx2 {
 }  // namespace
 
 const KernelTable& avx2_kernels() {
-  static const KernelTable table{Isa::kAvx2, "avx2", ffn_decode::gate_up<Avx2>, ffn_decode::down<Avx2>};
+  static const KernelTable table = [] {
+    KernelTable t{Isa::kAvx2, "avx2", ffn_decode::gate_up<Avx2>, ffn_decode::down<Avx2>};
+    t.any_epilogue = true;
+    return t;
+  }();
   return table;
 }
 

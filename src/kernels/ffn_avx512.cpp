@@ -69,7 +69,11 @@ struct Avx512 {
 }  // namespace
 
 const KernelTable& avx512_kernels() {
-  static const KernelTable table{Isa::kAvx512, "avx512", ffn_decode::gate_up<Avx512>, ffn_decode::down<Avx512>};
+  static const KernelTable table = [] {
+    KernelTable t{Isa::kAvx512, "avx512", ffn_decode::gate_up<Avx512>, ffn_decode::down<Avx512>};
+    t.any_epilogue = true;
+    return t;
+  }();
   return table;
 }
 

@@ -69,9 +69,17 @@ int32_t min_tokens(int32_t a, int32_t b) {
   return a < b ? a : b;
 }
 
+// kernels.h's apply_glu, as a template (see Linkage above).
 template <class V>
-float silu_mul(float g, float u) {
-  return g / (1.0f + expf(-g)) * u;
+float glu(const Epilogue& e, int32_t f, float g, float u) {
+  if (e.gate_up_bias != nullptr) {
+    g += e.gate_up_bias[2 * static_cast<size_t>(f)];
+    u += e.gate_up_bias[2 * static_cast<size_t>(f) + 1];
+  }
+  if (e.activation == Activation::kSwiGLU) return g / (1.0f + expf(-g)) * u;
+  g = fminf(g, e.limit);
+  u = fmaxf(fminf(u, e.limit), -e.limit);
+  return (u + 1.0f) * (g / (1.0f + expf(-e.alpha * g)));
 }
 
 // Dot products of R consecutive weight rows with NT activation vectors:
@@ -141,8 +149,8 @@ void dot_block(const typename ElemOf<T>::Type* row0, size_t stride, const float*
 // same f are adjacent in memory, so 2*F consecutive rows of the micro-kernel
 // are (gate f, up f, gate f+1, up f+1, ...).
 template <class V, WeightType T, int F, int NT>
-void gate_up_step(const typename ElemOf<T>::Type* base, size_t stride, const float* const* xs, int32_t d_model,
-                  int32_t f, float* h, size_t ldh) {
+void gate_up_step(const Epilogue& ep, const typename ElemOf<T>::Type* base, size_t stride, const float* const* xs,
+                  int32_t d_model, int32_t f, float* h, size_t ldh) {
   float out[2 * F * NT];
   dot_block<V, T, 2 * F, NT>(base + static_cast<size_t>(2 * f) * stride, stride, xs, d_model, out);
   COLIBRI_UNROLL
@@ -150,23 +158,23 @@ void gate_up_step(const typename ElemOf<T>::Type* base, size_t stride, const flo
     COLIBRI_UNROLL
     for (int t = 0; t < NT; ++t) {
       h[static_cast<size_t>(t) * ldh + static_cast<size_t>(f + r)] =
-          silu_mul<V>(out[(2 * r) * NT + t], out[(2 * r + 1) * NT + t]);
+          glu<V>(ep, f + r, out[(2 * r) * NT + t], out[(2 * r + 1) * NT + t]);
     }
   }
 }
 
 template <class V, WeightType T, int NT>
-void gate_up_tokens(const typename ElemOf<T>::Type* base, size_t stride, const float* const* xs, int32_t d_model,
-                    int32_t f, int32_t f_stop, float* h, size_t ldh) {
+void gate_up_tokens(const Epilogue& ep, const typename ElemOf<T>::Type* base, size_t stride, const float* const* xs,
+                    int32_t d_model, int32_t f, int32_t f_stop, float* h, size_t ldh) {
   constexpr int kF = V::gate_up_rows(NT);
-  for (; f_stop - f >= kF; f += kF) gate_up_step<V, T, kF, NT>(base, stride, xs, d_model, f, h, ldh);
+  for (; f_stop - f >= kF; f += kF) gate_up_step<V, T, kF, NT>(ep, base, stride, xs, d_model, f, h, ldh);
   if constexpr (kF > 2) {
     if (f_stop - f >= 2) {
-      gate_up_step<V, T, 2, NT>(base, stride, xs, d_model, f, h, ldh);
+      gate_up_step<V, T, 2, NT>(ep, base, stride, xs, d_model, f, h, ldh);
       f += 2;
     }
   }
-  for (; f < f_stop; ++f) gate_up_step<V, T, 1, NT>(base, stride, xs, d_model, f, h, ldh);
+  for (; f < f_stop; ++f) gate_up_step<V, T, 1, NT>(ep, base, stride, xs, d_model, f, h, ldh);
 }
 
 template <class V, WeightType T>
@@ -185,16 +193,16 @@ void gate_up_typed(const ExpertShape& s, const void* gate_up, const float* x, si
       float* hb = h + static_cast<size_t>(i0) * ldh;
       switch (nt) {
         case 1:
-          gate_up_tokens<V, T, 1>(base, stride, xs, s.d_model, f0, f1, hb, ldh);
+          gate_up_tokens<V, T, 1>(s.epilogue, base, stride, xs, s.d_model, f0, f1, hb, ldh);
           break;
         case 2:
-          gate_up_tokens<V, T, 2>(base, stride, xs, s.d_model, f0, f1, hb, ldh);
+          gate_up_tokens<V, T, 2>(s.epilogue, base, stride, xs, s.d_model, f0, f1, hb, ldh);
           break;
         case 3:
-          gate_up_tokens<V, T, 3>(base, stride, xs, s.d_model, f0, f1, hb, ldh);
+          gate_up_tokens<V, T, 3>(s.epilogue, base, stride, xs, s.d_model, f0, f1, hb, ldh);
           break;
         default:
-          gate_up_tokens<V, T, 4>(base, stride, xs, s.d_model, f0, f1, hb, ldh);
+          gate_up_tokens<V, T, 4>(s.epilogue, base, stride, xs, s.d_model, f0, f1, hb, ldh);
           break;
       }
     }
@@ -205,10 +213,17 @@ void gate_up_typed(const ExpertShape& s, const void* gate_up, const float* x, si
 // scatter-add. For each d the tokens are added in increasing i, as the
 // interface promises.
 template <class V, WeightType T, int R, int NT>
-void down_step(const typename ElemOf<T>::Type* base, size_t stride, const float* const* hs, int32_t d_ff, int32_t d,
-               const int32_t* token_index, const float* weight, float* y, size_t ldy) {
+void down_step(const float* bias, const typename ElemOf<T>::Type* base, size_t stride, const float* const* hs,
+               int32_t d_ff, int32_t d, const int32_t* token_index, const float* weight, float* y, size_t ldy) {
   float out[R * NT];
   dot_block<V, T, R, NT>(base + static_cast<size_t>(d) * stride, stride, hs, d_ff, out);
+  if (bias != nullptr) {
+    COLIBRI_UNROLL
+    for (int r = 0; r < R; ++r) {
+      COLIBRI_UNROLL
+      for (int t = 0; t < NT; ++t) out[r * NT + t] += bias[d + r];
+    }
+  }
   COLIBRI_UNROLL
   for (int r = 0; r < R; ++r) {
     COLIBRI_UNROLL
@@ -219,17 +234,20 @@ void down_step(const typename ElemOf<T>::Type* base, size_t stride, const float*
 }
 
 template <class V, WeightType T, int NT>
-void down_tokens(const typename ElemOf<T>::Type* base, size_t stride, const float* const* hs, int32_t d_ff,
-                 int32_t d, int32_t d_stop, const int32_t* token_index, const float* weight, float* y, size_t ldy) {
+void down_tokens(const float* bias, const typename ElemOf<T>::Type* base, size_t stride, const float* const* hs,
+                 int32_t d_ff, int32_t d, int32_t d_stop, const int32_t* token_index, const float* weight, float* y,
+                 size_t ldy) {
   constexpr int kR = V::down_rows(NT);
-  for (; d_stop - d >= kR; d += kR) down_step<V, T, kR, NT>(base, stride, hs, d_ff, d, token_index, weight, y, ldy);
+  for (; d_stop - d >= kR; d += kR) {
+    down_step<V, T, kR, NT>(bias, base, stride, hs, d_ff, d, token_index, weight, y, ldy);
+  }
   if constexpr (kR > 2) {
     if (d_stop - d >= 2) {
-      down_step<V, T, 2, NT>(base, stride, hs, d_ff, d, token_index, weight, y, ldy);
+      down_step<V, T, 2, NT>(bias, base, stride, hs, d_ff, d, token_index, weight, y, ldy);
       d += 2;
     }
   }
-  for (; d < d_stop; ++d) down_step<V, T, 1, NT>(base, stride, hs, d_ff, d, token_index, weight, y, ldy);
+  for (; d < d_stop; ++d) down_step<V, T, 1, NT>(bias, base, stride, hs, d_ff, d, token_index, weight, y, ldy);
 }
 
 template <class V, WeightType T>
@@ -251,16 +269,16 @@ void down_typed(const ExpertShape& s, const void* down, const float* h, size_t l
       const float* wt = weight + i0;
       switch (nt) {
         case 1:
-          down_tokens<V, T, 1>(base, stride, hs, s.d_ff, d0, d1, ti, wt, y, ldy);
+          down_tokens<V, T, 1>(s.epilogue.down_bias, base, stride, hs, s.d_ff, d0, d1, ti, wt, y, ldy);
           break;
         case 2:
-          down_tokens<V, T, 2>(base, stride, hs, s.d_ff, d0, d1, ti, wt, y, ldy);
+          down_tokens<V, T, 2>(s.epilogue.down_bias, base, stride, hs, s.d_ff, d0, d1, ti, wt, y, ldy);
           break;
         case 3:
-          down_tokens<V, T, 3>(base, stride, hs, s.d_ff, d0, d1, ti, wt, y, ldy);
+          down_tokens<V, T, 3>(s.epilogue.down_bias, base, stride, hs, s.d_ff, d0, d1, ti, wt, y, ldy);
           break;
         default:
-          down_tokens<V, T, 4>(base, stride, hs, s.d_ff, d0, d1, ti, wt, y, ldy);
+          down_tokens<V, T, 4>(s.epilogue.down_bias, base, stride, hs, s.d_ff, d0, d1, ti, wt, y, ldy);
           break;
       }
     }

@@ -31,8 +31,6 @@ constexpr size_t kAlign = 64;
 
 size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
-float silu(float g) { return g / (1.0f + std::exp(-g)); }
-
 struct PhaseGeometry {
   const QuantDotKernels* ops;
   size_t valid;      // activation elements: d_model (gate/up) or d_ff (down)
@@ -69,7 +67,6 @@ void quantize_tokens(const PhaseGeometry& g, const float* act, size_t ld, const 
 void gate_up_from(const ExpertShape& s, const PhaseGeometry& g, const void* gate_up, const uint8_t* acts, int32_t n,
                   int32_t f_begin, int32_t f_end, float* h, size_t ldh) {
   const auto* w = static_cast<const uint8_t*>(gate_up);
-  (void)s;
   float out[kChunkTokens * kChunkRows];
   for (int32_t f0 = f_begin; f0 < f_end; f0 += kChunkRows / 2) {
     const int32_t fn = std::min(kChunkRows / 2, f_end - f0);
@@ -80,14 +77,16 @@ void gate_up_from(const ExpertShape& s, const PhaseGeometry& g, const void* gate
       for (int32_t i = 0; i < tn; ++i) {
         const float* o = out + static_cast<size_t>(i) * kChunkRows;
         float* hi = h + static_cast<size_t>(t0 + i) * ldh + f0;
-        for (int32_t f = 0; f < fn; ++f) hi[f] = silu(o[2 * f]) * o[2 * f + 1];
+        for (int32_t f = 0; f < fn; ++f) hi[f] = apply_glu(s.epilogue, f0 + f, o[2 * f], o[2 * f + 1]);
       }
     }
   }
 }
 
-void down_from(const PhaseGeometry& g, const void* down, const uint8_t* acts, const int32_t* token_index,
-               const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y, size_t ldy) {
+void down_from(const ExpertShape& s, const PhaseGeometry& g, const void* down, const uint8_t* acts,
+               const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end, float* y,
+               size_t ldy) {
+  const float* bias = s.epilogue.down_bias;
   const auto* w = static_cast<const uint8_t*>(down);
   float out[kChunkTokens * kChunkRows];
   for (int32_t d0 = d_begin; d0 < d_end; d0 += kChunkRows) {
@@ -100,7 +99,11 @@ void down_from(const PhaseGeometry& g, const void* down, const uint8_t* acts, co
         const float* o = out + static_cast<size_t>(i) * kChunkRows;
         float* yi = y + static_cast<size_t>(token_index[t0 + i]) * ldy + d0;
         const float wi = weight[t0 + i];
-        for (int32_t d = 0; d < dn; ++d) yi[d] += wi * o[d];
+        if (bias != nullptr) {
+          for (int32_t d = 0; d < dn; ++d) yi[d] += wi * (o[d] + bias[d0 + d]);
+        } else {
+          for (int32_t d = 0; d < dn; ++d) yi[d] += wi * o[d];
+        }
       }
     }
   }
@@ -135,14 +138,14 @@ void down_q(const ExpertShape& s, const void* down, const float* h, size_t ldh, 
   auto* acts = static_cast<uint8_t*>(scratch_buffer(scratch, 0, static_cast<size_t>(n) * g.act_bytes));
   if (acts != nullptr) {
     quantize_tokens(g, h, ldh, nullptr, n, acts);
-    down_from(g, down, acts, token_index, weight, n, d_begin, d_end, y, ldy);
+    down_from(s, g, down, acts, token_index, weight, n, d_begin, d_end, y, ldy);
     return;
   }
   alignas(kAlign) uint8_t one[kStackActBytes];
   for (int32_t i = 0; i < n; ++i) {
     if (g.act_bytes > sizeof one) break;
     quantize_tokens(g, h + static_cast<size_t>(i) * ldh, ldh, nullptr, 1, one);
-    down_from(g, down, one, token_index + i, weight + i, 1, d_begin, d_end, y, ldy);
+    down_from(s, g, down, one, token_index + i, weight + i, 1, d_begin, d_end, y, ldy);
   }
 }
 
@@ -169,7 +172,7 @@ template <Isa L>
 void down_prepared_q(const ExpertShape& s, const void* down, const float* /*h*/, size_t /*ldh*/, const void* prepared,
                      const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin, int32_t d_end,
                      float* y, size_t ldy, KernelScratch* scratch) {
-  down_from(geometry(s, Phase::kDown, L), down, static_cast<const uint8_t*>(prepared), token_index, weight, n,
+  down_from(s, geometry(s, Phase::kDown, L), down, static_cast<const uint8_t*>(prepared), token_index, weight, n,
             d_begin, d_end, y, ldy);
 }
 
@@ -190,6 +193,7 @@ ExpertShape widened_shape(const ExpertShape& s) {
   ExpertShape w = make_expert_shape(s.d_model, s.d_ff, WeightType::kF32);
   w.gate_up_stride = std::max(w.gate_up_stride, s.gate_up_stride);
   w.down_stride = std::max(w.down_stride, s.down_stride);
+  w.epilogue = s.epilogue;
   return w;
 }
 
@@ -216,7 +220,7 @@ void gate_up_exact(const ExpertShape& s, const void* gate_up, const float* x, si
     const int32_t fn = std::min(static_cast<int32_t>(chunk_rows), f_end - f0);
     widen_rows(s.weight_type, static_cast<const uint8_t*>(gate_up) + static_cast<size_t>(2 * f0) * row_bytes,
                row_bytes, s.gate_up_stride, static_cast<size_t>(s.d_model), 2 * fn, rows, ws.gate_up_stride);
-    f32.gate_up(ws, rows, x, ldx, token_index, n, 0, fn, h + f0, ldh, scratch);
+    f32.gate_up(shifted_epilogue(ws, f0, 0), rows, x, ldx, token_index, n, 0, fn, h + f0, ldh, scratch);
   }
 }
 
@@ -234,7 +238,7 @@ void down_exact(const ExpertShape& s, const void* down, const float* h, size_t l
     widen_rows(s.down_type, static_cast<const uint8_t*>(down) + static_cast<size_t>(d0) * row_bytes, row_bytes,
                s.down_stride, static_cast<size_t>(s.d_ff), dn, rows, ws.down_stride);
     // The f32 kernel writes columns [0, dn) of y: shift y so they land at d0.
-    f32.down(ws, rows, h, ldh, token_index, weight, n, 0, dn, y + d0, ldy, scratch);
+    f32.down(shifted_epilogue(ws, 0, d0), rows, h, ldh, token_index, weight, n, 0, dn, y + d0, ldy, scratch);
   }
 }
 
@@ -387,6 +391,7 @@ KernelTable quant_table(const char* name) {
   t.prepare = prepare_q<L>;
   t.gate_up_prepared = gate_up_prepared_q<L>;
   t.down_prepared = down_prepared_q<L>;
+  t.any_epilogue = true;
   return t;
 }
 
@@ -398,6 +403,7 @@ KernelTable exact_table(const char* name) {
   t.gate_up = gate_up_exact<L>;
   t.down = down_exact<L>;
   t.reserve = reserve_exact<L>;
+  t.any_epilogue = true;
   return t;
 }
 

@@ -44,7 +44,7 @@ void gate_up_scalar(const ExpertShape& s, const void* gate_up, const float* x, s
       const float* xi = x + static_cast<size_t>(token_index[i]) * ldx;
       const float g = dot_row(gate_up, gate_row, xi, s.d_model, s.weight_type);
       const float u = dot_row(gate_up, up_row, xi, s.d_model, s.weight_type);
-      h[static_cast<size_t>(i) * ldh + f] = g / (1.0f + std::exp(-g)) * u;
+      h[static_cast<size_t>(i) * ldh + f] = apply_glu(s.epilogue, f, g, u);
     }
   }
 }
@@ -52,10 +52,12 @@ void gate_up_scalar(const ExpertShape& s, const void* gate_up, const float* x, s
 void down_scalar(const ExpertShape& s, const void* down, const float* h, size_t ldh,
                  const int32_t* token_index, const float* weight, int32_t n, int32_t d_begin,
                  int32_t d_end, float* y, size_t ldy, KernelScratch* /*scratch*/) {
+  const float* bias = s.epilogue.down_bias;
   for (int32_t d = d_begin; d < d_end; ++d) {
     const size_t row = static_cast<size_t>(d) * s.down_stride;
     for (int32_t i = 0; i < n; ++i) {
-      const float v = dot_row(down, row, h + static_cast<size_t>(i) * ldh, s.d_ff, s.weight_type);
+      float v = dot_row(down, row, h + static_cast<size_t>(i) * ldh, s.d_ff, s.weight_type);
+      if (bias != nullptr) v += bias[d];
       y[static_cast<size_t>(token_index[i]) * ldy + d] += weight[i] * v;
     }
   }
@@ -64,7 +66,11 @@ void down_scalar(const ExpertShape& s, const void* down, const float* h, size_t 
 }  // namespace
 
 const KernelTable& scalar_kernels() {
-  static const KernelTable table{Isa::kScalar, "scalar", gate_up_scalar, down_scalar};
+  static const KernelTable table = [] {
+    KernelTable t{Isa::kScalar, "scalar", gate_up_scalar, down_scalar};
+    t.any_epilogue = true;
+    return t;
+  }();
   return table;
 }
 

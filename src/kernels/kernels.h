@@ -20,6 +20,8 @@
 // docs/PRECISION.md).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -35,6 +37,45 @@ class KernelScratch;
 // weights and every row starts on a cache line.
 inline constexpr size_t kRowAlignBytes = 64;
 
+// What phase 1 makes of an expert's gate and up products, and what phase 2
+// adds before the routing weight. SwiGLU: h = silu(g) * u. kClampedSwiGLU
+// (gpt-oss): g = min(g, limit), u = clamp(u, -limit, limit),
+// h = (u + 1) * g * sigmoid(alpha * g). Either may carry biases, added to
+// the products before the activation (gate_up_bias, [2F]: gate row f's at
+// 2f, up row f's at 2f + 1, the rows' own order) and to down's products
+// before the weighting (down_bias, [D]): y += w * (down . h + b).
+enum class Activation : uint8_t { kSwiGLU = 0, kClampedSwiGLU = 1 };
+
+struct Epilogue {
+  Activation activation = Activation::kSwiGLU;
+  float alpha = 1.702f;  // kClampedSwiGLU only
+  float limit = 7.0f;    // kClampedSwiGLU only
+  // The model's experts have biases. The kernels read the pointers below
+  // (nullptr: none); the flag is what planning sees (plan_kernels runs on
+  // a layer's shape, before any expert's pointers are known).
+  bool biased = false;
+  // One expert's biases, set per expert by the caller (the engine) on its
+  // copy of the layer's shape.
+  const float* gate_up_bias = nullptr;
+  const float* down_bias = nullptr;
+  // Plain SwiGLU without biases: what every table computes (see
+  // KernelTable::any_epilogue).
+  bool plain() const { return activation == Activation::kSwiGLU && !biased; }
+};
+
+// Phase 1's activation of row f (the scalar definition; the SIMD decode
+// kernels have their own copy, ffn_decode_impl.h, for linkage reasons).
+inline float apply_glu(const Epilogue& e, int32_t f, float g, float u) {
+  if (e.gate_up_bias != nullptr) {
+    g += e.gate_up_bias[2 * static_cast<size_t>(f)];
+    u += e.gate_up_bias[2 * static_cast<size_t>(f) + 1];
+  }
+  if (e.activation == Activation::kSwiGLU) return g / (1.0f + std::exp(-g)) * u;
+  g = std::min(g, e.limit);
+  u = std::max(std::min(u, e.limit), -e.limit);
+  return (u + 1.0f) * (g / (1.0f + std::exp(-e.alpha * g)));
+}
+
 struct ExpertShape {
   int32_t d_model = 0;
   int32_t d_ff = 0;
@@ -44,7 +85,16 @@ struct ExpertShape {
   WeightType down_type = WeightType::kF32;
   size_t gate_up_stride = 0;  // elements per gate/up row (>= d_model)
   size_t down_stride = 0;     // elements per down row (>= d_ff)
+  Epilogue epilogue;
 };
+
+// `s` for the rows from gate/up row pair f0 and down row d0 on, for kernels
+// that run an inner table on a slice of an expert (its biases shifted).
+inline ExpertShape shifted_epilogue(ExpertShape s, int32_t f0, int32_t d0) {
+  if (s.epilogue.gate_up_bias != nullptr) s.epilogue.gate_up_bias += 2 * static_cast<size_t>(f0);
+  if (s.epilogue.down_bias != nullptr) s.epilogue.down_bias += static_cast<size_t>(d0);
+  return s;
+}
 
 inline ExpertShape make_expert_shape(int32_t d_model, int32_t d_ff, WeightType t, WeightType down_t) {
   ExpertShape s;
@@ -62,7 +112,8 @@ inline ExpertShape make_expert_shape(int32_t d_model, int32_t d_ff, WeightType t
 
 // Phase 1. For f in [f_begin, f_end) and i in [0, n):
 //   h[i*ldh + f] = silu(g) * u,  g = gate_f . x_i,  u = up_f . x_i,
-//   x_i = x + token_index[i]*ldx,  silu(g) = g / (1 + exp(-g)).
+//   x_i = x + token_index[i]*ldx,  silu(g) = g / (1 + exp(-g)),
+// or what shape.epilogue says instead (apply_glu).
 //
 // Every entry takes the caller's working memory, `scratch` (see
 // KernelScratch), last; kernels that need none ignore it, and those that
@@ -73,7 +124,8 @@ using GateUpFn = void (*)(const ExpertShape& shape, const void* gate_up, const f
                           int32_t f_end, float* h, size_t ldh, KernelScratch* scratch);
 
 // Phase 2. For d in [d_begin, d_end) and i in [0, n):
-//   y[token_index[i]*ldy + d] += weight[i] * (down_d . h_i),  h_i = h + i*ldh.
+//   y[token_index[i]*ldy + d] += weight[i] * (down_d . h_i + b_d),  h_i = h + i*ldh,
+// b = shape.epilogue.down_bias (0 without).
 // Tokens are visited in order i = 0..n-1, so a caller that gives each thread
 // disjoint d ranges gets results independent of the thread count.
 using DownFn = void (*)(const ExpertShape& shape, const void* down, const float* h, size_t ldh,
@@ -163,6 +215,9 @@ struct KernelTable {
   PrepareFn prepare = nullptr;
   GateUpPreparedFn gate_up_prepared = nullptr;
   DownPreparedFn down_prepared = nullptr;
+  // Computes every Epilogue (activations and biases); false: plain SwiGLU
+  // only, and plan_kernels never gives it an expert with another.
+  bool any_epilogue = false;
 };
 
 // Highest level this CPU and OS support (CPUID + XCR0), computed once.

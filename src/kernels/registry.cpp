@@ -70,6 +70,9 @@ struct Match {
   // Only experts of at least kBf16RoundingMinDim in both dimensions: the
   // row rounds activations to bf16.
   bool rounds_activations;
+  // The row's tables compute every Epilogue (KernelTable::any_epilogue);
+  // others only serve plain SwiGLU experts.
+  bool any_epilogue;
 };
 
 struct DecodeRow {
@@ -92,15 +95,15 @@ const KernelTable& exact_dequant_table(Isa isa) { return quant_kernels(isa, true
 // Decode (and the fallback below the first prefill tier): first match wins.
 // Every row is fp32-grade except int8, the block formats' default.
 constexpr DecodeRow kDecodeRows[] = {
-    {{kBlockTypes, Isa::kScalar, Needs::kNothing, kExactPrecision, false}, exact_dequant_table},
-    {{kBlockTypes, Isa::kScalar, Needs::kNothing, kAnyPrecision, false}, int8_table},
+    {{kBlockTypes, Isa::kScalar, Needs::kNothing, kExactPrecision, false, true}, exact_dequant_table},
+    {{kBlockTypes, Isa::kScalar, Needs::kNothing, kAnyPrecision, false, true}, int8_table},
 #if defined(COLIBRI_HAVE_X86_KERNELS)
     // vdpbf16ps on the activations split into two bf16 parts: for one token
     // it reads as fast as widening the weights or faster (docs/PRECISION.md).
-    {{type_bit(WeightType::kBF16), Isa::kAvx512, Needs::kAvx512Bf16, kAnyPrecision, false},
+    {{type_bit(WeightType::kBF16), Isa::kAvx512, Needs::kAvx512Bf16, kAnyPrecision, false, false},
      [](Isa) -> const KernelTable& { return avx512_bf16_split_kernels(); }},
 #endif
-    {{kFloatTypes, Isa::kScalar, Needs::kNothing, kAnyPrecision, false}, kernel_table},
+    {{kFloatTypes, Isa::kScalar, Needs::kNothing, kAnyPrecision, false, true}, kernel_table},
 };
 
 #if defined(COLIBRI_HAVE_X86_KERNELS)
@@ -114,23 +117,23 @@ const KernelTable& amx_f16_split_table(Isa) { return amx_f16_split_kernels(); }
 // Prefill: first match wins; no match, no tier.
 constexpr PrefillRow kPrefillRows[] = {
     // Block formats on AMX: rows dequantised to bf16 in L2-sized chunks, then the tiles.
-    {{kBlockTypes, Isa::kAmx, Needs::kBf16Dequant, kRoundingPrecisions, true}, 1,
+    {{kBlockTypes, Isa::kAmx, Needs::kBf16Dequant, kRoundingPrecisions, true, false}, 1,
      {{quant_amx_bf16_table, kQuantAmxMinTokens}, {}}},
     // Block formats elsewhere, and exact: their decode table throughout.
-    {{kBlockTypes, Isa::kScalar, Needs::kNothing, kAnyPrecision, false}, 0, {}},
+    {{kBlockTypes, Isa::kScalar, Needs::kNothing, kAnyPrecision, false, true}, 0, {}},
     // bf16 weights round nothing but the activations on the tiles, by default.
-    {{type_bit(WeightType::kBF16), Isa::kAmx, Needs::kNothing, kRoundingPrecisions, true}, 1,
+    {{type_bit(WeightType::kBF16), Isa::kAmx, Needs::kNothing, kRoundingPrecisions, true, false}, 1,
      {{amx_bf16_table, kAmxMinTokens}, {}}},
-    {{kFloatTypes, Isa::kAmx, Needs::kNothing, kBf16Precision, true}, 1, {{amx_bf16_table, kAmxMinTokens}, {}}},
+    {{kFloatTypes, Isa::kAmx, Needs::kNothing, kBf16Precision, true, false}, 1, {{amx_bf16_table, kAmxMinTokens}, {}}},
     // Without AMX, bf16 products only when asked for: on Emerald Rapids the
     // vdpbf16ps table runs at 0.56-0.83x the token-lane kernel at 8-256
     // tokens per expert (docs/KERNELS.md); it stays for CPUs where that
     // instruction runs at full rate.
-    {{type_bit(WeightType::kBF16), Isa::kAvx512, Needs::kAvx512Bf16, kBf16Precision, true}, 1,
+    {{type_bit(WeightType::kBF16), Isa::kAvx512, Needs::kAvx512Bf16, kBf16Precision, true, false}, 1,
      {{avx512_bf16_table, kTokensMinTokens}, {}}},
-    {{type_bit(WeightType::kF16), Isa::kAmx, Needs::kNothing, kAnyPrecision, false}, 2,
+    {{type_bit(WeightType::kF16), Isa::kAmx, Needs::kNothing, kAnyPrecision, false, false}, 2,
      {{tokens_table, kTokensMinTokens}, {amx_f16_split_table, kSplitMinTokens}}},
-    {{kFloatTypes, Isa::kAvx512, Needs::kNothing, kAnyPrecision, false}, 2,
+    {{kFloatTypes, Isa::kAvx512, Needs::kNothing, kAnyPrecision, false, false}, 2,
      {{tokens_table, kTokensMinTokens}, {gemm_table, kGemmMinTokens}}},
 };
 #endif
@@ -140,6 +143,7 @@ bool matches(const Match& m, Isa isa, const ExpertShape& shape, PrefillPrecision
   if ((m.formats & type_bit(shape.weight_type)) == 0) return false;
   if (block && (m.formats & type_bit(shape.down_type)) == 0) return false;
   if ((m.precisions & precision_bit(precision)) == 0) return false;
+  if (!m.any_epilogue && !shape.epilogue.plain()) return false;
   if (isa < m.min_isa || !isa_supported(m.min_isa)) return false;
   if (m.rounds_activations && (shape.d_model < kBf16RoundingMinDim || shape.d_ff < kBf16RoundingMinDim)) {
     return false;

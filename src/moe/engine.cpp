@@ -401,13 +401,14 @@ void Engine::run_locked(const InferArgs& a) {
     const int32_t f_end = std::min(F, it.f_begin + f_rows);
     float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
     const size_t prepared_at = prepared_offset_[static_cast<size_t>(it.active)];
+    const kernels::ExpertShape expert_shape = store_.expert_shape(a.layer, e);  // with its biases
     if (prepared_at != kNotPrepared) {
-      table.gate_up_prepared(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
+      table.gate_up_prepared(expert_shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
                              slot_token_.data() + begin, prepared_.data() + prepared_at, n, it.f_begin, f_end, h,
                              ldh, scratch);
     } else {
-      table.gate_up(shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D), slot_token_.data() + begin,
-                    n, it.f_begin, f_end, h, ldh, scratch);
+      table.gate_up(expert_shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
+                    slot_token_.data() + begin, n, it.f_begin, f_end, h, ldh, scratch);
     }
   });
 
@@ -434,13 +435,14 @@ void Engine::run_locked(const InferArgs& a) {
       const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
       const kernels::KernelTable& table = table_for(a.layer, n);
       const float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
+      const kernels::ExpertShape expert_shape = store_.expert_shape(a.layer, e);
       if (prepared_offset_[i] != kNotPrepared) {
-        table.down_prepared(shape, store_.down(a.layer, e), h, ldh, prepared_.data() + prepared_offset_[i],
+        table.down_prepared(expert_shape, store_.down(a.layer, e), h, ldh, prepared_.data() + prepared_offset_[i],
                             slot_token_.data() + begin, slot_weight_.data() + begin, n, d_begin, d_end, a.output,
                             static_cast<size_t>(D), scratch);
       } else {
-        table.down(shape, store_.down(a.layer, e), h, ldh, slot_token_.data() + begin, slot_weight_.data() + begin,
-                   n, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
+        table.down(expert_shape, store_.down(a.layer, e), h, ldh, slot_token_.data() + begin,
+                   slot_weight_.data() + begin, n, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
       }
     }
     if (Fs > 0) {

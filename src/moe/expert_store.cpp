@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -39,25 +40,61 @@ size_t packed_gate_up_bytes(const kernels::ExpertShape& s) {
   return 2 * static_cast<size_t>(s.d_ff) * weight_row_bytes(s.weight_type, s.gate_up_stride);
 }
 
-size_t packed_expert_bytes(const kernels::ExpertShape& s) {
-  return packed_gate_up_bytes(s) +
-         static_cast<size_t>(s.d_model) * weight_row_bytes(s.down_type, s.down_stride);
+size_t packed_bias_offset(const kernels::ExpertShape& s) {
+  return packed_gate_up_bytes(s) + static_cast<size_t>(s.d_model) * weight_row_bytes(s.down_type, s.down_stride);
 }
 
-void pack_expert_parts(const uint8_t* gate, const uint8_t* up, const uint8_t* down, const kernels::ExpertShape& s,
-                       uint8_t* dst) {
+size_t packed_expert_bytes(const kernels::ExpertShape& s) {
+  const size_t biases = s.epilogue.biased ? 2 * static_cast<size_t>(s.d_ff) + static_cast<size_t>(s.d_model) : 0;
+  return packed_bias_offset(s) + biases * sizeof(float);
+}
+
+void pack_expert_parts(const ExpertParts& p, const kernels::ExpertShape& s, uint8_t* dst) {
   const size_t D = static_cast<size_t>(s.d_model);
   const size_t F = static_cast<size_t>(s.d_ff);
   // Gate row f -> packed row 2f, up row f -> packed row 2f+1.
-  copy_rows(gate, F, D, s.gate_up_stride, 2, s.weight_type, dst);
-  copy_rows(up, F, D, s.gate_up_stride, 2, s.weight_type, dst + weight_row_bytes(s.weight_type, s.gate_up_stride));
-  copy_rows(down, D, F, s.down_stride, 1, s.down_type, dst + packed_gate_up_bytes(s));
+  copy_rows(p.gate, F, D, s.gate_up_stride, 2, s.weight_type, dst);
+  copy_rows(p.up, F, D, s.gate_up_stride, 2, s.weight_type, dst + weight_row_bytes(s.weight_type, s.gate_up_stride));
+  copy_rows(p.down, D, F, s.down_stride, 1, s.down_type, dst + packed_gate_up_bytes(s));
+  if (!s.epilogue.biased) return;
+  // Biases in the rows' order: gate f at 2f, up f at 2f+1, then down's.
+  // memcpy per value: the sources need not be aligned.
+  float* bias = reinterpret_cast<float*>(dst + packed_bias_offset(s));
+  const float zero = 0.0f;
+  for (size_t f = 0; f < F; ++f) {
+    std::memcpy(bias + 2 * f, p.gate_bias != nullptr ? p.gate_bias + 4 * f : reinterpret_cast<const uint8_t*>(&zero), 4);
+    std::memcpy(bias + 2 * f + 1, p.up_bias != nullptr ? p.up_bias + 4 * f : reinterpret_cast<const uint8_t*>(&zero), 4);
+  }
+  if (p.down_bias != nullptr) {
+    std::memcpy(bias + 2 * F, p.down_bias, D * sizeof(float));
+  } else {
+    std::fill(bias + 2 * F, bias + 2 * F + D, 0.0f);
+  }
 }
 
 void pack_expert(const uint8_t* file_bytes, const kernels::ExpertShape& s, uint8_t* dst) {
-  // gate and up [F][D], then down [D][F].
-  const size_t FD = static_cast<size_t>(s.d_ff) * weight_row_bytes(s.weight_type, static_cast<size_t>(s.d_model));
-  pack_expert_parts(file_bytes, file_bytes + FD, file_bytes + 2 * FD, s, dst);
+  // gate and up [F][D], then down [D][F], then f32 biases gate [F], up [F], down [D].
+  const size_t F = static_cast<size_t>(s.d_ff);
+  const size_t FD = F * weight_row_bytes(s.weight_type, static_cast<size_t>(s.d_model));
+  const size_t down_bytes = static_cast<size_t>(s.d_model) * weight_row_bytes(s.down_type, F);
+  ExpertParts p{file_bytes, file_bytes + FD, file_bytes + 2 * FD};
+  if (s.epilogue.biased) {
+    p.gate_bias = file_bytes + 2 * FD + down_bytes;
+    p.up_bias = p.gate_bias + 4 * F;
+    p.down_bias = p.up_bias + 4 * F;
+  }
+  pack_expert_parts(p, s, dst);
+}
+
+kernels::Epilogue model_epilogue(const Manifest& m) {
+  kernels::Epilogue e;
+  if (m.clamped_swiglu()) {
+    e.activation = kernels::Activation::kClampedSwiGLU;
+    e.alpha = m.swiglu_alpha;
+    e.limit = m.swiglu_limit;
+  }
+  e.biased = m.expert_bias;
+  return e;
 }
 
 namespace {
@@ -94,7 +131,9 @@ void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
     Layer& L = layers_[static_cast<size_t>(l)];
     const LayerTypes t = m.layer_types(l);
     L.shape = kernels::make_expert_shape(m.d_model, m.d_ff, t.dtype, t.down_dtype);
+    L.shape.epilogue = model_epilogue(m);
     L.gate_up_bytes = packed_gate_up_bytes(L.shape);
+    L.bias_offset = packed_bias_offset(L.shape);
     L.expert_bytes = lines(packed_expert_bytes(L.shape));
     if (m.has_shared()) {
       L.shared_shape = kernels::make_expert_shape(m.d_model, m.shared_d_ff, t.dtype, t.down_dtype);
@@ -161,8 +200,12 @@ ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest
     const kernels::ExpertShape& shape = this->shape(l);
     for (int32_t e = 0; e < m.n_experts; ++e) {
       const ExpertBuffers& ew = lw.experts[static_cast<size_t>(e)];
-      pack_expert_parts(static_cast<const uint8_t*>(ew.gate), static_cast<const uint8_t*>(ew.up),
-                        static_cast<const uint8_t*>(ew.down), shape, mutable_at(base(l, e)));
+      ExpertParts parts{static_cast<const uint8_t*>(ew.gate), static_cast<const uint8_t*>(ew.up),
+                        static_cast<const uint8_t*>(ew.down)};
+      parts.gate_bias = reinterpret_cast<const uint8_t*>(ew.gate_bias);
+      parts.up_bias = reinterpret_cast<const uint8_t*>(ew.up_bias);
+      parts.down_bias = reinterpret_cast<const uint8_t*>(ew.down_bias);
+      pack_expert_parts(parts, shape, mutable_at(base(l, e)));
       stats_.bytes_files += m.expert_file_bytes(l);
     }
     if (has_router_) {
@@ -173,8 +216,9 @@ ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest
       }
     }
     if (m.has_shared()) {
-      pack_expert_parts(static_cast<const uint8_t*>(lw.shared.gate), static_cast<const uint8_t*>(lw.shared.up),
-                        static_cast<const uint8_t*>(lw.shared.down), shared_shape(l), mutable_at(shared_gate_up(l)));
+      pack_expert_parts({static_cast<const uint8_t*>(lw.shared.gate), static_cast<const uint8_t*>(lw.shared.up),
+                         static_cast<const uint8_t*>(lw.shared.down)},
+                        shared_shape(l), mutable_at(shared_gate_up(l)));
       if (!shared_gate_.empty()) {
         std::memcpy(shared_gate_.data() + static_cast<size_t>(l) * m.d_model, lw.shared_gate,
                     static_cast<size_t>(m.d_model) * sizeof(float));

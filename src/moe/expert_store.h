@@ -18,7 +18,13 @@
 namespace colibri {
 
 size_t packed_gate_up_bytes(const kernels::ExpertShape& shape);
+// Where a packed expert's biases start (after gate/up and down), f32:
+// gate/up [2F] in the rows' order, then down [D]; present when
+// shape.epilogue.biased.
+size_t packed_bias_offset(const kernels::ExpertShape& shape);
 size_t packed_expert_bytes(const kernels::ExpertShape& shape);
+// The activation and bias flag of the manifest's experts.
+kernels::Epilogue model_epilogue(const Manifest& m);
 
 struct StoreOptions {
   bool verify_checksums = true;
@@ -55,6 +61,18 @@ class ExpertStore {
   const uint8_t* gate_up(int32_t layer, int32_t expert) const { return base(layer, expert); }
   const uint8_t* down(int32_t layer, int32_t expert) const {
     return base(layer, expert) + layers_[static_cast<size_t>(layer)].gate_up_bytes;
+  }
+  // Layer `layer`'s shape with expert `expert`'s biases set in its
+  // epilogue (shape(layer) itself when the model has none).
+  kernels::ExpertShape expert_shape(int32_t layer, int32_t expert) const {
+    const Layer& L = layers_[static_cast<size_t>(layer)];
+    kernels::ExpertShape s = L.shape;
+    if (s.epilogue.biased) {
+      const auto* bias = reinterpret_cast<const float*>(base(layer, expert) + L.bias_offset);
+      s.epilogue.gate_up_bias = bias;
+      s.epilogue.down_bias = bias + 2 * static_cast<size_t>(s.d_ff);
+    }
+    return s;
   }
 
   // Router of a layer, packed as the "down" block of router_shape() (E rows
@@ -117,6 +135,7 @@ class ExpertStore {
     kernels::ExpertShape shared_shape;
     size_t offset = 0;         // in region_
     size_t gate_up_bytes = 0;  // of one packed expert
+    size_t bias_offset = 0;    // of one packed expert's biases
     size_t expert_bytes = 0;   // of one packed expert, whole cache lines
     size_t shared_bytes = 0;
   };
@@ -136,11 +155,20 @@ class ExpertStore {
   StoreStats stats_;
 };
 
-// Packs one expert file's bytes (gate [F][D], up [F][D], down [D][F]) into
-// the kernel layout at dst (expert_bytes(shape) bytes, padding zeroed).
+// Packs one expert file's bytes (gate [F][D], up [F][D], down [D][F], then
+// with shape.epilogue.biased f32 biases gate [F], up [F], down [D]) into
+// the kernel layout at dst (packed_expert_bytes(shape) bytes, padding zeroed).
 void pack_expert(const uint8_t* file_bytes, const kernels::ExpertShape& shape, uint8_t* dst);
-// Same from three separate matrices.
-void pack_expert_parts(const uint8_t* gate, const uint8_t* up, const uint8_t* down,
-                       const kernels::ExpertShape& shape, uint8_t* dst);
+// Same from separate matrices and bias vectors (f32, any alignment; a null
+// bias is zeros; biases are read only when shape.epilogue.biased).
+struct ExpertParts {
+  const uint8_t* gate = nullptr;
+  const uint8_t* up = nullptr;
+  const uint8_t* down = nullptr;
+  const uint8_t* gate_bias = nullptr;
+  const uint8_t* up_bias = nullptr;
+  const uint8_t* down_bias = nullptr;
+};
+void pack_expert_parts(const ExpertParts& parts, const kernels::ExpertShape& shape, uint8_t* dst);
 
 }  // namespace colibri

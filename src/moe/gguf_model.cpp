@@ -203,7 +203,7 @@ class Loader {
     m.router = router_rule(static_cast<int32_t>(top_k));
     shared_expert(m);
     layer_types(m);
-    m.version = m.quantized() ? 3 : 2;
+    m.version = std::max(m.minimum_version(), 2);
     m.source_json = "{\"gguf\": \"" + json_escape(out_.path) + "\", \"architecture\": \"" + json_escape(arch_) + "\"}";
     // The limits every model directory is held to.
     try {

@@ -32,6 +32,22 @@ RouterRule::RouterRule(const RouterDesc& desc, int32_t n_experts)
 void RouterRule::select(const float* logits, const float* bias, int32_t* ids, float* weights) {
   const int32_t E = n_experts_;
   const int32_t k = desc_.top_k;
+  if (desc_.family == RouterFamily::kGptOss) {
+    // gpt-oss: the top k of the biased logits, then a softmax over those k
+    // (transformers' GptOssTopKRouter), the best one's logit subtracted.
+    float* c = choice_.data();
+    for (int32_t e = 0; e < E; ++e) c[e] = logits[e] + (bias != nullptr ? bias[e] : 0.0f);
+    top_indices(c, E, k, order_);
+    const float peak = c[order_[0]];
+    float sum = 0.0f;
+    for (int32_t j = 0; j < k; ++j) {
+      ids[j] = order_[static_cast<size_t>(j)];
+      weights[j] = std::exp(c[ids[j]] - peak);
+      sum += weights[j];
+    }
+    for (int32_t j = 0; j < k; ++j) weights[j] /= sum;
+    return;
+  }
   const bool v3 = desc_.family == RouterFamily::kDeepseekV3;
   float* s = scores_.data();
   if (v3) {
@@ -115,6 +131,7 @@ void RouterRule::select(const float* logits, const float* bias, int32_t* ids, fl
       }
       break;
     case RouterFamily::kNone:
+    case RouterFamily::kGptOss:  // returned above
       break;
   }
 }

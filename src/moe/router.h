@@ -23,7 +23,8 @@ class RouterRule {
   const RouterDesc& desc() const { return desc_; }
 
   // logits [E] -> ids [k] (best first) and weights [k]. `bias` [E] is the
-  // DeepSeek-V3 e_score_correction_bias (nullptr = zeros). Not thread-safe:
+  // DeepSeek-V3 e_score_correction_bias or gpt-oss's logit bias (nullptr =
+  // zeros). Not thread-safe:
   // uses the rule's scratch.
   void select(const float* logits, const float* bias, int32_t* ids, float* weights);
 

@@ -14,6 +14,10 @@ struct ExpertBuffers {
   const void* gate = nullptr;
   const void* up = nullptr;
   const void* down = nullptr;
+  // f32 [d_ff], [d_ff], [d_model] when the manifest says expert_bias (null: zeros).
+  const float* gate_bias = nullptr;
+  const float* up_bias = nullptr;
+  const float* down_bias = nullptr;
 };
 
 struct LayerBuffers {

@@ -16,8 +16,9 @@ enum class RouterFamily : int32_t {
   kOlmoe = 4,
   kDeepseekV2 = 5,
   kDeepseekV3 = 6,
+  kGptOss = 7,
 };
-inline constexpr int32_t kLastRouterFamily = static_cast<int32_t>(RouterFamily::kDeepseekV3);
+inline constexpr int32_t kLastRouterFamily = static_cast<int32_t>(RouterFamily::kGptOss);
 
 struct RouterDesc {
   RouterFamily family = RouterFamily::kNone;

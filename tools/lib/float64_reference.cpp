@@ -1,5 +1,6 @@
 #include "lib/float64_reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -23,6 +24,14 @@ ReferenceExpert load_reference_expert(const std::string& dir, const Manifest& m,
   e.gate.assign(all.begin(), all.begin() + static_cast<ptrdiff_t>(n));
   e.up.assign(all.begin() + static_cast<ptrdiff_t>(n), all.begin() + static_cast<ptrdiff_t>(2 * n));
   e.down.assign(all.begin() + static_cast<ptrdiff_t>(2 * n), all.end());
+  if (m.expert_bias) {
+    std::vector<float> bias(2 * F + D);
+    std::memcpy(bias.data(), f.data() + 2 * gate_bytes + Manifest::matrix_bytes(t.down_dtype, m.d_model, m.d_ff),
+                bias.size() * sizeof(float));
+    e.gate_bias.assign(bias.begin(), bias.begin() + static_cast<ptrdiff_t>(F));
+    e.up_bias.assign(bias.begin() + static_cast<ptrdiff_t>(F), bias.begin() + static_cast<ptrdiff_t>(2 * F));
+    e.down_bias.assign(bias.begin() + static_cast<ptrdiff_t>(2 * F), bias.end());
+  }
   return e;
 }
 
@@ -50,12 +59,24 @@ std::vector<double> reference_layer(const std::string& dir, int32_t layer, int32
           g += ex.gate[f * D + d] * xt[d];
           u += ex.up[f * D + d] * xt[d];
         }
-        h[f] = g / (1.0 + std::exp(-g)) * u;
+        if (!ex.gate_bias.empty()) {
+          g += ex.gate_bias[f];
+          u += ex.up_bias[f];
+        }
+        if (m.clamped_swiglu()) {
+          const double limit = m.swiglu_limit;
+          g = std::min(g, limit);
+          u = std::clamp(u, -limit, limit);
+          h[f] = (u + 1.0) * g / (1.0 + std::exp(-static_cast<double>(m.swiglu_alpha) * g));
+        } else {
+          h[f] = g / (1.0 + std::exp(-g)) * u;
+        }
       }
       const double wt = w[static_cast<size_t>(t) * k + j];
       for (size_t d = 0; d < D; ++d) {
         double acc = 0;
         for (size_t f = 0; f < F; ++f) acc += ex.down[d * F + f] * h[f];
+        if (!ex.down_bias.empty()) acc += ex.down_bias[d];
         y[static_cast<size_t>(t) * D + d] += wt * acc;
       }
     }

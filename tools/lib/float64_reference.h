@@ -14,11 +14,13 @@ namespace colibri {
 
 struct ReferenceExpert {
   std::vector<double> gate, up, down;  // [F][D], [F][D], [D][F]
+  std::vector<double> gate_bias, up_bias, down_bias;  // [F], [F], [D]; empty without
 };
 
 ReferenceExpert load_reference_expert(const std::string& dir, const Manifest& m, int32_t layer, int32_t expert);
 
-// y[t] = sum_j w[t][j] * down_e(silu(gate_e x[t]) * up_e x[t]); id -1 skipped.
+// y[t] = sum_j w[t][j] * down_e(silu(gate_e x[t]) * up_e x[t]); id -1 skipped
+// (the manifest's activation and biases where it has them).
 // (Routed experts only: no router, no shared expert.)
 std::vector<double> reference_layer(const std::string& dir, int32_t layer, int32_t T, const float* x, int32_t k,
                                     const int32_t* ids, const float* w);

@@ -40,15 +40,18 @@ std::vector<uint8_t> encode_weights(const float* w, size_t n, WeightType t) {
 }
 
 // An expert's gate, up [F][D] and down [D][F] in the manifest's types, rows
-// of whole blocks.
-std::vector<uint8_t> encode_expert(const float* w, const Manifest& m, int32_t d_ff) {
+// of whole blocks, then its f32 biases when `biased`.
+std::vector<uint8_t> encode_expert(const float* w, const Manifest& m, int32_t d_ff, bool biased) {
   const size_t D = static_cast<size_t>(m.d_model);
   const size_t F = static_cast<size_t>(d_ff);
   const uint64_t gate_bytes = Manifest::matrix_bytes(m.weight_type(), d_ff, m.d_model);
-  std::vector<uint8_t> out(2 * gate_bytes + Manifest::matrix_bytes(m.down_weight_type(), m.d_model, d_ff));
+  const uint64_t matrices = 2 * gate_bytes + Manifest::matrix_bytes(m.down_weight_type(), m.d_model, d_ff);
+  const size_t biases = biased ? 2 * F + D : 0;
+  std::vector<uint8_t> out(matrices + biases * sizeof(float));
   convert_rows_from_float(m.weight_type(), w, 2 * F, D, out.data(), conversion_threads());
   convert_rows_from_float(m.down_weight_type(), w + 2 * F * D, D, F, out.data() + 2 * gate_bytes,
                           conversion_threads());
+  if (biased) std::memcpy(out.data() + matrices, w + 3 * F * D, biases * sizeof(float));
   return out;
 }
 
@@ -88,7 +91,13 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
   m.router = spec.router;
   m.shared_d_ff = spec.shared_d_ff;
   m.shared_gate = spec.shared_d_ff > 0 && spec.shared_gate;
-  m.version = m.has_router() || m.has_shared() ? 2 : 1;
+  if (spec.clamped_swiglu) {
+    m.activation = "clamped_swiglu";
+    m.swiglu_alpha = spec.swiglu_alpha;
+    m.swiglu_limit = spec.swiglu_limit;
+  }
+  m.expert_bias = spec.expert_bias;
+  m.version = m.minimum_version();
   if (!spec.source_json.empty()) {
     if (!nlohmann::json::accept(spec.source_json)) {
       fail(Status::kInvalidArgument, "model being written: source_json is not valid JSON");
@@ -96,7 +105,6 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
     if (m.version == 1) m.version = 2;
     m.source_json = spec.source_json;
   }
-  if (m.quantized()) m.version = 3;
   if (!fill.expert) fail(Status::kInvalidArgument, "model being written: no expert fill function");
   if (m.has_router() && !fill.router) fail(Status::kInvalidArgument, "model being written: no router fill function");
   if (m.has_shared() && !fill.shared) fail(Status::kInvalidArgument, "model being written: no shared fill function");
@@ -119,7 +127,8 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
   make_directories(dir);
   const size_t D = static_cast<size_t>(spec.d_model);
   const size_t E = static_cast<size_t>(spec.n_experts);
-  std::vector<float> w(3 * D * static_cast<size_t>(std::max(spec.d_ff, m.shared_d_ff)));
+  std::vector<float> w(3 * D * static_cast<size_t>(std::max(spec.d_ff, m.shared_d_ff)) +
+                       (m.expert_bias ? 2 * static_cast<size_t>(spec.d_ff) + D : 0));
   std::vector<float> router;
   if (m.has_router()) router.assign(E * D + (m.router_has_bias() ? E : 0), 0.0f);
   std::vector<float> gate(m.shared_gate ? D : 0);
@@ -135,11 +144,11 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
     }
     for (int32_t e = 0; e < spec.n_experts; ++e) {
       fill.expert(l, e, w.data());
-      write_one(m.expert_file(l, e), encode_expert(w.data(), m, spec.d_ff));
+      write_one(m.expert_file(l, e), encode_expert(w.data(), m, spec.d_ff, m.expert_bias));
     }
     if (m.has_shared()) {
       fill.shared(l, w.data(), m.shared_gate ? gate.data() : nullptr);
-      write_one(m.shared_file(l), encode_expert(w.data(), m, m.shared_d_ff));
+      write_one(m.shared_file(l), encode_expert(w.data(), m, m.shared_d_ff, false));
       if (m.shared_gate) write_one(m.shared_gate_file(l), encode_weights(gate.data(), D, WeightType::kF32));
     }
   }
@@ -169,13 +178,16 @@ MappedFile open_weight_file(const std::string& dir, const Manifest& m, int32_t l
   return f;
 }
 
-// An expert file (gate, up [F][D], down [D][F]) of `layer` widened to floats.
-void widen_expert(const MappedFile& f, const Manifest& m, int32_t layer, int32_t d_ff, float* w) {
+// An expert file (gate, up [F][D], down [D][F], biases when `biased`) of
+// `layer` widened to floats.
+void widen_expert(const MappedFile& f, const Manifest& m, int32_t layer, int32_t d_ff, bool biased, float* w) {
   const size_t D = static_cast<size_t>(m.d_model), F = static_cast<size_t>(d_ff);
   const LayerTypes t = m.layer_types(layer);
   const uint64_t gate_bytes = Manifest::matrix_bytes(t.dtype, d_ff, m.d_model);
+  const uint64_t down_bytes = Manifest::matrix_bytes(t.down_dtype, m.d_model, d_ff);
   convert_rows_to_float(t.dtype, f.data(), 2 * F, D, w);
   convert_rows_to_float(t.down_dtype, f.data() + 2 * gate_bytes, D, F, w + 2 * F * D);
+  if (biased) std::memcpy(w + 3 * F * D, f.data() + 2 * gate_bytes + down_bytes, (2 * F + D) * sizeof(float));
 }
 
 }  // namespace
@@ -194,12 +206,17 @@ void requantize_model_dir(const std::string& in_dir, const std::string& out_dir,
   spec.router = in.router;
   spec.shared_d_ff = in.shared_d_ff;
   spec.shared_gate = in.shared_gate;
+  spec.clamped_swiglu = in.clamped_swiglu();
+  spec.swiglu_alpha = in.swiglu_alpha;
+  spec.swiglu_limit = in.swiglu_limit;
+  spec.expert_bias = in.expert_bias;
   spec.source_json = in.source_json;
   const size_t D = static_cast<size_t>(in.d_model);
   const size_t E = static_cast<size_t>(in.n_experts);
   ModelFill fill;
   fill.expert = [&](int32_t l, int32_t e, float* w) {
-    widen_expert(open_weight_file(in_dir, in, l, in.expert_file(l, e), in.expert_file_bytes(l)), in, l, in.d_ff, w);
+    widen_expert(open_weight_file(in_dir, in, l, in.expert_file(l, e), in.expert_file_bytes(l)), in, l, in.d_ff,
+                 in.expert_bias, w);
   };
   fill.router = [&](int32_t l, float* router, float* bias) {
     const MappedFile f = open_weight_file(in_dir, in, l, in.router_file(l), in.router_file_bytes());
@@ -207,7 +224,8 @@ void requantize_model_dir(const std::string& in_dir, const std::string& out_dir,
     if (bias != nullptr) std::memcpy(bias, f.data() + E * D * sizeof(float), E * sizeof(float));
   };
   fill.shared = [&](int32_t l, float* w, float* gate) {
-    widen_expert(open_weight_file(in_dir, in, l, in.shared_file(l), in.shared_file_bytes(l)), in, l, in.shared_d_ff, w);
+    widen_expert(open_weight_file(in_dir, in, l, in.shared_file(l), in.shared_file_bytes(l)), in, l, in.shared_d_ff,
+                 false, w);
     if (gate != nullptr) {
       const MappedFile g = open_weight_file(in_dir, in, l, in.shared_gate_file(l), in.shared_gate_file_bytes());
       std::memcpy(gate, g.data(), D * sizeof(float));
@@ -226,6 +244,10 @@ void random_expert_weights(const ModelWriteSpec& spec, uint64_t seed, int32_t la
   const float a_ff = std::sqrt(3.0f / static_cast<float>(spec.d_ff));
   for (size_t i = 0; i < 2 * DF; ++i) w[i] = a_in * uniform_pm1(state);
   for (size_t i = 2 * DF; i < 3 * DF; ++i) w[i] = a_ff * uniform_pm1(state);
+  if (spec.expert_bias) {
+    const size_t biases = 2 * static_cast<size_t>(spec.d_ff) + static_cast<size_t>(spec.d_model);
+    for (size_t i = 0; i < biases; ++i) w[3 * DF + i] = 0.5f * uniform_pm1(state);
+  }
 }
 
 void write_random_model(const std::string& dir, const ModelWriteSpec& spec, uint64_t seed) {

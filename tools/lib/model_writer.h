@@ -28,6 +28,11 @@ struct ModelWriteSpec {
   RouterDesc router{};  // family NONE = no built-in router
   int32_t shared_d_ff = 0;         // 0 = no shared expert
   bool shared_gate = false;        // Qwen2-MoE's sigmoid gate on the shared expert
+  // Format v4 (gpt-oss): the clamped SwiGLU and per-expert biases.
+  bool clamped_swiglu = false;
+  float swiglu_alpha = 1.702f;
+  float swiglu_limit = 7.0f;
+  bool expert_bias = false;
   // Optional provenance, stored as the manifest's "source" object (ignored
   // when read): e.g. {"format": "hf", "model_type": "mixtral", "layers": [..]}.
   std::string source_json;
@@ -36,7 +41,9 @@ struct ModelWriteSpec {
 // Called once per file, in order, to fill float32 buffers that the writer
 // rounds to the model's dtype (weights) or keeps in f32 (router, gate).
 struct ModelFill {
-  // 3*d_model*d_ff floats: gate [F][D], up [F][D], down [D][F]. Required.
+  // 3*d_model*d_ff floats: gate [F][D], up [F][D], down [D][F], then with
+  // spec.expert_bias 2*d_ff + d_model more: the biases of gate [F], up [F]
+  // and down [D] (kept in f32). Required.
   std::function<void(int32_t layer, int32_t expert, float* w)> expert;
   // router [E][D]; bias [E] is non-null only for DeepSeek-V3 (fill with
   // e_score_correction_bias). Required when spec.router.family != NONE.
@@ -58,7 +65,8 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec,
                      const std::function<void(int32_t layer, int32_t expert, float* w)>& fill);
 
 // Random weights of realistic scale: uniform with variance 1/fan_in (gate and
-// up: d_model, down: d_ff), deterministic in (seed, layer, expert).
+// up: d_model, down: d_ff), biases uniform in [-0.5, 0.5), deterministic in
+// (seed, layer, expert).
 void write_random_model(const std::string& dir, const ModelWriteSpec& spec, uint64_t seed);
 
 // Rewrites the model directory `in_dir` with its expert (and shared
