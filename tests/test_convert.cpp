@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -863,8 +864,8 @@ TEST_F(BadCheckpointTest, ConfigWithoutMoeFieldsAndUnsupportedArchitecture) {
   ck_.config.erase("num_local_experts");
   expect_error(colibri::Status::kFormat, {"config.json", "num_local_experts"});
   ck_.config = c_.config;
-  ck_.config["model_type"] = "gpt_oss";
-  expect_error(colibri::Status::kUnsupported, {"gpt_oss", "supported: mixtral"});
+  ck_.config["model_type"] = "jamba";
+  expect_error(colibri::Status::kUnsupported, {"jamba", "supported: mixtral"});
 }
 
 TEST_F(BadCheckpointTest, FamilySpecificTensors) {
@@ -928,6 +929,208 @@ TEST_F(BadCheckpointTest, FailureWhileWritingRemovesEverything) {
   EXPECT_EQ(calls, 5);
   EXPECT_FALSE(fs::exists(out_));
   EXPECT_TRUE(no_partial_left(out_));
+}
+
+// ------------------------------------------------------------- gpt-oss
+
+// The gpt-oss checkpoint layout: mlp.router (weight, bias); experts'
+// gate_up_proj_blocks/_scales [E, 2F, D/32, 16] / [E, 2F, D/32] (rows
+// interleaved, even gate), down_proj_blocks/_scales, and biases.
+struct GptOssCheckpoint {
+  Checkpoint ck;
+  int32_t E = 4, D = 64, F = 32, k = 2, layers = 2;
+  bool mxfp4 = true;
+  std::map<std::string, std::string> raw;  // U8 tensors' bytes
+
+  void build() {
+    ck.config = {{"model_type", "gpt_oss"}, {"num_hidden_layers", layers}, {"hidden_size", D},
+                 {"intermediate_size", F},  {"num_local_experts", E},       {"num_experts_per_tok", k},
+                 {"swiglu_limit", 7.0}};
+    std::mt19937 rng(77);
+    for (int32_t l = 0; l < layers; ++l) {
+      const std::string b = "model.layers." + std::to_string(l) + ".mlp.";
+      ck.add(b + "router.weight", "BF16", {uint64_t(E), uint64_t(D)});
+      ck.add(b + "router.bias", "BF16", {uint64_t(E)});
+      ck.add(b + "experts.gate_up_proj_bias", "BF16", {uint64_t(E), uint64_t(2 * F)}, 3.0f);
+      ck.add(b + "experts.down_proj_bias", "BF16", {uint64_t(E), uint64_t(D)}, 1.0f);
+      if (mxfp4) {
+        auto u8 = [&](const std::string& name, std::vector<uint64_t> shape, bool scale) {
+          size_t n = 1;
+          for (uint64_t d : shape) n *= d;
+          std::string bytes(n, '\0');
+          // Scales around 2^-5 (weights of a few tenths), codes uniform.
+          for (char& c : bytes) c = static_cast<char>(scale ? 120 + rng() % 5 : rng() % 256);
+          ck.tensors[name] = {"U8", std::move(shape), {}, bytes};
+        };
+        u8(b + "experts.gate_up_proj_blocks", {uint64_t(E), uint64_t(2 * F), uint64_t(D / 32), 16}, false);
+        u8(b + "experts.gate_up_proj_scales", {uint64_t(E), uint64_t(2 * F), uint64_t(D / 32)}, true);
+        u8(b + "experts.down_proj_blocks", {uint64_t(E), uint64_t(D), uint64_t(F / 32), 16}, false);
+        u8(b + "experts.down_proj_scales", {uint64_t(E), uint64_t(D), uint64_t(F / 32)}, true);
+      } else {
+        ck.add(b + "experts.gate_up_proj", "BF16", {uint64_t(E), uint64_t(D), uint64_t(2 * F)}, 0.3f);
+        ck.add(b + "experts.down_proj", "BF16", {uint64_t(E), uint64_t(F), uint64_t(D)}, 0.3f);
+      }
+    }
+  }
+
+  // An independent reading of the checkpoint (transformers' dequantisation
+  // and GptOssExperts' forward), in float64: W_gate_up [2F][D] of expert e.
+  std::vector<double> gate_up(int32_t l, int32_t e) const {
+    const std::string b = "model.layers." + std::to_string(l) + ".mlp.experts.";
+    std::vector<double> w(static_cast<size_t>(2 * F) * D);
+    if (!mxfp4) {
+      const std::vector<float>& v = ck.values(b + "gate_up_proj");  // [E][D][2F]
+      for (int32_t r = 0; r < 2 * F; ++r)
+        for (int32_t d = 0; d < D; ++d) w[size_t(r) * D + d] = v[(size_t(e) * D + d) * 2 * F + r];
+      return w;
+    }
+    return decode(ck.tensors.at(b + "gate_up_proj_blocks").raw, ck.tensors.at(b + "gate_up_proj_scales").raw, e,
+                  2 * F, D);
+  }
+  std::vector<double> down(int32_t l, int32_t e) const {
+    const std::string b = "model.layers." + std::to_string(l) + ".mlp.experts.";
+    std::vector<double> w(static_cast<size_t>(D) * F);
+    if (!mxfp4) {
+      const std::vector<float>& v = ck.values(b + "down_proj");  // [E][F][D]
+      for (int32_t d = 0; d < D; ++d)
+        for (int32_t f = 0; f < F; ++f) w[size_t(d) * F + f] = v[(size_t(e) * F + f) * D + d];
+      return w;
+    }
+    return decode(ck.tensors.at(b + "down_proj_blocks").raw, ck.tensors.at(b + "down_proj_scales").raw, e, D, F);
+  }
+  static std::vector<double> decode(const std::string& blocks, const std::string& scales, int32_t e, int32_t rows,
+                                    int32_t n) {
+    static const double kLut[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
+    std::vector<double> w(static_cast<size_t>(rows) * n);
+    for (int32_t r = 0; r < rows; ++r) {
+      for (int32_t i = 0; i < n; ++i) {
+        const size_t row = size_t(e) * rows + r;
+        const auto byte = static_cast<uint8_t>(blocks[row * n / 2 + i / 2]);
+        const int nib = i % 2 ? byte >> 4 : byte & 15;
+        const int exp = static_cast<uint8_t>(scales[row * n / 32 + i / 32]) - 127;
+        w[size_t(r) * n + i] = std::ldexp(kLut[nib], exp);
+      }
+    }
+    return w;
+  }
+
+  std::vector<double> layer(int32_t l, int32_t T, const float* x, const int32_t* ids, const float* wts) const {
+    const std::string b = "model.layers." + std::to_string(l) + ".mlp.experts.";
+    const std::vector<float>& gub = ck.values(b + "gate_up_proj_bias");
+    const std::vector<float>& db = ck.values(b + "down_proj_bias");
+    std::vector<double> y(size_t(T) * D, 0.0);
+    for (int32_t t = 0; t < T; ++t) {
+      for (int32_t j = 0; j < k; ++j) {
+        const int32_t e = ids[t * k + j];
+        const std::vector<double> gu = gate_up(l, e), dn = down(l, e);
+        std::vector<double> h(static_cast<size_t>(F));
+        for (int32_t f = 0; f < F; ++f) {
+          double g = gub[size_t(e) * 2 * F + 2 * f], u = gub[size_t(e) * 2 * F + 2 * f + 1];
+          for (int32_t d = 0; d < D; ++d) {
+            g += gu[size_t(2 * f) * D + d] * x[t * D + d];
+            u += gu[size_t(2 * f + 1) * D + d] * x[t * D + d];
+          }
+          g = std::min(g, 7.0);
+          u = std::max(-7.0, std::min(u, 7.0));
+          h[f] = (u + 1) * g / (1 + std::exp(-1.702 * g));
+        }
+        for (int32_t d = 0; d < D; ++d) {
+          double acc = db[size_t(e) * D + d];
+          for (int32_t f = 0; f < F; ++f) acc += dn[size_t(d) * F + f] * h[f];
+          y[size_t(t) * D + d] += wts[t * k + j] * acc;
+        }
+      }
+    }
+    return y;
+  }
+};
+
+TEST(ConvertGptOss, Mxfp4AndBf16CheckpointsRunAsTheCheckpointSays) {
+  for (bool mxfp4 : {true, false}) {
+    SCOPED_TRACE(mxfp4 ? "mxfp4" : "bf16");
+    colibri_test::TempDir tmp("convert_gpt_oss");
+    GptOssCheckpoint g;
+    g.mxfp4 = mxfp4;
+    g.build();
+    const std::string hf = tmp.path() + "/hf", out = tmp.path() + "/model";
+    g.ck.write(hf, mxfp4 ? 1 : 2);
+    colibri::HfConvertOptions o;
+    o.hf_dir = hf;
+    o.out_dir = out;
+    const colibri::HfConvertResult r = colibri::convert_hf_checkpoint(o);
+    EXPECT_EQ(r.dtype, mxfp4 ? colibri::WeightType::kMXFP4 : colibri::WeightType::kBF16);
+    const colibri::Manifest m = colibri::load_manifest(out);
+    EXPECT_TRUE(m.clamped_swiglu() && m.expert_bias);
+    EXPECT_EQ(m.router.family, colibri::RouterFamily::kGptOss);
+    EXPECT_EQ(m.version, 4);
+
+    colibri_test::OpenedModel model;
+    model.model = colibri_test::open_test_model(out, true);
+    ASSERT_NE(model.model, nullptr);
+    const int32_t T = 5;
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd(0.0f, 6.0f);
+    std::vector<float> x(size_t(T) * g.D);
+    for (float& v : x) v = nd(rng);
+    std::vector<int32_t> ids(size_t(T) * g.k);
+    std::vector<float> w(ids.size());
+    for (int32_t t = 0; t < T; ++t) {
+      ids[size_t(t) * g.k] = t % g.E;
+      ids[size_t(t) * g.k + 1] = (t + 1 + t / 2) % g.E;
+      w[size_t(t) * g.k] = 0.7f;
+      w[size_t(t) * g.k + 1] = 0.3f;
+    }
+    for (int32_t l = 0; l < g.layers; ++l) {
+      std::vector<float> y(x.size(), std::nanf(""));
+      colibri_infer_t in;
+      colibri_infer_default(&in);
+      in.layer = l;
+      in.n_tokens = T;
+      in.input = x.data();
+      in.output = y.data();
+      in.top_k = g.k;
+      in.expert_ids = ids.data();
+      in.expert_weights = w.data();
+      ASSERT_EQ(colibri_infer(model.model, &in), COLIBRI_OK) << colibri_last_error();
+      const std::vector<double> want = g.layer(l, T, x.data(), ids.data(), w.data());
+      EXPECT_LE(colibri_test::relative_l2(y.data(), want), 1e-5) << "layer " << l;
+      // MXFP4 values are kept exactly: the model's own float64 reference
+      // (its files dequantised) is the checkpoint's to rounding.
+      const std::vector<double> own = colibri_test::reference_layer(out, l, T, x.data(), g.k, ids.data(), w.data());
+      std::vector<float> own_f(own.begin(), own.end());
+      EXPECT_LE(colibri_test::relative_l2(own_f.data(), want), 1e-7) << "layer " << l;
+    }
+  }
+}
+
+TEST(ConvertGptOss, BadTensorsAreNamed) {
+  colibri_test::TempDir tmp("convert_gpt_oss");
+  auto refused = [&](const std::function<void(GptOssCheckpoint&)>& edit, const std::vector<std::string>& needles) {
+    GptOssCheckpoint g;
+    g.build();
+    edit(g);
+    const std::string hf = tmp.path() + "/hf", out = tmp.path() + "/out";
+    fs::remove_all(hf);
+    g.ck.write(hf);
+    colibri::HfConvertOptions o;
+    o.hf_dir = hf;
+    o.out_dir = out;
+    try {
+      colibri::convert_hf_checkpoint(o);
+      ADD_FAILURE() << "accepted";
+    } catch (const colibri::Error& e) {
+      for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(out));
+  };
+  refused([](GptOssCheckpoint& g) { g.ck.tensors.erase("model.layers.1.mlp.experts.down_proj_scales"); },
+          {"model.layers.1.mlp.experts.down_proj_scales"});
+  refused([](GptOssCheckpoint& g) { g.ck.tensors.erase("model.layers.0.mlp.router.bias"); }, {"router.bias"});
+  refused([](GptOssCheckpoint& g) { g.ck.tensors["model.layers.0.mlp.experts.gate_up_proj_scales"].shape = {4, 64, 1}; },
+          {"gate_up_proj_scales", "shape"});
+  refused([](GptOssCheckpoint& g) { g.ck.tensors["model.layers.0.mlp.experts.down_proj_blocks"].dtype = "I8"; },
+          {"down_proj_blocks", "U8"});
+  refused([](GptOssCheckpoint& g) { g.ck.config["swiglu_limit"] = -1; }, {"swiglu_limit"});
 }
 
 // ------------------------------------------------------------------ CLI

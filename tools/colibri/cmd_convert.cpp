@@ -205,7 +205,7 @@ void add_convert_commands(CLI::App& app) {
   auto ca = std::make_shared<ConvertArgs>();
   CLI::App* c = app.add_subcommand(
       "convert",
-      "Convert a Hugging Face MoE checkpoint (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3) or a GGUF file's MoE layers");
+      "Convert a Hugging Face MoE checkpoint (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss) or a GGUF file's MoE layers");
   CLI::Option* hf = c->add_option("--hf", ca->hf, "Checkpoint directory: config.json and model*.safetensors");
   c->add_option("--gguf", ca->gguf, "GGUF file (or the first of a split set); tensors kept as stored")->excludes(hf);
   c->add_option("--out", ca->out, "Output model directory (must not exist or be empty)")->required();

@@ -26,6 +26,10 @@ struct GenArgs {
   int top_k = 0, n_group = 1, topk_group = 1, shared_d_ff = 0;
   bool norm_topk_prob = false, shared_gate = false;
   float scaling = 1.0f;
+  // v4 (gpt-oss): the clamped SwiGLU and expert biases.
+  std::string activation = "swiglu";
+  float swiglu_alpha = 1.702f, swiglu_limit = 7.0f;
+  bool expert_bias = false;
 };
 
 void run_gen(const GenArgs& a) {
@@ -40,17 +44,24 @@ void run_gen(const GenArgs& a) {
   if (!a.router.empty()) {
     if (!colibri::parse_router_family(a.router, &spec.router.family) || spec.router.family == colibri::RouterFamily::kNone) {
       throw CliError("gen: --router: unknown family \"" + a.router +
-                     "\" (expected mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2 or deepseek_v3)");
+                     "\" (expected mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3 or gpt_oss)");
     }
     if (a.top_k < 1) throw CliError("gen: --router needs --top-k");
     spec.router.top_k = a.top_k;
-    spec.router.norm_topk_prob = a.norm_topk_prob || spec.router.family == colibri::RouterFamily::kMixtral ? 1 : 0;
+    spec.router.norm_topk_prob = a.norm_topk_prob || spec.router.family == colibri::RouterFamily::kMixtral ||
+                                         spec.router.family == colibri::RouterFamily::kGptOss
+                                     ? 1
+                                     : 0;
     spec.router.n_group = a.n_group;
     spec.router.topk_group = a.topk_group;
     spec.router.routed_scaling_factor = a.scaling;
   }
   spec.shared_d_ff = a.shared_d_ff;
   spec.shared_gate = a.shared_gate;
+  spec.clamped_swiglu = a.activation == "clamped_swiglu";
+  spec.swiglu_alpha = a.swiglu_alpha;
+  spec.swiglu_limit = a.swiglu_limit;
+  spec.expert_bias = a.expert_bias;
   try {
     colibri::write_random_model(a.out, spec, a.seed);
   } catch (const colibri::Error& e) {
@@ -135,6 +146,13 @@ void run_info(const std::string& dir, int threads) {
     std::printf("router       none (routing comes from the caller)\n");
   }
   if (info.shared_d_ff > 0) std::printf("shared       one shared expert, d_ff %d\n", info.shared_d_ff);
+  if (info.activation == COLIBRI_ACTIVATION_CLAMPED_SWIGLU) {
+    std::printf("activation   clamped_swiglu (gpt-oss): alpha %g, limit %g\n", static_cast<double>(info.swiglu_alpha),
+                static_cast<double>(info.swiglu_limit));
+  } else {
+    std::printf("activation   swiglu\n");
+  }
+  if (info.expert_bias != 0) std::printf("biases       gate, up and down of every expert\n");
   std::printf("threads      %d\n", info.n_threads);
   std::printf("weights      %s in files, %s packed\n", human_bytes(stats.bytes_files).c_str(),
               human_bytes(stats.bytes_mapped).c_str());
@@ -158,7 +176,7 @@ void add_model_commands(CLI::App& app) {
   g->add_option("--seed", gen->seed, "Random seed");
   g->add_option("--router", gen->router,
                 "Add a random built-in router with this family's rule: mixtral, qwen2_moe, qwen3_moe, olmoe, "
-                "deepseek_v2, deepseek_v3");
+                "deepseek_v2, deepseek_v3, gpt_oss");
   g->add_option("--top-k", gen->top_k, "Router: experts per token")->check(CLI::Range(1, 65536));
   g->add_flag("--norm-topk-prob", gen->norm_topk_prob, "Router: renormalise the chosen weights");
   g->add_option("--n-group", gen->n_group, "Router (DeepSeek): expert groups")->check(CLI::Range(1, 65536));
@@ -166,6 +184,11 @@ void add_model_commands(CLI::App& app) {
   g->add_option("--routed-scaling-factor", gen->scaling, "Router (DeepSeek): weight scale");
   g->add_option("--shared-d-ff", gen->shared_d_ff, "Add a shared expert with this FFN size")->check(CLI::Range(0, 1 << 20));
   g->add_flag("--shared-gate", gen->shared_gate, "Shared expert scaled by sigmoid(gate . x) (Qwen2-MoE)");
+  g->add_option("--activation", gen->activation, "swiglu, or clamped_swiglu (gpt-oss)")
+      ->check(CLI::IsMember({"swiglu", "clamped_swiglu"}));
+  g->add_option("--swiglu-alpha", gen->swiglu_alpha, "clamped_swiglu: the sigmoid's scale (1.702)");
+  g->add_option("--swiglu-limit", gen->swiglu_limit, "clamped_swiglu: the clamp (7)");
+  g->add_flag("--expert-bias", gen->expert_bias, "Random biases on every expert's gate, up and down (gpt-oss)");
   g->callback([gen] { run_gen(*gen); });
 
   auto dir = std::make_shared<std::string>();

@@ -45,22 +45,43 @@ struct Family {
   LayerRule layers;
   SharedKind shared;
   bool mixtral_names;  // block_sparse_moe, w1/w3/w2
+  bool gpt_oss;        // mlp.router with bias; experts' gate_up_proj [E, D, 2F] interleaved, biases, MXFP4
 };
 
 constexpr Family kFamilies[] = {
     {"mixtral", RouterFamily::kMixtral, "num_local_experts", "intermediate_size", LayerRule::kEvery,
-     SharedKind::kNone, true},
+     SharedKind::kNone, true, false},
     {"qwen2_moe", RouterFamily::kQwen2Moe, "num_experts", "moe_intermediate_size", LayerRule::kQwen,
-     SharedKind::kQwen2, false},
+     SharedKind::kQwen2, false, false},
     {"qwen3_moe", RouterFamily::kQwen3Moe, "num_experts", "moe_intermediate_size", LayerRule::kQwen,
-     SharedKind::kNone, false},
+     SharedKind::kNone, false, false},
     {"olmoe", RouterFamily::kOlmoe, "num_experts", "intermediate_size", LayerRule::kEvery, SharedKind::kNone,
-     false},
+     false, false},
     {"deepseek_v2", RouterFamily::kDeepseekV2, "n_routed_experts", "moe_intermediate_size",
-     LayerRule::kDeepSeek, SharedKind::kDeepSeek, false},
+     LayerRule::kDeepSeek, SharedKind::kDeepSeek, false, false},
     {"deepseek_v3", RouterFamily::kDeepseekV3, "n_routed_experts", "moe_intermediate_size",
-     LayerRule::kDeepSeek, SharedKind::kDeepSeek, false},
+     LayerRule::kDeepSeek, SharedKind::kDeepSeek, false, false},
+    {"gpt_oss", RouterFamily::kGptOss, "num_local_experts", "intermediate_size", LayerRule::kEvery,
+     SharedKind::kNone, false, true},
 };
+
+// MXFP4 as the gpt-oss checkpoints store it (transformers'
+// convert_moe_packed_tensors): per row, groups of 32 values, 16 bytes each
+// (the low nibble of byte j is value 2j, the high nibble value 2j + 1) and
+// one E8M0 scale byte (2^(scale - 127)) per group; a nibble is an E2M1 code.
+constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+void decode_hf_mxfp4_row(const uint8_t* blocks, const uint8_t* scales, size_t n, float* out) {
+  for (size_t g = 0; g < n / 32; ++g) {
+    const int exponent = static_cast<int>(scales[g]) - 127;
+    for (size_t j = 0; j < 16; ++j) {
+      const uint8_t b = blocks[g * 16 + j];
+      out[g * 32 + 2 * j] = std::ldexp(kE2M1[b & 15], exponent);
+      out[g * 32 + 2 * j + 1] = std::ldexp(kE2M1[b >> 4], exponent);
+    }
+  }
+}
 
 const Family* find_family(const std::string& model_type) {
   for (const Family& f : kFamilies) {
@@ -254,6 +275,12 @@ struct ExpertRefs {
 struct LayerPlan {
   int32_t hf = 0;
   TensorRef router, bias;
+  // gpt-oss: the experts as MXFP4 blocks and scales ([E][2F][D/32][16],
+  // [E][2F][D/32]; [E][D][F/32][16], [E][D][F/32]) or as floats in
+  // gate_up / down ([E][D][2F], [E][F][D]); gate/up columns interleaved
+  // (even: gate); biases [E][2F] (interleaved likewise) and [E][D].
+  bool gpt_oss = false, mxfp4 = false;
+  TensorRef gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias, down_bias;
   bool fused = false;
   std::vector<ExpertRefs> experts;  // per-expert layout
   TensorRef gate_up, down;          // fused layout: [E][2F][D], [E][D][F]
@@ -267,6 +294,7 @@ class Planner {
       : ckpt_(ckpt), family_(family), c_(config) {}
 
   LayerPlan plan(int32_t hf) const {
+    if (family_.gpt_oss) return plan_gpt_oss(hf);
     LayerPlan p;
     p.hf = hf;
     const std::string layer = "model.layers." + std::to_string(hf) + ".";
@@ -326,6 +354,60 @@ class Planner {
   static constexpr const char* kProj[3] = {"gate_proj", "up_proj", "down_proj"};
   static constexpr const char* kMixtralProj[3] = {"w1", "w3", "w2"};
 
+  LayerPlan plan_gpt_oss(int32_t hf) const {
+    LayerPlan p;
+    p.hf = hf;
+    p.gpt_oss = true;
+    const std::string block = "model.layers." + std::to_string(hf) + ".mlp";
+    const uint64_t E = static_cast<uint64_t>(c_.n_experts), D = static_cast<uint64_t>(c_.d_model),
+                   F = static_cast<uint64_t>(c_.d_ff);
+    p.router = require(block + ".router.weight", {E, D}, "num_local_experts, hidden_size");
+    p.bias = require(block + ".router.bias", {E}, "num_local_experts");
+    const std::string ex = block + ".experts.";
+    p.gate_up_bias = require(ex + "gate_up_proj_bias", {E, 2 * F}, "num_local_experts, 2 x intermediate_size");
+    p.down_bias = require(ex + "down_proj_bias", {E, D}, "num_local_experts, hidden_size");
+    if (const TensorRef blocks = ckpt_.find(ex + "gate_up_proj_blocks")) {
+      p.mxfp4 = true;
+      if (D % 32 != 0 || F % 32 != 0) {
+        fail(Status::kFormat, blocks.file->path() + ": tensor \"" + blocks.tensor->name +
+                                     "\": MXFP4 experts need hidden_size and intermediate_size in multiples of 32 "
+                                     "(they are " + std::to_string(D) + " and " + std::to_string(F) + ")");
+      }
+      p.gate_up_blocks = checked_u8(blocks, {E, 2 * F, D / 32, 16});
+      p.gate_up_scales = require_u8(ex + "gate_up_proj_scales", {E, 2 * F, D / 32});
+      p.down_blocks = require_u8(ex + "down_proj_blocks", {E, D, F / 32, 16});
+      p.down_scales = require_u8(ex + "down_proj_scales", {E, D, F / 32});
+    } else {
+      const TensorRef gate_up = find_either(ex + "gate_up_proj");
+      if (!gate_up) {
+        fail(Status::kFormat, ckpt_.where() + ": missing tensor \"" + ex + "gate_up_proj_blocks\" (nor \"" + ex +
+                                     "gate_up_proj\")");
+      }
+      p.gate_up = checked(gate_up, {E, D, 2 * F}, "num_local_experts, hidden_size, 2 x intermediate_size");
+      const TensorRef down = find_either(ex + "down_proj");
+      if (!down) missing(ex + "down_proj");
+      p.down = checked(down, {E, F, D}, "num_local_experts, intermediate_size, hidden_size");
+    }
+    return p;
+  }
+
+  TensorRef require_u8(const std::string& name, const std::vector<uint64_t>& shape) const {
+    const TensorRef r = ckpt_.find(name);
+    if (!r) missing(name);
+    return checked_u8(r, shape);
+  }
+
+  static TensorRef checked_u8(const TensorRef& r, const std::vector<uint64_t>& shape) {
+    const StTensor& t = *r.tensor;
+    const std::string where = r.file->path() + ": tensor \"" + t.name + "\": ";
+    if (t.dtype != StDtype::kU8) fail(Status::kFormat, where + "dtype " + st_dtype_name(t.dtype) + ", expected U8");
+    if (t.shape != shape) {
+      fail(Status::kFormat, where + "shape " + shape_string(t.shape) + ", expected " + shape_string(shape) +
+                                   " (from config.json, 32 values per block)");
+    }
+    return r;
+  }
+
   // gate and up [F][D], down [D][F] under `prefix`.
   ExpertRefs matrices(const std::string& prefix, const char* const* proj, uint64_t F,
                       const std::string& f_name) const {
@@ -384,6 +466,56 @@ WeightType weight_type_of_tensor(StDtype d) {
 
 void read_all(const TensorRef& r, float* out) { r.file->read_floats(*r.tensor, 0, r.tensor->n_elements, out); }
 
+// `rows` rows of n values from MXFP4 blocks and scales, starting at row `first`.
+void read_hf_mxfp4(const TensorRef& blocks, const TensorRef& scales, uint64_t first, size_t rows, size_t n,
+                   std::vector<uint8_t>& codes, std::vector<uint8_t>& exps, float* out) {
+  codes.resize(rows * n / 2);
+  exps.resize(rows * n / 32);
+  blocks.file->read_u8(*blocks.tensor, first * n / 2, codes.size(), codes.data());
+  scales.file->read_u8(*scales.tensor, first * n / 32, exps.size(), exps.data());
+  for (size_t r = 0; r < rows; ++r) decode_hf_mxfp4_row(codes.data() + r * n / 2, exps.data() + r * n / 32, n, out + r * n);
+}
+
+// One gpt-oss expert as the writer takes it: gate [F][D], up [F][D], down
+// [D][F], then the biases of gate [F], up [F] and down [D]. The checkpoint
+// interleaves gate and up (even rows or columns gate, odd up); MXFP4 rows
+// are output rows, the float layout is transposed ([D][2F], [F][D]).
+void read_gpt_oss_expert(const LayerPlan& p, uint64_t e, size_t D, size_t F, float* w, std::vector<uint8_t>& codes,
+                         std::vector<uint8_t>& scales, std::vector<float>& rows) {
+  float* gate = w;
+  float* up = w + F * D;
+  float* down = w + 2 * F * D;
+  rows.resize(2 * F * D);
+  if (p.mxfp4) {
+    read_hf_mxfp4(p.gate_up_blocks, p.gate_up_scales, e * 2 * F, 2 * F, D, codes, scales, rows.data());
+    for (size_t f = 0; f < F; ++f) {
+      std::copy_n(rows.data() + 2 * f * D, D, gate + f * D);
+      std::copy_n(rows.data() + (2 * f + 1) * D, D, up + f * D);
+    }
+    read_hf_mxfp4(p.down_blocks, p.down_scales, e * D, D, F, codes, scales, down);
+  } else {
+    p.gate_up.file->read_floats(*p.gate_up.tensor, e * 2 * F * D, 2 * F * D, rows.data());  // [D][2F]
+    for (size_t d = 0; d < D; ++d) {
+      for (size_t f = 0; f < F; ++f) {
+        gate[f * D + d] = rows[d * 2 * F + 2 * f];
+        up[f * D + d] = rows[d * 2 * F + 2 * f + 1];
+      }
+    }
+    p.down.file->read_floats(*p.down.tensor, e * F * D, F * D, rows.data());  // [F][D]
+    for (size_t f = 0; f < F; ++f) {
+      for (size_t d = 0; d < D; ++d) down[d * F + f] = rows[f * D + d];
+    }
+  }
+  float* bias = w + 3 * F * D;
+  rows.resize(2 * F);
+  p.gate_up_bias.file->read_floats(*p.gate_up_bias.tensor, e * 2 * F, 2 * F, rows.data());
+  for (size_t f = 0; f < F; ++f) {
+    bias[f] = rows[2 * f];
+    bias[F + f] = rows[2 * f + 1];
+  }
+  p.down_bias.file->read_floats(*p.down_bias.tensor, e * D, D, bias + 2 * F);
+}
+
 // Refuses an existing non-empty directory or a non-directory; an empty
 // directory is replaced by the rename at the end.
 void check_out_dir(const std::string& out) {
@@ -440,8 +572,20 @@ HfMoeConfig parse_hf_config(const std::string& text, const std::string& source) 
   c.router.family = family->router;
   c.router.top_k = static_cast<int32_t>(r.integer("num_experts_per_tok", 1, c.n_experts));
   // Mixtral always renormalises (its config has no such field).
-  const bool norm = family->router == RouterFamily::kMixtral ? true : r.boolean_or("norm_topk_prob", v3);
+  // Mixtral always renormalises (its config has no such field), and
+  // gpt-oss's weights are a softmax over the chosen experts.
+  const bool norm = family->router == RouterFamily::kMixtral || family->gpt_oss ? true
+                                                                                : r.boolean_or("norm_topk_prob", v3);
   c.router.norm_topk_prob = norm ? 1 : 0;
+  if (family->gpt_oss) {
+    c.clamped_swiglu = true;
+    c.expert_bias = true;
+    const double limit = r.number_or("swiglu_limit", 7.0), alpha = r.number_or("swiglu_alpha", 1.702);
+    if (!std::isfinite(limit) || limit <= 0 || limit > 1e6) r.bad("swiglu_limit", "must be a positive finite number");
+    if (!std::isfinite(alpha) || alpha <= 0 || alpha > 1e6) r.bad("swiglu_alpha", "must be a positive finite number");
+    c.swiglu_limit = static_cast<float>(limit);
+    c.swiglu_alpha = static_cast<float>(alpha);
+  }
 
   if (family->shared == SharedKind::kQwen2) {
     c.shared_d_ff = static_cast<int32_t>(r.integer("shared_expert_intermediate_size", 1, kMaxDim));
@@ -560,7 +704,9 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
   }
   result.n_shards = ckpt.shards_opened();
   const LayerPlan& p0 = plans.front();
-  result.source_dtype = weight_type_of_tensor(p0.fused ? p0.gate_up.tensor->dtype : p0.experts[0].gate.tensor->dtype);
+  result.source_dtype = p0.mxfp4 ? WeightType::kMXFP4
+                                 : weight_type_of_tensor(p0.fused || p0.gpt_oss ? p0.gate_up.tensor->dtype
+                                                                                : p0.experts[0].gate.tensor->dtype);
   result.dtype = options.dtype.value_or(result.source_dtype);
   result.down_dtype = options.down_dtype.value_or(result.dtype);
 
@@ -575,14 +721,22 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
   spec.router = c.router;
   spec.shared_d_ff = c.shared_d_ff;
   spec.shared_gate = c.shared_gate;
+  spec.clamped_swiglu = c.clamped_swiglu;
+  spec.swiglu_alpha = c.swiglu_alpha;
+  spec.swiglu_limit = c.swiglu_limit;
+  spec.expert_bias = c.expert_bias;
   spec.source_json = json{{"format", "hf"}, {"model_type", c.model_type}, {"layers", result.layers}}.dump();
 
   const size_t DF = static_cast<size_t>(c.d_model) * static_cast<size_t>(c.d_ff);
+  std::vector<uint8_t> codes, scales;
+  std::vector<float> rows;
   ModelFill fill;
   fill.expert = [&](int32_t layer, int32_t expert, float* w) {
     const LayerPlan& p = plans[static_cast<size_t>(layer)];
     const uint64_t e = static_cast<uint64_t>(expert);
-    if (p.fused) {
+    if (p.gpt_oss) {
+      read_gpt_oss_expert(p, e, static_cast<size_t>(c.d_model), static_cast<size_t>(c.d_ff), w, codes, scales, rows);
+    } else if (p.fused) {
       // gate_up_proj[e] is gate rows then up rows: the expert file's layout.
       p.gate_up.file->read_floats(*p.gate_up.tensor, e * 2 * DF, 2 * DF, w);
       p.down.file->read_floats(*p.down.tensor, e * DF, DF, w + 2 * DF);

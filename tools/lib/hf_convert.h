@@ -1,7 +1,9 @@
 // Conversion of Hugging Face MoE checkpoints (config.json + safetensors
 // shards) into a Colibri model directory: every MoE layer's experts, router
 // and shared expert. Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-// DeepSeek-V2 and -V3, with per-expert or fused expert tensors.
+// DeepSeek-V2 and -V3, with per-expert or fused expert tensors, and
+// gpt-oss (MXFP4 blocks and scales, whose values are kept exactly when the
+// output is mxfp4, or bf16; with the experts' and the router's biases).
 //
 // Shards are memory-mapped and read one expert at a time, so memory stays
 // at a few experts' worth whatever the checkpoint's size. The output is
@@ -31,11 +33,16 @@ struct HfMoeConfig {
   int32_t d_ff = 0;
   int32_t shared_d_ff = 0;   // 0 = no shared expert
   bool shared_gate = false;  // Qwen2-MoE
+  // gpt-oss: the clamped SwiGLU and expert biases.
+  bool clamped_swiglu = false;
+  float swiglu_alpha = 1.702f;
+  float swiglu_limit = 7.0f;
+  bool expert_bias = false;
   RouterDesc router{};
   std::vector<int32_t> moe_layers;  // HF decoder layer indices, ascending
 };
 
-// "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3".
+// "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, gpt_oss".
 std::string hf_supported_model_types();
 
 // Parses config.json text; `source` names it in errors. Throws

@@ -78,6 +78,9 @@ class SafetensorsFile {
   // to float32, exactly; only F32, F16 and BF16 are accepted
   // (Error(Status::kFormat) otherwise).
   void read_floats(const StTensor& t, uint64_t first, uint64_t count, float* out) const;
+  // Bytes [first, first + count) of a U8 tensor (packed codes, scales),
+  // as stored.
+  void read_u8(const StTensor& t, uint64_t first, uint64_t count, uint8_t* out) const;
 
  private:
   std::string path_;
