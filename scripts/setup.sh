@@ -29,7 +29,7 @@
 #   safetensors, gguf     reading and writing checkpoints in tests and tools
 #   scikit-build-core     the PEP 517 backend that builds the package with CMake
 #   transformers          the real Hugging Face MoE classes (5.x; 4.57.6 in
-#                         .venv-transformers4, with torch, numpy, pytest, safetensors)
+#                         .venv-transformers4, with torch, numpy, pytest, safetensors, gguf)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -94,5 +94,5 @@ make_venv "$venv" numpy pytest matplotlib safetensors gguf scikit-build-core "tr
 # nn.Module per expert where 5.x fuses them: the PyTorch integration is
 # tested against both (ctest's python_transformers4). One environment can
 # hold only one transformers.
-make_venv .venv-transformers4 numpy pytest safetensors "transformers==4.57.6"
+make_venv .venv-transformers4 numpy pytest safetensors gguf "transformers==4.57.6"
 echo "$PWD/$venv/bin/python"

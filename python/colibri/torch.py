@@ -1077,6 +1077,11 @@ def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lo
         if mine != theirs:
             raise ValueError("accelerate(gguf=...): %s: the block has (experts, d_model, d_ff) = %s, the file %s"
                              % (where, mine, theirs))
+        mine = (spec.activation, spec.biases is not None)
+        theirs = (info.activation, info.expert_bias)
+        if mine != theirs:
+            raise ValueError("accelerate(gguf=...): %s: the block's experts compute (activation, biases) = %s, the "
+                             "file's %s" % (where, mine, theirs))
         file_shared = info.shared_d_ff > 0
         if file_shared and (spec.shared is None or spec.shared[0].shape[0] != info.shared_d_ff):
             raise ValueError("accelerate(gguf=...): %s: the file has a shared expert of d_ff %d, the block %s"

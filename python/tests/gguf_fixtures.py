@@ -62,6 +62,10 @@ class Layer:
     shared_up: np.ndarray | None = None
     shared_down: np.ndarray | None = None  # [D, Fs]
     shared_gate: np.ndarray | None = None  # [D]
+    # gpt-oss: expert biases [E, F], [E, F], [E, D] (bias above is the router's)
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
 
 
 @dataclass
@@ -146,6 +150,14 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
         if arch in ("deepseek2", "glm4moe"):
             layer.bias = (rng.standard_normal(n_experts) * 0.1).astype(np.float32)
             w.add_tensor(pre + "exp_probs_b.bias", layer.bias)
+        if arch == "gpt-oss":
+            # As llama.cpp's converter writes them: f32, [n_expert, n] in numpy order.
+            layer.bias = (rng.standard_normal(n_experts) * 0.5).astype(np.float32)
+            w.add_tensor(pre + "ffn_gate_inp.bias", layer.bias)
+            for name, n in (("gate", d_ff), ("up", d_ff), ("down", d_model)):
+                b = (rng.standard_normal((n_experts, n)) * 1.5).astype(np.float32)
+                setattr(layer, name + "_bias", b)
+                w.add_tensor(pre + f"ffn_{name}_exps.bias", b)
         if shared_d_ff:
             sg = rng.standard_normal((shared_d_ff, d_model)).astype(np.float32) * scale
             su = rng.standard_normal((shared_d_ff, d_model)).astype(np.float32) * scale
@@ -170,7 +182,7 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
     if split:
         import pathlib
         fix.path = str(w.format_shard_names(pathlib.Path(path))[0])
-    fix.norm_topk_prob = arch in ("llama", "qwen3moe", "deepseek2", "glm4moe")
+    fix.norm_topk_prob = arch in ("llama", "qwen3moe", "deepseek2", "glm4moe", "gpt-oss")
     return fix
 
 

@@ -28,6 +28,12 @@ def route_reference(fix, layer, x):
     ids [T, k] and weights [T, k]."""
     L = fix.layers[layer]
     logits = x.astype(np.float64) @ L.router.astype(np.float64).T
+    if fix.arch == "gpt-oss":  # top k of the biased logits, softmax over those k
+        logits = logits + L.bias.astype(np.float64)
+        ids = np.argsort(-logits, axis=1, kind="stable")[:, : fix.top_k]
+        top = np.take_along_axis(logits, ids, axis=1)
+        z = np.exp(top - top.max(axis=1, keepdims=True))
+        return ids, z / z.sum(axis=1, keepdims=True)
     if fix.arch in ("deepseek2", "glm4moe"):
         probs = 1.0 / (1.0 + np.exp(-logits))
         choice = probs + L.bias.astype(np.float64)
@@ -51,7 +57,15 @@ def moe_reference(fix, layer, x, ids, w):
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = ids[t, j]
-            h = silu(L.gate[e].astype(np.float64) @ x64[t]) * (L.up[e].astype(np.float64) @ x64[t])
+            g = L.gate[e].astype(np.float64) @ x64[t]
+            u = L.up[e].astype(np.float64) @ x64[t]
+            if L.gate_bias is not None:  # gpt-oss: biases and ggml_swiglu_oai(alpha 1.702, limit 7)
+                g = np.minimum(g + L.gate_bias[e], 7.0)
+                u = np.clip(u + L.up_bias[e], -7.0, 7.0)
+                h = (u + 1.0) * g / (1.0 + np.exp(-1.702 * g))
+                y[t] += w[t, j] * (L.down[e].astype(np.float64) @ h + L.down_bias[e])
+                continue
+            h = silu(g) * u
             y[t] += w[t, j] * (L.down[e].astype(np.float64) @ h)
     if L.shared_gate_proj is not None:
         h = silu(x64 @ L.shared_gate_proj.astype(np.float64).T) * (x64 @ L.shared_up.astype(np.float64).T)
@@ -76,6 +90,9 @@ CASES = [
     ("olmoe", "q6_k", "q5_k", dict()),
     # MXFP4 experts (gpt-oss's format) in an architecture Colibri runs.
     ("qwen3moe", "mxfp4", "mxfp4", dict()),
+    # gpt-oss itself: MXFP4 experts with biases, the biased router, the clamped SwiGLU.
+    ("gpt-oss", "mxfp4", "mxfp4", dict(top_k=4)),
+    ("gpt-oss", "bf16", "bf16", dict()),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
     ("qwen2moe", "f32", "f32", dict(shared_d_ff=128, router_dtype="bf16")),
@@ -111,6 +128,11 @@ def test_gguf_layers_match_float64(tmp_path, arch, dtype, down, extra, exact):
         for layer in range(len(fix.layers)):
             for T in (1, 5, 40):
                 x = rng.standard_normal((T, fix.d_model)).astype(np.float32)
+                if arch == "gpt-oss":
+                    x *= 6.0  # gate and up products of several units: the clamps bite
+                    L = fix.layers[layer]
+                    g = np.einsum("efd,td->tef", L.gate, x) + L.gate_bias[None]
+                    assert (g > 7.0).mean() > 0.05, "the clamp hardly bites"
                 ids, w = route_reference(fix, layer, x)
                 # The built-in router picks llama.cpp's experts with its weights.
                 got_ids, got_w = m.route(x, layer=layer)
@@ -176,6 +198,7 @@ CONVERT_CASES = {
     "deepseek2-fused": CASES[4],
     "glm4moe": CASES[5],
     "llama-per-block": CASES[6],
+    "gpt-oss-mxfp4": next(c for c in CASES if c[0] == "gpt-oss"),
     "qwen2moe-shared-per-block": CASES[7],
 }
 assert CONVERT_CASES["llama-per-block"][3].get("block_down_dtypes")

@@ -284,6 +284,67 @@ def test_gpt_oss_clamp_biases_and_router_in_colibri():
         assert err <= tol, "%s: %.3g" % (dtype, err)
 
 
+def test_gpt_oss_accelerate_from_a_gguf(tmp_path):
+    """accelerate(model, gguf=...) on a GptOssForCausalLM whose MoE blocks
+    are in a gpt-oss GGUF (MXFP4 experts, f32 biases and router, llama.cpp's
+    naming): logits match the same model holding the weights the file
+    dequantises to."""
+    gguf = pytest.importorskip("gguf")
+    Qt = gguf.GGMLQuantizationType
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, layer_types=["full_attention", "full_attention"],
+                                    max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 + 0.05 * torch.randn(p.shape, generator=gen)) if "norm" in name and p.dim() == 1
+                    else 0.1 * torch.randn(p.shape, generator=gen))
+    ref = copy.deepcopy(model)
+    path = str(tmp_path / "gpt-oss.gguf")
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(64)
+    for b in range(2):
+        ex, router = model.model.layers[b].mlp.experts, model.model.layers[b].mlp.router
+        rex = ref.model.layers[b].mlp.experts
+        mats = {"gate": ex.gate_up_proj[:, :, 0::2].transpose(1, 2), "up": ex.gate_up_proj[:, :, 1::2].transpose(1, 2),
+                "down": ex.down_proj.transpose(1, 2)}
+        deq = {}
+        for name, m in mats.items():
+            raw = gguf.quants.quantize(m.detach().float().contiguous().numpy(), Qt.MXFP4)
+            w.add_tensor(f"blk.{b}.ffn_{name}_exps.weight", raw, raw_dtype=Qt.MXFP4)
+            deq[name] = torch.from_numpy(gguf.quants.dequantize(raw, Qt.MXFP4).astype("float32"))
+        gub = ex.gate_up_proj_bias.detach().float()
+        w.add_tensor(f"blk.{b}.ffn_gate_exps.bias", gub[:, 0::2].contiguous().numpy())
+        w.add_tensor(f"blk.{b}.ffn_up_exps.bias", gub[:, 1::2].contiguous().numpy())
+        w.add_tensor(f"blk.{b}.ffn_down_exps.bias", ex.down_proj_bias.detach().float().numpy())
+        w.add_tensor(f"blk.{b}.ffn_gate_inp.weight", router.weight.detach().float().numpy())
+        w.add_tensor(f"blk.{b}.ffn_gate_inp.bias", router.bias.detach().float().numpy())
+        with torch.no_grad():  # the reference holds what the file dequantises to
+            rex.gate_up_proj[:, :, 0::2] = deq["gate"].transpose(1, 2)
+            rex.gate_up_proj[:, :, 1::2] = deq["up"].transpose(1, 2)
+            rex.down_proj.copy_(deq["down"].transpose(1, 2))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ids = input_ids()
+    want = logits(ref, ids)
+    for exact, tol in ((True, 1e-5), (False, 2e-2)):
+        m = copy.deepcopy(model)
+        report = ct.accelerate(m, gguf=path, threads=2, exact_prefill=exact)
+        assert [b.layout for b in report.accelerated] == ["gpt_oss", "gpt_oss"], str(report)
+        assert report.models[0].info.dtype == "mxfp4"
+        err = rel_l2(logits(m, ids), want)
+        assert err <= tol, (exact, err)
+
+
 _RSS_CHILD = r"""
 import gc, json, sys
 sys.path[:0] = sys.argv[2:]

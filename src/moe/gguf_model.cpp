@@ -201,6 +201,14 @@ class Loader {
     m.d_model = static_cast<int32_t>(d_model);
     first_layer_types(m);
     m.router = router_rule(static_cast<int32_t>(top_k));
+    if (gpt_oss()) {
+      // llama.cpp's gpt-oss graph: ggml_swiglu_oai with gpt-oss's constants
+      // (it reads none from the file), expert biases.
+      m.activation = "clamped_swiglu";
+      m.swiglu_alpha = 1.702f;
+      m.swiglu_limit = 7.0f;
+      m.expert_bias = true;
+    }
     shared_expert(m);
     layer_types(m);
     m.version = std::max(m.minimum_version(), 2);
@@ -224,6 +232,8 @@ class Loader {
   std::vector<int32_t> moe_blocks_;
   bool fused_ = false;
   uint32_t gate_type_ = 0, down_type_ = 0;
+
+  bool gpt_oss() const { return arch_ == "gpt-oss"; }
 
   static std::string name(int32_t block, const char* what) {
     return "blk." + std::to_string(block) + "." + what;
@@ -392,10 +402,19 @@ class Loader {
       }
       r.n_group = static_cast<int32_t>(groups < 1 ? 1 : groups);
       r.topk_group = static_cast<int32_t>(groups_used < 1 ? 1 : groups_used);
+    } else if (gpt_oss()) {
+      // llama.cpp: the top k of the biased logits, softmax over those k
+      // (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT, fixed for gpt-oss).
+      if (has_scale && scale != 1.0 && scale != 0.0) {
+        bad_key("expert_weights_scale", "is " + std::to_string(scale) + "; gpt-oss weights are not scaled");
+      }
+      if (groups > 1) bad_key("expert_group_count", "is " + std::to_string(groups) + "; gpt-oss has no groups");
+      r.family = RouterFamily::kGptOss;
+      r.norm_topk_prob = 1;
     } else {
       fail(Status::kUnsupported, first_.source() + ": architecture " + arch_ +
                                      " is not one Colibri can route (llama/Mixtral, qwen2moe, qwen3moe, olmoe, "
-                                     "deepseek2, glm4moe)");
+                                     "deepseek2, glm4moe, gpt-oss)");
     }
     return r;
   }
@@ -564,10 +583,29 @@ class Loader {
     for (size_t e = 0; e < E; ++e) {
       L.experts[e] = ExpertBuffers{gate + e * gate_step, up + e * gate_step, down + e * down_step};
     }
+    if (m.expert_bias) {
+      if (fused_) {
+        fail(Status::kUnsupported, first_.source() + ": block " + std::to_string(b) +
+                                       ": gpt-oss with fused ffn_gate_up_exps is not a layout llama.cpp writes");
+      }
+      const float* gb = floats(expect(name(b, "ffn_gate_exps.bias"), {F, E}));
+      const float* ub = floats(expect(name(b, "ffn_up_exps.bias"), {F, E}));
+      const float* db = floats(expect(name(b, "ffn_down_exps.bias"), {D, E}));
+      for (size_t e = 0; e < E; ++e) {
+        L.experts[e].gate_bias = gb + e * F;
+        L.experts[e].up_bias = ub + e * F;
+        L.experts[e].down_bias = db + e * D;
+      }
+    }
     L.router = floats(expect(name(b, "ffn_gate_inp.weight"), {D, E}));
     if (m.router_has_bias()) {
-      const TensorIndex::Entry* bias = index_.find(name(b, "exp_probs_b.bias"));
-      if (bias != nullptr) L.router_bias = floats(expect(bias->tensor->name, {E}));
+      // DeepSeek-V3's selection bias (optional), gpt-oss's logit bias.
+      const TensorIndex::Entry* bias = index_.find(name(b, gpt_oss() ? "ffn_gate_inp.bias" : "exp_probs_b.bias"));
+      if (bias != nullptr) {
+        L.router_bias = floats(expect(bias->tensor->name, {E}));
+      } else if (gpt_oss()) {
+        fail(Status::kFormat, first_.source() + ": tensor " + name(b, "ffn_gate_inp.bias") + " is missing");
+      }
     }
     if (m.has_shared()) {
       const uint64_t Fs = static_cast<uint64_t>(m.shared_d_ff);

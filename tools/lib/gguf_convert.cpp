@@ -20,16 +20,22 @@ void append(std::vector<uint8_t>& out, const void* p, size_t n) {
   out.insert(out.end(), b, b + n);
 }
 
-// gate [F][D], up [F][D], down [D][F] of `layer` as stored: the expert file's bytes.
-std::vector<uint8_t> expert_file(const ExpertBuffers& w, const Manifest& m, int32_t layer, int32_t d_ff) {
+// gate [F][D], up [F][D], down [D][F] of `layer` as stored, then the f32
+// biases of gate, up and down when `biased`: the expert file's bytes.
+std::vector<uint8_t> expert_file(const ExpertBuffers& w, const Manifest& m, int32_t layer, int32_t d_ff, bool biased) {
   const LayerTypes t = m.layer_types(layer);
   const size_t gate_bytes = static_cast<size_t>(d_ff) * weight_row_bytes(t.dtype, static_cast<size_t>(m.d_model));
   const size_t down_bytes = static_cast<size_t>(m.d_model) * weight_row_bytes(t.down_dtype, static_cast<size_t>(d_ff));
   std::vector<uint8_t> out;
-  out.reserve(2 * gate_bytes + down_bytes);
+  out.reserve(2 * gate_bytes + down_bytes + static_cast<size_t>(m.expert_bias_bytes()));
   append(out, w.gate, gate_bytes);
   append(out, w.up, gate_bytes);
   append(out, w.down, down_bytes);
+  if (biased) {
+    append(out, w.gate_bias, static_cast<size_t>(d_ff) * sizeof(float));
+    append(out, w.up_bias, static_cast<size_t>(d_ff) * sizeof(float));
+    append(out, w.down_bias, static_cast<size_t>(m.d_model) * sizeof(float));
+  }
   return out;
 }
 
@@ -65,10 +71,10 @@ GgufConvertResult convert_gguf_model(const std::string& gguf_path, const std::st
       write_one(m.router_file(l), router);
     }
     for (int32_t e = 0; e < m.n_experts; ++e) {
-      write_one(m.expert_file(l, e), expert_file(L.experts[static_cast<size_t>(e)], m, l, m.d_ff));
+      write_one(m.expert_file(l, e), expert_file(L.experts[static_cast<size_t>(e)], m, l, m.d_ff, m.expert_bias));
     }
     if (m.has_shared()) {
-      write_one(m.shared_file(l), expert_file(L.shared, m, l, m.shared_d_ff));
+      write_one(m.shared_file(l), expert_file(L.shared, m, l, m.shared_d_ff, false));
       if (m.shared_gate) {
         std::vector<uint8_t> gate;
         append(gate, L.shared_gate, D * sizeof(float));
