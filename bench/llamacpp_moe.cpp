@@ -76,6 +76,7 @@ struct Args {
     int64_t experts = 8, top_k = 2, d_model = 256, d_ff = 512;
     uint64_t seed = 1;
     bool check = false, serve = false;
+    bool gpt_oss = false;  // llama.cpp's gpt-oss FFN: expert biases (ggml_add_id) and ggml_swiglu_oai
     // per case
     int64_t tokens = 1;
     bool tokens_given = false;
@@ -96,7 +97,9 @@ struct Args {
 void usage() {
     std::fprintf(stderr,
         "usage: llamacpp_moe [--type f16|bf16|f32|q8_0|q4_0|q4_K] [--experts E] [--top-k K]\n"
-        "                    [--d-model D] [--d-ff F] [--seed S] [--shape NAME] [--check] [--serve]\n"
+        "                    [--d-model D] [--d-ff F] [--seed S] [--shape NAME] [--check] [--serve] [--gpt-oss]\n"
+        "  --gpt-oss         the experts as llama.cpp's gpt-oss graph computes them: biases on gate,\n"
+        "                    up and down (ggml_add_id) and ggml_swiglu_oai(alpha 1.702, limit 7)\n"
         "                    [--tokens T] [--routing fixed|cycled] [--cycle N] [--route FILE]\n"
         "                    [--iters N] [--warmup N] [--min-seconds S] [--max-seconds S] [--threads N]\n"
         "  --routing cycled  a different random routing every call (--cycle of them in turn),\n"
@@ -132,6 +135,7 @@ void parse_into(Args & a, const std::vector<std::string> & words, bool case_only
         if (!case_only && (k == "-h" || k == "--help")) { usage(); std::exit(0); }
         if (!case_only && k == "--check") { a.check = true; continue; }
         if (!case_only && k == "--serve") { a.serve = true; continue; }
+        if (!case_only && k == "--gpt-oss") { a.gpt_oss = true; continue; }
         if (i + 1 >= words.size()) { usage(); die("missing value for %s", k.c_str()); }
         const std::string & v = words[++i];
         auto num = [&]() {
@@ -403,6 +407,10 @@ struct Layer {
     ggml_context * wctx = nullptr;
     ggml_backend_buffer_t wbuf = nullptr;
     ggml_tensor *up_exps = nullptr, *gate_exps = nullptr, *down_exps = nullptr;
+    // --gpt-oss: f32 biases [F, E], [F, E], [D, E] in a plain CPU buffer.
+    ggml_context * bctx = nullptr;
+    ggml_backend_buffer_t bbuf = nullptr;
+    ggml_tensor *up_b = nullptr, *gate_b = nullptr, *down_b = nullptr;
     std::vector<uint8_t> qg, qu, qd;  // host copies (ggml's row layout) for --check
     double setup_s = 0;
 };
@@ -439,6 +447,22 @@ void make_layer(const Args & a, Layer & L) {
         *x.q = make_weights(L.type, x.n_in, x.n_out, E, a.seed, x.id, std::max(a.threads, 1));
         ggml_backend_tensor_set(x.t, x.q->data(), 0, x.q->size());  // the repack happens here
         if (!a.check) std::vector<uint8_t>().swap(*x.q);
+    }
+    if (a.gpt_oss) {
+        ggml_init_params bp = {ggml_tensor_overhead() * 4, nullptr, true};
+        L.bctx = ggml_init(bp);
+        L.gate_b = ggml_new_tensor_2d(L.bctx, GGML_TYPE_F32, F, E);
+        L.up_b = ggml_new_tensor_2d(L.bctx, GGML_TYPE_F32, F, E);
+        L.down_b = ggml_new_tensor_2d(L.bctx, GGML_TYPE_F32, D, E);
+        L.bbuf = ggml_backend_alloc_ctx_tensors(L.bctx, L.backend);
+        if (!L.bbuf) die("could not allocate the biases%s", "");
+        int id = 10;
+        for (ggml_tensor * b : {L.gate_b, L.up_b, L.down_b}) {
+            std::vector<float> v(ggml_nelements(b));
+            Rng g(a.seed * 131 + (uint64_t) id++);
+            for (auto & x : v) x = (float) (g.uniform() - 0.5);
+            ggml_backend_tensor_set(b, v.data(), 0, v.size() * sizeof(float));
+        }
     }
     L.setup_s = (now_ms() - t0) / 1e3;
 }
@@ -494,8 +518,16 @@ void run_case(const Args & a, Layer & L) {
     ggml_tensor * cur = ggml_reshape_3d(gctx, x, D, 1, T);
     ggml_tensor * up = ggml_mul_mat_id(gctx, L.up_exps, cur, ids);       // [F, k, T]
     ggml_tensor * gate = ggml_mul_mat_id(gctx, L.gate_exps, cur, ids);   // [F, k, T]
-    ggml_tensor * act = ggml_swiglu_split(gctx, gate, up);               // silu(gate) * up
+    ggml_tensor * act = nullptr;
+    if (a.gpt_oss) {  // as llama.cpp's build_moe_ffn for gpt-oss
+        up = ggml_add_id(gctx, up, L.up_b, ids);
+        gate = ggml_add_id(gctx, gate, L.gate_b, ids);
+        act = ggml_swiglu_oai(gctx, gate, up, 1.702f, 7.0f);
+    } else {
+        act = ggml_swiglu_split(gctx, gate, up);                         // silu(gate) * up
+    }
     ggml_tensor * experts = ggml_mul_mat_id(gctx, L.down_exps, act, ids);  // [D, k, T]
+    if (a.gpt_oss) experts = ggml_add_id(gctx, experts, L.down_b, ids);
     experts = ggml_mul(gctx, experts, weights);                          // routing weights [1, k, T]
     ggml_build_forward_expand(gf, experts);
     std::vector<ggml_tensor *> views(k);
@@ -566,11 +598,11 @@ void run_case(const Args & a, Layer & L) {
     std::string tried;
     for (auto & t : L.tried) tried += (tried.empty() ? "" : ",") + t;
 
-    std::printf("{\"shape\":%s,\"type\":\"%s\",\"T\":%lld,\"experts\":%lld,\"top_k\":%lld,\"d_model\":%lld,"
+    std::printf("{\"shape\":%s,\"gpt_oss\":%s,\"type\":\"%s\",\"T\":%lld,\"experts\":%lld,\"top_k\":%lld,\"d_model\":%lld,"
                 "\"d_ff\":%lld,\"threads\":%d,\"routing\":\"%s\",\"route_file\":%s,\"p50_ms\":%.6g,\"p90_ms\":%.6g,"
                 "\"min_ms\":%.6g,\"mean_ms\":%.6g,\"max_ms\":%.6g,\"iters\":%zu,\"warmup\":%d,\"tokens_per_s\":%.6g,"
                 "\"weight_buffer\":\"%s\",\"repack\":%s,\"buffer_types\":\"%s\",\"weight_bytes\":%zu,\"setup_s\":%.3g",
-                json_str(a.shape).c_str(), ggml_type_name(L.type), (long long) T, (long long) E, (long long) k,
+                json_str(a.shape).c_str(), a.gpt_oss ? "true" : "false", ggml_type_name(L.type), (long long) T, (long long) E, (long long) k,
                 (long long) D, (long long) F, a.threads, a.routing.c_str(), json_str(a.route_file).c_str(), pct(0.5),
                 pct(0.9), s.front(), mean, s.back(), s.size(), a.warmup, (double) T / (pct(0.5) / 1e3),
                 ggml_backend_buft_name(L.buft), json_str(g_repack_layout).c_str(), tried.c_str(), wbytes, L.setup_s);
@@ -598,6 +630,7 @@ int main(int argc, char ** argv) {
 
     ggml_log_set(log_cb, nullptr);
     ggml_cpu_init();
+    if (a.gpt_oss && a.check) die("--check does not model --gpt-oss's biases and activation%s", "");
     make_layer(a, L);
 
     if (!a.serve) {
@@ -620,6 +653,8 @@ int main(int argc, char ** argv) {
         }
     }
 
+    if (L.bbuf) ggml_backend_buffer_free(L.bbuf);
+    if (L.bctx) ggml_free(L.bctx);
     ggml_backend_buffer_free(L.wbuf);
     ggml_free(L.wctx);
     ggml_backend_free(L.backend);

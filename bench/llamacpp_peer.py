@@ -245,7 +245,7 @@ def parse_args(argv):
     ap.add_argument("--route-dir", help="where the suite's .route files and Colibri models are cached "
                     "(default BUILD/bench-work with --colibri BUILD, else build/bench-work)")
     ap.add_argument("--shapes", default=",".join(SHAPE_NAMES),
-                    help="comma-separated, of: %s, peer-smoke" % ", ".join(run_suite.SHAPES))
+                    help="comma-separated, of: %s, peer-smoke" % ", ".join(list(run_suite.SHAPES) + list(run_suite.GPT_OSS_SHAPES)))
     ap.add_argument("--tokens", help="comma-separated token counts (default: the shape's, 1 and 128)")
     ap.add_argument("--types", default=",".join(QUANT_TYPES), help="ggml weight types (q8_0, q4_0, q4_K, mxfp4, f16, bf16)")
     ap.add_argument("--float", action="store_true", help="also f16 and bf16")
@@ -274,7 +274,7 @@ def parse_args(argv):
                     help="a tiny shape, few iterations, every type, output checked: does everything run?")
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "llamacpp-peer", "results.json"))
     a = ap.parse_args(argv)
-    known = dict(run_suite.SHAPES, **SMOKE_SHAPES)
+    known = dict(run_suite.SHAPES, **SMOKE_SHAPES, **run_suite.GPT_OSS_SHAPES)
     if a.smoke:
         a.shapes, a.iters, a.prefill_iters, a.warmup = "peer-smoke", 5, 3, 1
         a.max_wait, a.retries, a.check, a.min_seconds, a.second_pass = 0.0, 0, True, 0.0, False
@@ -338,6 +338,8 @@ def main(argv=None):
         cmodel = colibri.model(name, E, D, F, COLIBRI_DTYPE[ty]) if colibri else None
         hargs = ["--type", ty, "--shape", name, "--experts", str(E), "--top-k", str(k), "--d-model", str(D),
                  "--d-ff", str(F), "--threads", str(a.threads), "--seed", "1"] + (["--check"] if a.check else [])
+        if run_suite.is_gpt_oss(name):  # both sides compute gpt-oss's biased, clamped experts
+            hargs = [x for x in hargs if x != "--check"] + ["--gpt-oss"]
         try:
             h = Harness(exe, meter, hargs, timeout=3600)
         except (RuntimeError, OSError, ValueError) as e:

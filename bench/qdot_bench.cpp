@@ -93,8 +93,8 @@ int main(int argc, char** argv) {
   if (cpu_has_avx_vnni()) tables.push_back({"avx2-vnni", quant_dot_avx_vnni});
   if (detect_isa() >= Isa::kAvx512 && cpu_has_avx512_vnni()) tables.push_back({"avx512-vnni", quant_dot_avx512});
 #endif
-  // qwen3-moe, olmoe (the benchmark suite's shapes).
-  const int32_t shapes[][2] = {{2048, 768}, {2048, 1024}};
+  // qwen3-moe, olmoe, gpt-oss-20b (the benchmark suite's shapes).
+  const int32_t shapes[][2] = {{2048, 768}, {2048, 1024}, {2880, 2880}};
   for (const Table& table : tables) {
     for (WeightType t : {WeightType::kQ4_K, WeightType::kQ8_0, WeightType::kQ4_0, WeightType::kQ5_K, WeightType::kQ6_K,
                          WeightType::kMXFP4}) {

@@ -70,6 +70,13 @@ SHAPES = {
     "olmoe": (64, 8, 2048, 1024, [1, 128]),
 }
 SMOKE_SHAPES = {"smoke": (8, 2, 64, 128, [1, 16])}
+# Shapes whose experts are gpt-oss's: expert biases and the clamped SwiGLU
+# (colibri gen --activation clamped_swiglu --expert-bias; llamacpp_moe --gpt-oss).
+GPT_OSS_SHAPES = {"gpt-oss-20b": (32, 4, 2880, 2880, [1, 96])}
+
+
+def is_gpt_oss(name):
+    return name in GPT_OSS_SHAPES
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "float32": 4, "bfloat16": 2}
 
@@ -272,7 +279,8 @@ def ensure_model(colibri, work, name, E, D, F, dtype):
         # q4_k_m is stored as dtype q4_k with down_dtype q6_k.
         stored = (m["dtype"], m.get("down_dtype", m["dtype"]))
         want = ("q4_k", "q6_k") if dtype == "q4_k_m" else (dtype, dtype)
-        if (m["n_experts"], m["d_model"], m["d_ff"]) == (E, D, F) and stored == want:
+        gpt_oss = m.get("activation") == "clamped_swiglu" and m.get("expert_bias", False)
+        if (m["n_experts"], m["d_model"], m["d_ff"]) == (E, D, F) and stored == want and gpt_oss == is_gpt_oss(name):
             # Sizes and checksums: a truncated file would otherwise only show
             # up as a confusing failure later.
             run_cmd([colibri, "verify", "--model", d], 600, "colibri verify")
@@ -286,7 +294,8 @@ def ensure_model(colibri, work, name, E, D, F, dtype):
     t = time.time()
     run_cmd(
         [colibri, "gen", "--out", tmp, "--experts", str(E), "--d-model", str(D), "--d-ff", str(F),
-         "--dtype", dtype, "--seed", "1"],
+         "--dtype", dtype, "--seed", "1"] + (["--activation", "clamped_swiglu", "--expert-bias"] if is_gpt_oss(name)
+                                             else []),
         3600, "colibri gen",
     )
     os.rename(tmp, d)

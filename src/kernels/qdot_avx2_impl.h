@@ -583,20 +583,28 @@ inline __m256i nibble_codes(__m256i nibbles) {
 template <Block32 B>
 inline __m256 block_scales(const uint8_t* blk) {
   constexpr int kB = static_cast<int>(block32_bytes<B>());
-  const __m256i idx = _mm256_setr_epi32(0, kB, 2 * kB, 3 * kB, 4 * kB, 5 * kB, 6 * kB, 7 * kB);
-  const __m256i g = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), idx, 1);
   if constexpr (B == Block32::kMxfp4) {
+    // The 8 exponent bytes by scalar loads: a gather costs more on some
+    // CPUs (Zen 3) than the bytes it fetches.
+    uint64_t bytes = 0;
+    for (int j = 0; j < 8; ++j) bytes |= static_cast<uint64_t>(blk[j * kB]) << (8 * j);
     // 2^(e - 128) as float bits: (e - 1) << 23, or 0x00200000 << e (subnormal) for e < 2.
-    const __m256i e = _mm256_and_si256(g, _mm256_set1_epi32(0xff));
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes)));
     const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
     const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
     const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
   } else {
-    const __m256i packed = _mm256_shuffle_epi8(
-        g, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -128, -128, -128, -128, -128, -128, -128, -128, 0, 1, 4, 5, 8,
-                            9, 12, 13, -128, -128, -128, -128, -128, -128, -128, -128));
-    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+    // The 8 f16 scales likewise.
+    uint64_t lo = 0, hi = 0;
+    for (int j = 0; j < 4; ++j) {
+      uint16_t a, b;
+      std::memcpy(&a, blk + j * kB, 2);
+      std::memcpy(&b, blk + (j + 4) * kB, 2);
+      lo |= static_cast<uint64_t>(a) << (16 * j);
+      hi |= static_cast<uint64_t>(b) << (16 * j);
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo)));
   }
 }
 
