@@ -44,12 +44,15 @@ def cpu_model():
     return platform.processor()
 
 
-def block(E, k, D, F, seed):
+def block(E, k, D, F, seed, implementation):
     import transformers
 
     cfg = transformers.GptOssConfig(hidden_size=D, intermediate_size=F, num_local_experts=E, num_experts_per_tok=k,
                                     num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8,
                                     head_dim=64, vocab_size=128)
+    # transformers 5's experts dispatch (transformers.integrations.moe):
+    # "eager" (the module's own loop over experts) or "grouped_mm".
+    cfg._experts_implementation = implementation
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
     torch.manual_seed(seed)
@@ -96,6 +99,11 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-seconds", type=float, default=6.0)
     ap.add_argument("--dtypes", default="bf16,mxfp4")
+    ap.add_argument("--torch-dtype", default="bf16", choices=["bf16", "f32"],
+                    help="the transformers module's weights (bf16: as gpt-oss is run; f32: faster on CPUs "
+                         "without bf16 instructions); Colibri's bf16 engine gets the same values rounded to bf16")
+    ap.add_argument("--implementations", default="eager,grouped_mm",
+                    help="transformers 5 experts implementations to time (4.57 has only its own forward)")
     ap.add_argument("--tiny", action="store_true", help="a small layer, short timings")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -103,9 +111,12 @@ def main(argv=None):
         a.experts, a.top_k, a.d_model, a.d_ff, a.max_seconds = 8, 2, 128, 96, 0.2
     torch.set_num_threads(a.threads)
     E, k, D, F = a.experts, a.top_k, a.d_model, a.d_ff
-    mlp, tf_version = block(E, k, D, F, seed=1)
+    impls = [i for i in a.implementations.split(",") if i]
+    mlp, tf_version = block(E, k, D, F, seed=1, implementation=impls[0])
+    tdtype = torch.bfloat16 if a.torch_dtype == "bf16" else torch.float32
+    mlp = mlp.to(tdtype)
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(), "threads": a.threads,
-           "torch": torch.__version__, "transformers": tf_version, "shape": {"experts": E, "top_k": k, "d_model": D,
+           "torch": torch.__version__, "transformers": tf_version, "torch_dtype": a.torch_dtype, "shape": {"experts": E, "top_k": k, "d_model": D,
                                                                             "d_ff": F}, "rows": []}
     engines = {}
     for dtype in [d for d in a.dtypes.split(",") if d]:
@@ -114,23 +125,29 @@ def main(argv=None):
     dense = ct._recognise_gpt_oss(mlp, mlp.experts).dense_scores  # 4.57 takes [T, E] scores
     for T in [int(t) for t in a.tokens.split(",") if t]:
         ids, w = routing(T, E, k, seed=100 + T)
-        x = (torch.randn(T, D, generator=torch.Generator().manual_seed(7 + T))).to(torch.bfloat16)
+        x = (torch.randn(T, D, generator=torch.Generator().manual_seed(7 + T))).to(torch.bfloat16).to(tdtype)
         scores = torch.zeros(T, E).scatter_(1, ids, w) if dense else w
-        scores = scores.to(torch.bfloat16)
+        scores = scores.to(tdtype)
         with torch.inference_mode():
+            row = {"T": T}
+            for impl in impls:
+                mlp.experts.config._experts_implementation = impl
+                row["transformers_%s_%s" % (a.torch_dtype, impl)] = timed(lambda: mlp.experts(x, ids, scores), a.max_seconds)
+            mlp.experts.config._experts_implementation = impls[0]
             ref = mlp.experts(x, ids, scores)
-            row = {"T": T, "transformers_bf16": timed(lambda: mlp.experts(x, ids, scores), a.max_seconds)}
+            best = min(row["transformers_%s_%s" % (a.torch_dtype, i)]["p50_ms"] for i in impls)
             for dtype, ex in engines.items():
                 got = ex(x, ids, w)
                 r = timed(lambda: ex(x, ids, w), a.max_seconds)
                 r["rel_l2_vs_transformers"] = rel_l2(got.float(), ref.float())
-                r["speedup"] = row["transformers_bf16"]["p50_ms"] / r["p50_ms"]
+                r["speedup_vs_fastest"] = best / r["p50_ms"]
                 row["colibri_" + dtype] = r
         out["rows"].append(row)
-        print("T=%-4d transformers bf16 %9.3f ms | %s" % (T, row["transformers_bf16"]["p50_ms"], " | ".join(
-            "colibri %s %8.3f ms (%.2fx, rel L2 %.2g)" % (d, row["colibri_" + d]["p50_ms"], row["colibri_" + d]["speedup"],
-                                                        row["colibri_" + d]["rel_l2_vs_transformers"])
-            for d in engines)), flush=True)
+        print("T=%-4d %s | %s" % (T, " ".join("transformers %s %s %.3f ms" % (
+            a.torch_dtype, i, row["transformers_%s_%s" % (a.torch_dtype, i)]["p50_ms"]) for i in impls), " | ".join(
+            "colibri %s %.3f ms (%.2fx the fastest, rel L2 %.2g)" % (
+                d, row["colibri_" + d]["p50_ms"], row["colibri_" + d]["speedup_vs_fastest"],
+                row["colibri_" + d]["rel_l2_vs_transformers"]) for d in engines)), flush=True)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
