@@ -24,7 +24,8 @@ it, for: tensors not on the CPU, autograd (grad mode on and an input or
 weight that requires grad), training mode, and any module that is not
 exactly the engine's SwiGLU (a custom _apply_gate, a clamp, biases, a
 transposed or interleaved layout, another activation: see
-colibri.torch.recognise); status(model) says which modules run where and
+colibri.torch.recognise), except transformers' GptOssExperts, whose clamped
+SwiGLU, biases and interleaved layout Colibri computes; status(model) says which modules run where and
 why. Expert ids >= the module's number of experts mean "no expert" (expert
 parallelism's sentinel), as in transformers.
 
@@ -40,7 +41,8 @@ import warnings
 
 import torch
 
-from .torch import ColibriExperts, _fused_module_problem, _needs_pytorch
+from .model import Model
+from .torch import ColibriExperts, _colibri_dtype, _fused_module_problem, _gpt_oss_experts_spec, _needs_pytorch
 
 __all__ = ["register", "set_experts_implementation", "status", "experts_forward", "NAME"]
 
@@ -117,8 +119,22 @@ def _eager(module):
 
 
 def _weights_key(module):
-    gu, dp = module.gate_up_proj, module.down_proj
-    return (gu.data_ptr(), gu._version, tuple(gu.shape), gu.dtype, dp.data_ptr(), dp._version, tuple(dp.shape))
+    key = ()
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        t = getattr(module, name, None)
+        if isinstance(t, torch.Tensor):
+            key += (t.data_ptr(), t._version, tuple(t.shape), t.dtype)
+    return key
+
+
+def _gpt_oss_colibri(spec):
+    """GptOssExperts (transformers' class, recognised by colibri.torch): the
+    clamped SwiGLU and the biases in Colibri."""
+    model = Model.from_arrays([spec.layer_dict(shared_in_colibri=False)],
+                              dtype=_colibri_dtype(_options["dtype"], spec.weight_like), threads=_options["threads"],
+                              bf16_compute=_options["bf16_compute"], exact_prefill=_options["exact_prefill"],
+                              **spec.model_options())
+    return ColibriExperts._view(model, 0)
 
 
 def _colibri_for(module):
@@ -129,9 +145,12 @@ def _colibri_for(module):
         return cached[1], cached[2]
     if cached is not None and cached[1] is not None:
         cached[1].close()
-    why = _fused_module_problem(module)
+    gpt_oss = _gpt_oss_experts_spec(module) if type(module).__name__ == "GptOssExperts" else None
+    why = gpt_oss if isinstance(gpt_oss, str) else None if gpt_oss is not None else _fused_module_problem(module)
     experts = None
-    if why is None:
+    if gpt_oss is not None and why is None:
+        experts = _gpt_oss_colibri(gpt_oss)
+    elif why is None:
         experts = ColibriExperts(gate_up_proj=module.gate_up_proj.detach(), down_proj=module.down_proj.detach(),
                                  dtype=_options["dtype"], threads=_options["threads"],
                                  bf16_compute=_options["bf16_compute"], exact_prefill=_options["exact_prefill"])

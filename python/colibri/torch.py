@@ -673,9 +673,9 @@ def _recognise_fused(block, experts, gu, dp):
     return spec
 
 
-def _recognise_gpt_oss(block, experts):
-    """The _Spec of a gpt-oss block (transformers' GptOssMLP: .router, and
-    GptOssExperts computing the clamped SwiGLU with biases), or why not."""
+def _gpt_oss_experts_spec(experts):
+    """The _Spec of transformers' GptOssExperts alone (the clamped SwiGLU
+    with biases; no router), or why not."""
     names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
     gu, gub, dp, dpb = (getattr(experts, n, None) for n in names)
     if not all(isinstance(t, torch.Tensor) for t in (gu, gub, dp, dpb)):
@@ -692,19 +692,29 @@ def _recognise_gpt_oss(block, experts):
     alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
     if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)) or not alpha > 0 or not limit > 0:
         return "gpt-oss experts without positive .alpha and .limit"
+    return _Spec(family="gpt_oss", layout="gpt_oss", n_experts=E, d_model=D, d_ff=F_, top_k=None, experts=None,
+                 fused=(gu, dp), returns_logits=False, norm_topk_prob=True,
+                 activation="clamped_swiglu", swiglu_alpha=float(alpha), swiglu_limit=float(limit),
+                 biases=(gub[:, 0::2], gub[:, 1::2], dpb),
+                 # 4.57 reads the number of experts off the routing weights' last dimension ([N, E]
+                 # scores); 5.x takes [N, k] (and has no .expert_dim).
+                 dense_scores=hasattr(experts, "expert_dim"))
+
+
+def _recognise_gpt_oss(block, experts):
+    """The _Spec of a gpt-oss block (transformers' GptOssMLP: .router, and
+    GptOssExperts computing the clamped SwiGLU with biases), or why not."""
+    spec = _gpt_oss_experts_spec(experts)
+    if isinstance(spec, str):
+        return spec
+    E, D = spec.n_experts, spec.d_model
     router = getattr(block, "router", None)
     rw, rb = getattr(router, "weight", None), getattr(router, "bias", None)
     top_k = _int_attr(router, "top_k")
     if not isinstance(rw, torch.Tensor) or tuple(rw.shape) != (E, D) or not isinstance(rb, torch.Tensor) \
             or tuple(rb.shape) != (E,) or top_k is None or not 1 <= top_k <= E:
         return "gpt-oss block without a router of weight [E, D], bias [E] and top_k"
-    return _Spec(family="gpt_oss", layout="gpt_oss", n_experts=E, d_model=D, d_ff=F_, top_k=top_k, experts=None,
-                 fused=(gu, dp), returns_logits=False, gate_weight=rw, router_bias=rb, norm_topk_prob=True,
-                 activation="clamped_swiglu", swiglu_alpha=float(alpha), swiglu_limit=float(limit),
-                 biases=(gub[:, 0::2], gub[:, 1::2], dpb),
-                 # 4.57 reads the number of experts off the routing weights' last dimension ([N, E]
-                 # scores); 5.x takes [N, k] (and has no .expert_dim).
-                 dense_scores=hasattr(experts, "expert_dim"))
+    return dataclasses.replace(spec, top_k=top_k, gate_weight=rw, router_bias=rb)
 
 
 def recognise(block):

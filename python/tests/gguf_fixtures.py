@@ -84,11 +84,12 @@ class Fixture:
 
 def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_model=256, d_ff=256, dtype="q4_k",
                    down_dtype=None, dense_blocks=0, shared_d_ff=0, fused=False, router_dtype="f32", seed=0,
-                   extra_kv=None, split=None, block_down_dtypes=None, reference=True):
+                   extra_kv=None, split=None, block_down_dtypes=None, reference=True, router_scale=1.0):
     """Writes a GGUF of `n_blocks` blocks, the first `dense_blocks` of which
     hold no experts (with `split`, a split set of at most that many tensors
     per file; fixture.path is then its first file; `block_down_dtypes`: the
-    down type of each MoE block, as llama.cpp's Q4_K_M varies it). Returns a
+    down type of each MoE block, as llama.cpp's Q4_K_M varies it;
+    `router_scale` scales the router weights). Returns a
     Fixture with the dequantised weights (None without `reference`: large
     files for benchmarks)."""
     rng = np.random.default_rng(seed)
@@ -130,7 +131,7 @@ def write_moe_gguf(path, arch="qwen3moe", n_blocks=2, n_experts=8, top_k=2, d_mo
         gate = rng.standard_normal((n_experts, d_ff, d_model)).astype(np.float32) * scale
         up = rng.standard_normal((n_experts, d_ff, d_model)).astype(np.float32) * scale
         down = rng.standard_normal((n_experts, d_model, d_ff)).astype(np.float32) * float(1.0 / np.sqrt(d_ff))
-        router = rng.standard_normal((n_experts, d_model)).astype(np.float32)
+        router = (rng.standard_normal((n_experts, d_model)) * router_scale).astype(np.float32)
         layer_down = block_down_dtypes[b - dense_blocks] if block_down_dtypes else down_dtype
         graw, gf = encode(gate, dtype, reference)
         uraw, uf = encode(up, dtype, reference)

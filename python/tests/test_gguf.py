@@ -90,9 +90,11 @@ CASES = [
     ("olmoe", "q6_k", "q5_k", dict()),
     # MXFP4 experts (gpt-oss's format) in an architecture Colibri runs.
     ("qwen3moe", "mxfp4", "mxfp4", dict()),
-    # gpt-oss itself: MXFP4 experts with biases, the biased router, the clamped SwiGLU.
-    ("gpt-oss", "mxfp4", "mxfp4", dict(top_k=4)),
-    ("gpt-oss", "bf16", "bf16", dict()),
+    # gpt-oss itself: MXFP4 experts with biases, the biased router, the clamped SwiGLU. Its
+    # inputs are 6x the others' (so the clamps bite) and its router 1/6: logits of the other
+    # fixtures' size, whose fp32 rounding the top-k softmax weights then inherit alike.
+    ("gpt-oss", "mxfp4", "mxfp4", dict(top_k=4, router_scale=1 / 6)),
+    ("gpt-oss", "bf16", "bf16", dict(router_scale=1 / 6)),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
     ("qwen2moe", "f32", "f32", dict(shared_d_ff=128, router_dtype="bf16")),
