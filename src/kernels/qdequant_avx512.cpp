@@ -65,6 +65,26 @@ void dq_q4_0(const void* src, size_t n, uint16_t* dst) {
   }
 }
 
+// mxfp4: a block's 16 values are 2^(e - 128) times small integers, exact
+// in float and in bf16 (three significant bits at most, subnormal or
+// infinite included), so each float's upper half is float_to_bf16's
+// result without rounding; the reference's products, looked up per code.
+void dq_mxfp4(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockMxfp4*>(src);
+  const __m128i m4 = _mm_set1_epi8(0x0f);
+  const __m512 values = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)));
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, dst += kQK32) {
+    const uint32_t bits = b->e < 2 ? uint32_t{0x00200000} << b->e : static_cast<uint32_t>(b->e - 1) << 23;
+    const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(bits))), values);
+    const __m512i table =
+        _mm512_zextsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+    store32(dst, lookup32(table, codes));
+  }
+}
+
 // ggml's get_scale_min_k4: sub-block j's 6-bit scale and min.
 inline void scale_min(const uint8_t* s, int j, int* sc, int* m) {
   if (j < 4) {
@@ -166,6 +186,8 @@ DequantBf16Fn dequant_bf16_avx512(WeightType t) {
       return dq_k45<true>;
     case WeightType::kQ6_K:
       return dq_q6_k;
+    case WeightType::kMXFP4:
+      return dq_mxfp4;
     default:
       return nullptr;
   }

@@ -507,15 +507,17 @@ static_assert(sizeof(Group8) == 320);
 
 constexpr size_t kGroupBuffer = 144;  // 46 KB
 
-// Loads 16 bytes at p + j * kStride for j < 8 and transposes them: dword j
-// of out[k] is dword k of row j.
+// Loads 16 bytes at p + min(j, last) * kStride for j < 8 and transposes
+// them: dword j of out[k] is dword k of row min(j, last). A row's last
+// partial group passes its last block as `last`, so nothing past the row
+// is read.
 template <size_t kStride>
-inline void transpose8(const uint8_t* p, __m256i* out) {
+inline void transpose8(const uint8_t* p, __m256i* out, size_t last = 7) {
   __m256i z[4];
-  for (int i = 0; i < 4; ++i) {
+  for (size_t i = 0; i < 4; ++i) {
     z[i] = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * kStride))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (i + 4) * kStride)), 1);
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + min_size(i, last) * kStride))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + min_size(i + 4, last) * kStride)), 1);
   }
   const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]);
   const __m256i t1 = _mm256_unpackhi_epi32(z[0], z[1]);
@@ -579,15 +581,15 @@ inline __m256i nibble_codes(__m256i nibbles) {
   }
 }
 
-// The 8 blocks' scales at blk (stride kBytes), lane j block j's.
+// The scales of blocks min(j, last) at blk (stride kBytes), lane j.
 template <Block32 B>
-inline __m256 block_scales(const uint8_t* blk) {
-  constexpr int kB = static_cast<int>(block32_bytes<B>());
+inline __m256 block_scales_of(const uint8_t* blk, size_t last) {
+  constexpr size_t kB = block32_bytes<B>();
   if constexpr (B == Block32::kMxfp4) {
     // The 8 exponent bytes by scalar loads: a gather costs more on some
     // CPUs (Zen 3) than the bytes it fetches.
     uint64_t bytes = 0;
-    for (int j = 0; j < 8; ++j) bytes |= static_cast<uint64_t>(blk[j * kB]) << (8 * j);
+    for (size_t j = 0; j < 8; ++j) bytes |= static_cast<uint64_t>(blk[min_size(j, last) * kB]) << (8 * j);
     // 2^(e - 128) as float bits: (e - 1) << 23, or 0x00200000 << e (subnormal) for e < 2.
     const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes)));
     const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
@@ -597,10 +599,10 @@ inline __m256 block_scales(const uint8_t* blk) {
   } else {
     // The 8 f16 scales likewise.
     uint64_t lo = 0, hi = 0;
-    for (int j = 0; j < 4; ++j) {
+    for (size_t j = 0; j < 4; ++j) {
       uint16_t a, b;
-      std::memcpy(&a, blk + j * kB, 2);
-      std::memcpy(&b, blk + (j + 4) * kB, 2);
+      std::memcpy(&a, blk + min_size(j, last) * kB, 2);
+      std::memcpy(&b, blk + min_size(j + 4, last) * kB, 2);
       lo |= static_cast<uint64_t>(a) << (16 * j);
       hi |= static_cast<uint64_t>(b) << (16 * j);
     }
@@ -608,16 +610,28 @@ inline __m256 block_scales(const uint8_t* blk) {
   }
 }
 
-// 8 blocks of a q8_0 / q4_0 / mxfp4 row at blk against NT tokens' groups.
+// The scales of the cnt (1 .. 8) blocks at blk (stride kBytes), lane j
+// block j's; lanes from cnt on are zero.
+template <Block32 B>
+inline __m256 block_scales(const uint8_t* blk, size_t cnt) {
+  const __m256 s = block_scales_of<B>(blk, cnt - 1);
+  if (cnt == 8) return s;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cnt)), lane);
+  return _mm256_and_ps(s, _mm256_castsi256_ps(live));
+}
+
+// The cnt (1 .. 8) blocks of a q8_0 / q4_0 / mxfp4 row at blk against NT
+// tokens' groups (whose activations past cnt are zero).
 template <class Dot, Block32 B, int NT>
-inline void group32(const uint8_t* blk, const Group8* G, __m256* facc) {
+inline void group32(const uint8_t* blk, size_t cnt, const Group8* G, __m256* facc) {
   constexpr size_t kBytes = block32_bytes<B>();
   __m256i acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = G[t].off;
   if constexpr (B == Block32::kQ8_0) {
     for (int h = 0; h < 2; ++h) {
       __m256i wv[4], u[4];
-      transpose8<kBytes>(blk + 2 + 16 * h, wv);
+      transpose8<kBytes>(blk + 2 + 16 * h, wv, cnt - 1);
       if constexpr (Dot::kSaturatesInt16) {
         for (int i = 0; i < 4; ++i) u[i] = _mm256_abs_epi8(wv[i]);
         for (int t = 0; t < NT; ++t) {
@@ -638,7 +652,7 @@ inline void group32(const uint8_t* blk, const Group8* G, __m256* facc) {
     constexpr int kMaxCode = B == Block32::kQ4_0 ? 15 : 24;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256i tv[4], u[8];
-    transpose8<kBytes>(blk + kScaleBytes, tv);
+    transpose8<kBytes>(blk + kScaleBytes, tv, cnt - 1);
     // Dword j of a[i] (block j's quants 4i .. 4i + 3) meets the low
     // nibbles, of a[i + 4] the high ones.
     for (int i = 0; i < 4; ++i) {
@@ -647,7 +661,7 @@ inline void group32(const uint8_t* blk, const Group8* G, __m256* facc) {
     }
     for (int t = 0; t < NT; ++t) acc[t] = Dot::template dot<8, kMaxCode>(acc[t], u, G[t].a);
   }
-  const __m256 dw = block_scales<B>(blk);
+  const __m256 dw = block_scales<B>(blk, cnt);
   for (int t = 0; t < NT; ++t) {
     facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_mul_ps(dw, G[t].d), facc[t]);
   }
@@ -663,12 +677,13 @@ void q32_row(const uint8_t* row, size_t g0, size_t ng, size_t nb, const Group8* 
     const uint8_t* blk = row + b0 * kBytes;
     if (b0 + 8 <= nb) {
       prefetch_block<8 * kBytes>(blk);
-      group32<Dot, B, NT>(blk, groups + g * NT, facc);
+      group32<Dot, B, NT>(blk, 8, groups + g * NT, facc);
     } else {
-      alignas(32) uint8_t tail[8 * kBytes];
-      std::memset(tail, 0, sizeof tail);
-      std::memcpy(tail, blk, (nb - b0) * kBytes);
-      group32<Dot, B, NT>(tail, groups + g * NT, facc);
+      // The row's last partial group in place (gpt-oss's 2880 elements end
+      // in 2 blocks): its last block stands in for the missing ones, which
+      // meet zero activations and zero scales. A zero-padded copy cost more
+      // than the group itself.
+      group32<Dot, B, NT>(blk, nb - b0, groups + g * NT, facc);
     }
   }
   for (int t = 0; t < NT; ++t) res[t] = hsum_ps(facc[t]);
