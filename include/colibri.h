@@ -148,10 +148,33 @@ typedef struct colibri_open_options_s {
                                bf16 arithmetic). Decode (few tokens per
                                expert) is always fp32-grade. Not together
                                with bf16_compute. */
+  /* Memory budget for the routed experts' weights (docs/CACHE.md). With
+   * neither set, or a budget the experts fit in, every expert is packed
+   * into memory at open. Under a smaller one the experts stay in the
+   * model's files (a directory or a GGUF file; not colibri_open_memory)
+   * and a pool of max(budget) / (one packed expert) slots holds those
+   * calls use, read on demand; routers and shared experts stay resident.
+   * Any budget holding one expert works: a call needing more experts than
+   * the pool holds runs in waves. Outputs are bit-identical to the fully
+   * resident model's. */
+  uint64_t max_resident_bytes;   /* 0 = no byte budget */
+  float max_resident_percent;    /* of the packed experts' bytes, 0-100; 0 = none */
+  int32_t io_threads;            /* reads in flight under a budget; 0 = 4 */
+  int32_t eviction_policy;       /* colibri_eviction_t */
+  int32_t direct_io;             /* 1 = O_DIRECT reads where the filesystem allows */
+  int32_t speculate;             /* 1 = the built-in router's guess of the next
+                                    layer's experts starts their reads */
 } colibri_open_options_t;
 
+typedef enum {
+  COLIBRI_EVICT_DECAYED_FREQUENCY = 0, /* default; docs/CACHE.md */
+  COLIBRI_EVICT_LRU = 1
+} colibri_eviction_t;
+
 /* Defaults: n_threads 0, lock_memory 1, huge_pages 1, verify_checksums 1,
- * pin_threads 0, reserve_tokens 64, bf16_compute 0, exact_prefill 0. */
+ * pin_threads 0, reserve_tokens 64, bf16_compute 0, exact_prefill 0,
+ * max_resident_bytes 0, max_resident_percent 0, io_threads 0,
+ * eviction_policy DECAYED_FREQUENCY, direct_io 1, speculate 1. */
 COLIBRI_API void colibri_open_options_default(colibri_open_options_t* options);
 
 /* Opens the model directory `path` (holding colibri.json). On success
@@ -358,6 +381,19 @@ COLIBRI_API void colibri_swap_source_default(colibri_swap_source_t* source);
 COLIBRI_API colibri_status_t colibri_swap_expert(colibri_model_t* model, int32_t layer, int32_t expert,
                                                  const colibri_swap_source_t* source);
 
+/* ------------------------------------------------------------ prefetch */
+
+/* Starts reads of experts[0..n) of `layer` into the cache of a model opened
+ * under a memory budget, for a caller that knows a coming call's routing;
+ * returns at once (the reads run on the cache's readers). Evicts only
+ * experts no call is using; ids already resident or on their way, and -1,
+ * are skipped. A failed read is not reported here: the call that needs the
+ * expert reads it again and reports. Without a budget it does nothing.
+ * *out_started (may be NULL) receives the reads started. Thread-safe,
+ * also against colibri_infer on the same model. */
+COLIBRI_API colibri_status_t colibri_prefetch(colibri_model_t* model, int32_t layer, const int32_t* experts,
+                                              int32_t n, int32_t* out_started);
+
 /* ----------------------------------------------------------- inspection */
 
 typedef struct colibri_model_info_s {
@@ -388,6 +424,25 @@ typedef struct colibri_stats_s {
   double verify_seconds;    /* of which spent verifying checksums */
   uint64_t infer_calls;     /* successful colibri_infer calls so far */
   uint64_t expert_swaps;    /* successful colibri_swap_expert calls so far */
+  /* Under a memory budget (all 0 without one): */
+  int32_t cache_slots;          /* experts the pool holds */
+  uint64_t resident_bytes;      /* the pool's bytes (within the budget) */
+  uint64_t resident_experts;    /* experts in it now */
+  uint64_t experts_bytes;       /* every routed expert packed, for comparison */
+  uint64_t cache_hits;          /* a call's expert found resident or already on its way */
+  uint64_t cache_misses;        /* a call's expert that had to be read */
+  uint64_t cache_evictions;
+  uint64_t expert_reads;        /* reads finished (calls', prefetches') */
+  uint64_t expert_read_failures;
+  uint64_t bytes_read;          /* from the files, since open */
+  uint64_t direct_reads;        /* of expert_reads, through O_DIRECT */
+  double read_seconds;          /* summed over readers: read, check, pack */
+  double checksum_seconds;      /* of which verifying checksums */
+  double wait_seconds;          /* calls waiting for reads */
+  uint64_t prefetch_reads;      /* reads started by colibri_prefetch or speculation */
+  uint64_t prefetch_used;       /* of which a call used the expert before it was evicted */
+  uint64_t predicted;           /* experts the router speculation predicted */
+  uint64_t predicted_used;      /* of which the next call of that layer used */
 } colibri_stats_t;
 
 /* Both thread-safe. */

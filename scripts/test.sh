@@ -138,11 +138,12 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOLIBRI_BUILD_TESTS
 cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 run_ctest build-asan 300 -LE no-asan
 # ThreadSanitizer: the concurrency tests (hot swap under load, concurrent
-# callers, the pool) and the API/router tests that drive the pool.
+# callers, the pool, the expert cache's readers) and the API/router tests
+# that drive the pool.
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOLIBRI_BUILD_TESTS=ON -DCOLIBRI_SANITIZE_THREAD=ON \
   -DCOLIBRI_SANITIZE_ADDRESS=OFF -DCOLIBRI_WERROR=ON >/dev/null
-cmake --build build-tsan -j"$jobs" --target test_swap test_api test_router test_engine
-for t in test_swap test_api test_router; do
+cmake --build build-tsan -j"$jobs" --target test_swap test_api test_router test_engine test_expert_cache
+for t in test_swap test_api test_router test_expert_cache; do
   TSAN_OPTIONS=halt_on_error=1 "build-tsan/tests/$t"
 done
 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/test_engine \

@@ -37,6 +37,12 @@ int main(void) {
   FIELD(colibri_open_options_t, reserve_tokens);
   FIELD(colibri_open_options_t, bf16_compute);
   FIELD(colibri_open_options_t, exact_prefill);
+  FIELD(colibri_open_options_t, max_resident_bytes);
+  FIELD(colibri_open_options_t, max_resident_percent);
+  FIELD(colibri_open_options_t, io_threads);
+  FIELD(colibri_open_options_t, eviction_policy);
+  FIELD(colibri_open_options_t, direct_io);
+  FIELD(colibri_open_options_t, speculate);
   end();
 
   BEGIN(colibri_router_desc_t);
@@ -131,6 +137,24 @@ int main(void) {
   FIELD(colibri_stats_t, verify_seconds);
   FIELD(colibri_stats_t, infer_calls);
   FIELD(colibri_stats_t, expert_swaps);
+  FIELD(colibri_stats_t, cache_slots);
+  FIELD(colibri_stats_t, resident_bytes);
+  FIELD(colibri_stats_t, resident_experts);
+  FIELD(colibri_stats_t, experts_bytes);
+  FIELD(colibri_stats_t, cache_hits);
+  FIELD(colibri_stats_t, cache_misses);
+  FIELD(colibri_stats_t, cache_evictions);
+  FIELD(colibri_stats_t, expert_reads);
+  FIELD(colibri_stats_t, expert_read_failures);
+  FIELD(colibri_stats_t, bytes_read);
+  FIELD(colibri_stats_t, direct_reads);
+  FIELD(colibri_stats_t, read_seconds);
+  FIELD(colibri_stats_t, checksum_seconds);
+  FIELD(colibri_stats_t, wait_seconds);
+  FIELD(colibri_stats_t, prefetch_reads);
+  FIELD(colibri_stats_t, prefetch_used);
+  FIELD(colibri_stats_t, predicted);
+  FIELD(colibri_stats_t, predicted_used);
   end();
 
   BEGIN(colibri_route_compile_options_t);

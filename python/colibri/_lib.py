@@ -89,6 +89,12 @@ class OpenOptions(ctypes.Structure):
         ("reserve_tokens", c_int32),
         ("bf16_compute", c_int32),
         ("exact_prefill", c_int32),
+        ("max_resident_bytes", ctypes.c_uint64),
+        ("max_resident_percent", c_float),
+        ("io_threads", c_int32),
+        ("eviction_policy", c_int32),
+        ("direct_io", c_int32),
+        ("speculate", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 
@@ -192,6 +198,24 @@ class Stats(ctypes.Structure):
         ("verify_seconds", ctypes.c_double),
         ("infer_calls", ctypes.c_uint64),
         ("expert_swaps", ctypes.c_uint64),
+        ("cache_slots", c_int32),
+        ("resident_bytes", ctypes.c_uint64),
+        ("resident_experts", ctypes.c_uint64),
+        ("experts_bytes", ctypes.c_uint64),
+        ("cache_hits", ctypes.c_uint64),
+        ("cache_misses", ctypes.c_uint64),
+        ("cache_evictions", ctypes.c_uint64),
+        ("expert_reads", ctypes.c_uint64),
+        ("expert_read_failures", ctypes.c_uint64),
+        ("bytes_read", ctypes.c_uint64),
+        ("direct_reads", ctypes.c_uint64),
+        ("read_seconds", ctypes.c_double),
+        ("checksum_seconds", ctypes.c_double),
+        ("wait_seconds", ctypes.c_double),
+        ("prefetch_reads", ctypes.c_uint64),
+        ("prefetch_used", ctypes.c_uint64),
+        ("predicted", ctypes.c_uint64),
+        ("predicted_used", ctypes.c_uint64),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 
@@ -383,6 +407,7 @@ _PROTOTYPES = {
     "colibri_swap_expert": (ctypes.c_int, [c_void_p, c_int32, c_int32, _P(SwapSource)]),
     "colibri_model_info": (ctypes.c_int, [c_void_p, _P(ModelInfo)]),
     "colibri_stats": (ctypes.c_int, [c_void_p, _P(Stats)]),
+    "colibri_prefetch": (ctypes.c_int, [c_void_p, c_int32, _P(c_int32), c_int32, _P(c_int32)]),
     "colibri_model_kernels": (ctypes.c_char_p, [c_void_p]),
     "colibri_model_source": (ctypes.c_char_p, [c_void_p]),
     "colibri_model_first_block": (ctypes.c_int32, [c_void_p]),

@@ -58,6 +58,32 @@ class ModelStats:
     verify_seconds: float
     infer_calls: int
     expert_swaps: int = 0
+    # Under a memory budget (max_resident=; all 0 without one): the pool,
+    # hits and misses of calls, reads, and prefetch / router speculation.
+    cache_slots: int = 0
+    resident_bytes: int = 0
+    resident_experts: int = 0
+    experts_bytes: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_evictions: int = 0
+    expert_reads: int = 0
+    expert_read_failures: int = 0
+    bytes_read: int = 0
+    direct_reads: int = 0
+    read_seconds: float = 0.0
+    checksum_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    prefetch_reads: int = 0
+    prefetch_used: int = 0
+    predicted: int = 0
+    predicted_used: int = 0
+
+    @property
+    def hit_rate(self):
+        """Hits over the calls' lookups (0 before any)."""
+        n = self.cache_hits + self.cache_misses
+        return self.cache_hits / n if n else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +122,32 @@ class RouterConfig:
         return r
 
 
+_EVICTION = {"freq": 0, "lru": 1}
+
+
+def _apply_budget(o, max_resident, eviction, io_threads, direct_io, speculate):
+    """max_resident: None, bytes (int), or a percentage string such as '25%'."""
+    if max_resident is not None:
+        if isinstance(max_resident, str) and max_resident.strip().endswith("%"):
+            pct = float(max_resident.strip()[:-1])
+            if not 0.0 <= pct <= 100.0:
+                raise ValueError("max_resident %r: the percentage must be in [0, 100]" % (max_resident,))
+            o.max_resident_percent = pct
+        elif isinstance(max_resident, (int, np.integer)) and not isinstance(max_resident, bool):
+            if int(max_resident) < 0:
+                raise ValueError("max_resident must be >= 0 bytes, got %r" % (max_resident,))
+            o.max_resident_bytes = int(max_resident)
+        else:
+            raise TypeError("max_resident must be bytes (int) or a percentage string such as '25%%', got %r"
+                            % (max_resident,))
+    if eviction not in _EVICTION:
+        raise ValueError("eviction must be 'freq' or 'lru', got %r" % (eviction,))
+    o.eviction_policy = _EVICTION[eviction]
+    o.io_threads = _check_int(io_threads, "io_threads", 0, 64)
+    o.direct_io = 1 if direct_io else 0
+    o.speculate = 1 if speculate else 0
+
+
 def _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, reserve_tokens, exact_prefill=False):
     o = L.OpenOptions()
     L.lib().colibri_open_options_default(ctypes.byref(o))
@@ -125,13 +177,22 @@ def _check_int(value, name, lo, hi):
     return value
 
 
+_CACHE_STAT_FIELDS = ("cache_slots", "resident_bytes", "resident_experts", "experts_bytes", "cache_hits",
+                      "cache_misses", "cache_evictions", "expert_reads", "expert_read_failures", "bytes_read",
+                      "direct_reads", "read_seconds", "checksum_seconds", "wait_seconds", "prefetch_reads",
+                      "prefetch_used", "predicted", "predicted_used")
+
+
 class Model:
     """A Colibri model.
 
     ``Model(path, threads=0, lock=True, huge_pages=True, verify=True,
-    bf16_compute=False, *, exact_prefill=False)`` opens a model directory (colibri.json + expert
+    bf16_compute=False, *, exact_prefill=False, max_resident=None, eviction="freq",
+    io_threads=0, direct_io=True, speculate=True)`` opens a model directory (colibri.json + expert
     files, docs/FORMAT.md) or a GGUF file's MoE layers (the first file of a
-    split set for a split one); ``Model.from_arrays(...)`` builds one from
+    split set for a split one); ``max_resident`` (bytes, or a string such as
+    ``"25%"`` of the experts) keeps only that much of the expert weights in
+    memory and reads the rest on demand (docs/CACHE.md); ``Model.from_arrays(...)`` builds one from
     in-memory weights (colibri_open_memory). ``close()`` (or ``with``)
     releases it; methods of a closed model raise ValueError.
 
@@ -140,7 +201,8 @@ class Model:
     """
 
     def __init__(self, path, threads=0, lock=True, huge_pages=True, verify=True, bf16_compute=False,
-                 *, pin_threads=None, reserve_tokens=None, exact_prefill=False):
+                 *, pin_threads=None, reserve_tokens=None, exact_prefill=False, max_resident=None,
+                 eviction="freq", io_threads=0, direct_io=True, speculate=True):
         self._handle = None
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -148,6 +210,7 @@ class Model:
             return
         opts = _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, reserve_tokens,
                              exact_prefill)
+        _apply_budget(opts, max_resident, eviction, io_threads, direct_io, speculate)
         p = os.fsencode(os.fspath(path))
         h = ctypes.c_void_p()
         L.check(L.lib().colibri_open(p, ctypes.byref(opts), ctypes.byref(h)), "colibri_open")
@@ -436,7 +499,28 @@ class Model:
             verify_seconds=s.verify_seconds,
             infer_calls=s.infer_calls,
             expert_swaps=s.expert_swaps,
+            **{f: getattr(s, f) for f in _CACHE_STAT_FIELDS},
         )
+
+    def prefetch(self, layer, experts):
+        """Starts reads of `experts` (ids of layer `layer`) into the cache of
+        a model opened with max_resident=, for a caller that knows a coming
+        call's routing (colibri_prefetch); returns the reads started (0
+        without a budget). Never waits."""
+        info = self.info
+        layer = _check_int(layer, "layer", 0, info.n_layers - 1)
+        ids = np.ascontiguousarray(np.asarray(experts, dtype=np.int64).reshape(-1))
+        if ids.size and (ids.min() < -1 or ids.max() >= info.n_experts):
+            raise ValueError("experts must be in [0, %d) (-1 = none)" % info.n_experts)
+        ids = ids.astype(np.int32)
+        started = ctypes.c_int32(0)
+        h = self._acquire()
+        try:
+            L.check(L.fn("colibri_prefetch")(h, layer, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                             int(ids.size), ctypes.byref(started)), "colibri_prefetch")
+        finally:
+            self._release()
+        return started.value
 
     @property
     def kernels(self):

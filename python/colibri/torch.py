@@ -1063,11 +1063,11 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lock, huge_pages, exact_prefill,
-                          keep_pytorch_weights, released_params):
+                          keep_pytorch_weights, released_params, max_resident=None):
     """accelerate(gguf=...): every recognised block runs the GGUF's layer of
     its decoder-layer index, in the file's stored formats."""
     cmodel = Model(gguf, threads=threads, lock=lock, huge_pages=huge_pages, bf16_compute=bf16_compute,
-                   exact_prefill=exact_prefill)
+                   exact_prefill=exact_prefill, max_resident=max_resident)
     info, first = cmodel.info, cmodel.first_block
     dtype = info.dtype if info.down_dtype == info.dtype else "%s/%s" % (info.dtype, info.down_dtype)
     members = []
@@ -1111,7 +1111,7 @@ def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lo
 
 
 def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
-               verbose=False, exact_prefill=False, keep_pytorch_weights=False, gguf=None):
+               verbose=False, exact_prefill=False, keep_pytorch_weights=False, gguf=None, max_resident=None):
     """Runs the experts of every recognised sparse-MoE block of `model` in
     Colibri; returns an AccelerateReport.
 
@@ -1140,6 +1140,12 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     `model.layers.N` takes GGUF block N. Excludes dtype. Blocks whose shapes
     differ from the file's, or whose block has no experts in it, raise
     ValueError naming both. A shared expert in the file runs in Colibri.
+
+    max_resident (with gguf=): bytes, or a string such as "25%" of the
+    experts, that Colibri may hold of the expert weights; the rest stay in
+    the file and are read on demand (colibri.Model's max_resident=,
+    docs/CACHE.md), so a model larger than memory runs. Without gguf= the
+    experts come from PyTorch's memory and a budget is refused.
 
     Memory: Colibri keeps its own (packed) copy of the expert weights, so by
     default the PyTorch copies of the weights it took over (routed experts,
@@ -1188,8 +1194,11 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
             raise ValueError("accelerate(): dtype and gguf exclude each other (the GGUF's experts run in the types "
                              "the file stores)")
         _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lock, huge_pages, exact_prefill,
-                              keep_pytorch_weights, released_params)
+                              keep_pytorch_weights, released_params, max_resident)
         groups = {}
+    elif max_resident is not None:
+        raise ValueError("accelerate(): max_resident needs gguf= (experts read on demand come from a file; without "
+                         "one they are in PyTorch's memory already)")
     for key, members in groups.items():
         cdtype = key[0]
         layers = [spec.layer_dict(shared_in_colibri=in_colibri) for _, _, spec, in_colibri in members]

@@ -249,6 +249,9 @@ void colibri_open_options_default(colibri_open_options_t* o) {
   o->verify_checksums = 1;
   o->pin_threads = 0;
   o->reserve_tokens = 64;
+  o->eviction_policy = COLIBRI_EVICT_DECAYED_FREQUENCY;
+  o->direct_io = 1;
+  o->speculate = 1;
 }
 
 colibri_status_t colibri_open(const char* path, const colibri_open_options_t* options,
@@ -506,8 +509,60 @@ colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* ou
   out->verify_seconds = store.stats().verify_seconds;
   out->infer_calls = model->impl.infer_calls_count();
   out->expert_swaps = model->impl.expert_swaps();
+  if (const colibri::ExpertCache* cache = model->impl.cache()) {
+    const colibri::CacheStats c = cache->stats();
+    out->bytes_mapped += cache->region_bytes();
+    out->cache_slots = c.slots;
+    out->resident_bytes = cache->region_bytes();
+    out->resident_experts = c.resident_experts;
+    out->experts_bytes = model->impl.experts_bytes();
+    out->cache_hits = c.hits;
+    out->cache_misses = c.misses;
+    out->cache_evictions = c.evictions;
+    out->expert_reads = c.reads;
+    out->expert_read_failures = c.read_failures;
+    out->bytes_read = c.bytes_read;
+    out->direct_reads = c.direct_reads;
+    out->read_seconds = c.read_seconds;
+    out->checksum_seconds = c.checksum_seconds;
+    out->wait_seconds = c.wait_seconds;
+    out->prefetch_reads = c.prefetch_reads;
+    out->prefetch_used = c.prefetch_used;
+    out->predicted = c.predicted;
+    out->predicted_used = c.predicted_used;
+  }
   t_last_error.clear();
   return COLIBRI_OK;
+}
+
+colibri_status_t colibri_prefetch(colibri_model_t* model, int32_t layer, const int32_t* experts, int32_t n,
+                                  int32_t* out_started) {
+  if (out_started != nullptr) *out_started = 0;
+  if (model == nullptr) return null_argument("colibri_prefetch", "model");
+  if (n > 0 && experts == nullptr) return null_argument("colibri_prefetch", "experts");
+  return guarded("colibri_prefetch", [&] {
+    using colibri::Status;
+    const colibri::Manifest& m = model->impl.manifest();
+    if (n < 0) colibri::fail(Status::kInvalidArgument, "colibri_prefetch: n must be >= 0, got " + std::to_string(n));
+    if (layer < 0 || layer >= m.n_layers) {
+      colibri::fail(Status::kInvalidArgument, "colibri_prefetch: layer " + std::to_string(layer) +
+                                                  " is out of range [0, " + std::to_string(m.n_layers) + ")");
+    }
+    for (int32_t i = 0; i < n; ++i) {
+      if (experts[i] < -1 || experts[i] >= m.n_experts) {
+        colibri::fail(Status::kInvalidArgument, "colibri_prefetch: experts[" + std::to_string(i) + "] = " +
+                                                    std::to_string(experts[i]) + " is out of range [0, " +
+                                                    std::to_string(m.n_experts) + ") (-1 means none)");
+      }
+    }
+    colibri::ExpertCache* cache = model->impl.cache();
+    int32_t started = 0;
+    for (int32_t i = 0; cache != nullptr && i < n; ++i) {
+      if (experts[i] >= 0) started += cache->prefetch(layer, experts + i, 1);
+    }
+    if (out_started != nullptr) *out_started = started;
+    return COLIBRI_OK;
+  });
 }
 
 const char* colibri_model_kernels(const colibri_model_t* model) {

@@ -19,6 +19,16 @@ OpenOptions open_options(const colibri_open_options_t& o) {
   r.reserve_tokens = o.reserve_tokens;
   r.bf16_compute = o.bf16_compute != 0;
   r.exact_prefill = o.exact_prefill != 0;
+  r.max_resident_bytes = o.max_resident_bytes;
+  r.max_resident_percent = static_cast<double>(o.max_resident_percent);
+  r.io_threads = o.io_threads;
+  if (o.eviction_policy != COLIBRI_EVICT_DECAYED_FREQUENCY && o.eviction_policy != COLIBRI_EVICT_LRU) {
+    fail(Status::kInvalidArgument, "options.eviction_policy must be 0 (decayed frequency) or 1 (LRU), got " +
+                                       std::to_string(o.eviction_policy));
+  }
+  r.eviction = o.eviction_policy == COLIBRI_EVICT_LRU ? EvictionPolicy::kLru : EvictionPolicy::kDecayedFrequency;
+  r.direct_io = o.direct_io != 0;
+  r.speculate = o.speculate != 0;
   return r;
 }
 

@@ -119,6 +119,14 @@ class GgufFile {
   const GgufTensor* tensor(const std::string& name) const;
   // The tensor's bytes (inside the file, checked at parse time).
   const uint8_t* data(const GgufTensor& t) const { return bytes_ + t.offset; }
+  // Where p lies in the file, when [p, p + n) is inside it (readers that
+  // go back to the file for a tensor's bytes, moe/expert_cache.h).
+  bool file_offset(const void* p, uint64_t n, uint64_t* offset) const {
+    const auto* b = static_cast<const uint8_t*>(p);
+    if (bytes_ == nullptr || b < bytes_ || b > bytes_ + size_ || n > static_cast<uint64_t>(bytes_ + size_ - b)) return false;
+    *offset = static_cast<uint64_t>(b - bytes_);
+    return true;
+  }
   // Drops a tensor's pages from memory once it has been copied (opened
   // files only; MappedFile::release).
   void release(const GgufTensor& t) const { file_.release(data(t), static_cast<size_t>(t.bytes)); }

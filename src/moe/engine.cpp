@@ -42,6 +42,13 @@ Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, Th
   active_experts_.reserve(static_cast<size_t>(n_experts));
   prepared_offset_.resize(static_cast<size_t>(n_experts));
   prepare_jobs_.reserve(static_cast<size_t>(n_experts) + 1);
+  expert_base_.resize(static_cast<size_t>(n_experts));
+  wave_ids_.resize(static_cast<size_t>(n_experts));
+  wave_index_.resize(static_cast<size_t>(n_experts));
+  wave_bases_.resize(static_cast<size_t>(n_experts));
+  next_ids_.resize(static_cast<size_t>(n_experts));
+  speculated_.resize(static_cast<size_t>(n_experts));
+  spec_mark_.resize(static_cast<size_t>(n_experts));
 }
 
 void Engine::set_router(const RouterDesc& desc) {
@@ -84,7 +91,8 @@ void Engine::check_layer(int32_t layer) const {
   }
 }
 
-void Engine::route_locked(int32_t layer, int32_t n_tokens, const float* input, int threads) {
+void Engine::route_locked(int32_t layer, int32_t n_tokens, const float* input, int threads, int32_t* ids,
+                          float* weights) {
   reserve_tokens_locked(n_tokens);
   const int32_t E = n_experts_;
   const kernels::ExpertShape& rs = store_.router_shape();
@@ -106,8 +114,7 @@ void Engine::route_locked(int32_t layer, int32_t n_tokens, const float* input, i
   const float* bias = store_.router_bias(layer);
   const size_t k = static_cast<size_t>(router_.top_k());
   for (size_t t = 0; t < T; ++t) {
-    router_.select(logits_.data() + t * static_cast<size_t>(E), bias, blob_ids_.data() + t * k,
-                   blob_weights_.data() + t * k);
+    router_.select(logits_.data() + t * static_cast<size_t>(E), bias, ids + t * k, weights + t * k);
   }
 }
 
@@ -117,7 +124,8 @@ void Engine::route(int32_t layer, int32_t n_tokens, const float* input, int32_t*
   if (n_tokens == 0) return;
   std::lock_guard<FairMutex> lock(call_mutex_);
   if (threads <= 0 || threads > pool_.size()) threads = pool_.size();
-  route_locked(layer, n_tokens, input, threads);
+  reserve_tokens_locked(n_tokens);  // before taking blob_ids_'s pointer
+  route_locked(layer, n_tokens, input, threads, blob_ids_.data(), blob_weights_.data());
   const size_t slots = static_cast<size_t>(n_tokens) * static_cast<size_t>(router_.top_k());
   std::copy(blob_ids_.begin(), blob_ids_.begin() + static_cast<std::ptrdiff_t>(slots), ids);
   std::copy(blob_weights_.begin(), blob_weights_.begin() + static_cast<std::ptrdiff_t>(slots), weights);
@@ -227,7 +235,8 @@ size_t Engine::prepared_bound(size_t slots, int32_t tokens) const {
   return bound;
 }
 
-void Engine::prepare_inputs(kernels::Phase phase, const InferArgs& a, int threads, bool routed, bool shared) {
+void Engine::prepare_inputs(kernels::Phase phase, const InferArgs& a, int threads, size_t i0, size_t i1, bool routed,
+                            bool shared) {
   const kernels::ExpertShape& shape = store_.shape(a.layer);
   const kernels::ExpertShape& shared_shape = store_.shared_shape(a.layer);
   const bool has_shared = store_.shared_gate_up(a.layer) != nullptr;
@@ -246,7 +255,7 @@ void Engine::prepare_inputs(kernels::Phase phase, const InferArgs& a, int thread
   };
   shared_prepared_offset_ =
       has_shared && shared ? plan(-1, table_for(a.layer, a.n_tokens), shared_shape, a.n_tokens) : kNotPrepared;
-  for (size_t i = 0; i < active_experts_.size(); ++i) {
+  for (size_t i = i0; i < i1; ++i) {
     const int32_t e = active_experts_[i];
     const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - expert_offsets_[static_cast<size_t>(e)];
     prepared_offset_[i] = routed ? plan(static_cast<int32_t>(i), table_for(a.layer, n), shape, n) : kNotPrepared;
@@ -317,6 +326,59 @@ void Engine::bucket(const InferArgs& a) {
   expert_offsets_[0] = 0;
 }
 
+template <class RunExperts>
+void Engine::run_cached(const InferArgs& a, const RunExperts& run_experts) {
+  const size_t n_active = active_experts_.size();
+  cache_->score_prediction(a.layer, active_experts_.data(), static_cast<int32_t>(n_active));
+  if (n_active == 0) {  // the shared expert alone
+    run_experts(0, 0, true, true);
+    return;
+  }
+  // One wave when the call's experts fit the pool; else waves of half of
+  // it, the next wave's reads running while this one computes.
+  const size_t slots = static_cast<size_t>(cache_->slots());
+  const size_t wave = n_active <= slots ? n_active : std::max<size_t>(1, slots / 2);
+  // The experts of a range that the cache serves (swapped-in ones live in
+  // the store), into ids; their places in active_experts_ into where.
+  const auto cached_of = [&](size_t i0, size_t i1, int32_t* ids, int32_t* where) {
+    int32_t n = 0;
+    for (size_t i = i0; i < i1; ++i) {
+      const int32_t e = active_experts_[i];
+      if (const uint8_t* p = store_.packed_expert(a.layer, e)) {
+        expert_base_[i] = p;
+        continue;
+      }
+      if (where != nullptr) where[n] = static_cast<int32_t>(i);
+      ids[n++] = e;
+    }
+    return n;
+  };
+  for (size_t w0 = 0; w0 < n_active; w0 += wave) {
+    const size_t w1 = std::min(n_active, w0 + wave);
+    const int32_t n = cached_of(w0, w1, wave_ids_.data(), wave_index_.data());
+    cache_->begin(a.layer, wave_ids_.data(), n);
+    struct Unpin {
+      ExpertCache* cache;
+      int32_t layer;
+      const int32_t* ids;
+      int32_t n;
+      ~Unpin() { cache->release(layer, ids, n); }
+    } unpin{cache_, a.layer, wave_ids_.data(), n};
+    if (w1 < n_active) {
+      const int32_t next = cached_of(w1, std::min(n_active, w1 + wave), next_ids_.data(), nullptr);
+      cache_->prefetch(a.layer, next_ids_.data(), next, true);
+    } else if (w0 == 0 && n_speculated_ > 0) {
+      // One-wave call (decode): the next layer's predicted experts load
+      // while this one computes.
+      cache_->predict(a.layer + 1, speculated_.data(), n_speculated_);
+      cache_->prefetch(a.layer + 1, speculated_.data(), n_speculated_);
+    }
+    cache_->wait(a.layer, wave_ids_.data(), n, wave_bases_.data());
+    for (int32_t j = 0; j < n; ++j) expert_base_[static_cast<size_t>(wave_index_[static_cast<size_t>(j)])] = wave_bases_[static_cast<size_t>(j)];
+    run_experts(w0, w1, w0 == 0, w1 == n_active);
+  }
+}
+
 void Engine::run_locked(const InferArgs& a) {
   bucket(a);
   const kernels::ExpertShape& shape = store_.shape(a.layer);
@@ -370,93 +432,141 @@ void Engine::run_locked(const InferArgs& a) {
     const int64_t splits = std::max<int64_t>(1, (8LL * threads + jobs - 1) / jobs);
     f_rows = round_up(static_cast<int32_t>((std::max(F, Fs) + splits - 1) / splits), 16);
   }
-  phase1_items_.clear();
-  for (int32_t f = 0; f < Fs; f += f_rows) phase1_items_.push_back({-1, f});
-  for (size_t i = 0; i < active_experts_.size(); ++i) {
-    for (int32_t f = 0; f < F; f += f_rows) phase1_items_.push_back({static_cast<int32_t>(i), f});
-  }
-  // The gathered inputs in each table's own layout, once per expert, where
-  // an expert spans more than one item (else its one item converts them).
-  prepare_inputs(kernels::Phase::kGateUp, a, threads, F > f_rows, Fs > f_rows);
-  pool_.parallel_for(static_cast<int64_t>(phase1_items_.size()), threads, [&](int64_t item, int thread) {
-    kernels::KernelScratch* const scratch = &kernel_scratch_[static_cast<size_t>(thread)];
-    const Phase1Item& it = phase1_items_[static_cast<size_t>(item)];
-    if (it.active < 0) {
-      const kernels::KernelTable& table = table_for(a.layer, a.n_tokens);
-      const int32_t f_end = std::min(Fs, it.f_begin + f_rows);
-      if (shared_prepared_offset_ != kNotPrepared) {
-        table.gate_up_prepared(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(),
-                               prepared_.data() + shared_prepared_offset_, a.n_tokens, it.f_begin, f_end,
-                               shared_hidden_.data(), ldh_s, scratch);
-      } else {
-        table.gate_up(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(), a.n_tokens,
-                      it.f_begin, f_end, shared_hidden_.data(), ldh_s, scratch);
-      }
-      return;
-    }
-    const int32_t e = active_experts_[static_cast<size_t>(it.active)];
-    const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
-    const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
-    const kernels::KernelTable& table = table_for(a.layer, n);
-    const int32_t f_end = std::min(F, it.f_begin + f_rows);
-    float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
-    const size_t prepared_at = prepared_offset_[static_cast<size_t>(it.active)];
-    const kernels::ExpertShape expert_shape = store_.expert_shape(a.layer, e);  // with its biases
-    if (prepared_at != kNotPrepared) {
-      table.gate_up_prepared(expert_shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
-                             slot_token_.data() + begin, prepared_.data() + prepared_at, n, it.f_begin, f_end, h,
-                             ldh, scratch);
-    } else {
-      table.gate_up(expert_shape, store_.gate_up(a.layer, e), a.input, static_cast<size_t>(D),
-                    slot_token_.data() + begin, n, it.f_begin, f_end, h, ldh, scratch);
-    }
-  });
-
-  // Phase 2's inputs likewise; phase 2 runs every expert in every row
-  // block, so whenever there is more than one block.
   const int32_t d_rows = coarse ? std::min(D, round_up((D + 2 * threads - 1) / (2 * threads), 16))
                                 : rows_per_item(D, threads, D);
   const bool several_blocks = d_rows < D;
-  prepare_inputs(kernels::Phase::kDown, a, threads, several_blocks, several_blocks);
 
-  // Phase 2: blocks of d_model rows, every active expert in ascending order.
-  const int64_t d_items = (D + d_rows - 1) / d_rows;
-  pool_.parallel_for(d_items, threads, [&](int64_t item, int thread) {
-    kernels::KernelScratch* const scratch = &kernel_scratch_[static_cast<size_t>(thread)];
-    const int32_t d_begin = static_cast<int32_t>(item) * d_rows;
-    const int32_t d_end = std::min(D, d_begin + d_rows);
-    for (int32_t t = 0; t < a.n_tokens; ++t) {
-      float* row = a.output + static_cast<size_t>(t) * static_cast<size_t>(D);
-      std::fill(row + d_begin, row + d_end, 0.0f);
+  // Experts [i0, i1) of active_experts_, their packed bytes in
+  // expert_base_[i]. The first wave also zeroes the output and runs the
+  // shared expert's phase 1, the last its phase 2; waves go in ascending
+  // expert order, so the sums are the same as in one pass.
+  const auto run_experts = [&](size_t i0, size_t i1, bool first, bool last) {
+    const int32_t f_shared = first ? Fs : 0;
+    phase1_items_.clear();
+    for (int32_t f = 0; f < f_shared; f += f_rows) phase1_items_.push_back({-1, f});
+    for (size_t i = i0; i < i1; ++i) {
+      for (int32_t f = 0; f < F; f += f_rows) phase1_items_.push_back({static_cast<int32_t>(i), f});
     }
-    for (size_t i = 0; i < active_experts_.size(); ++i) {
-      const int32_t e = active_experts_[i];
+    // The gathered inputs in each table's own layout, once per expert, where
+    // an expert spans more than one item (else its one item converts them).
+    prepare_inputs(kernels::Phase::kGateUp, a, threads, i0, i1, F > f_rows, f_shared > f_rows);
+    pool_.parallel_for(static_cast<int64_t>(phase1_items_.size()), threads, [&](int64_t item, int thread) {
+      kernels::KernelScratch* const scratch = &kernel_scratch_[static_cast<size_t>(thread)];
+      const Phase1Item& it = phase1_items_[static_cast<size_t>(item)];
+      if (it.active < 0) {
+        const kernels::KernelTable& table = table_for(a.layer, a.n_tokens);
+        const int32_t f_end = std::min(Fs, it.f_begin + f_rows);
+        if (shared_prepared_offset_ != kNotPrepared) {
+          table.gate_up_prepared(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(),
+                                 prepared_.data() + shared_prepared_offset_, a.n_tokens, it.f_begin, f_end,
+                                 shared_hidden_.data(), ldh_s, scratch);
+        } else {
+          table.gate_up(shared_shape, shared_gate_up, a.input, static_cast<size_t>(D), identity_.data(), a.n_tokens,
+                        it.f_begin, f_end, shared_hidden_.data(), ldh_s, scratch);
+        }
+        return;
+      }
+      const int32_t e = active_experts_[static_cast<size_t>(it.active)];
       const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
       const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
       const kernels::KernelTable& table = table_for(a.layer, n);
-      const float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
-      const kernels::ExpertShape expert_shape = store_.expert_shape(a.layer, e);
-      if (prepared_offset_[i] != kNotPrepared) {
-        table.down_prepared(expert_shape, store_.down(a.layer, e), h, ldh, prepared_.data() + prepared_offset_[i],
-                            slot_token_.data() + begin, slot_weight_.data() + begin, n, d_begin, d_end, a.output,
-                            static_cast<size_t>(D), scratch);
+      const int32_t f_end = std::min(F, it.f_begin + f_rows);
+      float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
+      const size_t prepared_at = prepared_offset_[static_cast<size_t>(it.active)];
+      const uint8_t* packed = expert_base_[static_cast<size_t>(it.active)];
+      const kernels::ExpertShape expert_shape = store_.expert_shape_at(a.layer, packed);  // with its biases
+      if (prepared_at != kNotPrepared) {
+        table.gate_up_prepared(expert_shape, packed, a.input, static_cast<size_t>(D), slot_token_.data() + begin,
+                               prepared_.data() + prepared_at, n, it.f_begin, f_end, h, ldh, scratch);
       } else {
-        table.down(expert_shape, store_.down(a.layer, e), h, ldh, slot_token_.data() + begin,
-                   slot_weight_.data() + begin, n, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
+        table.gate_up(expert_shape, packed, a.input, static_cast<size_t>(D), slot_token_.data() + begin, n,
+                      it.f_begin, f_end, h, ldh, scratch);
       }
-    }
-    if (Fs > 0) {
-      const kernels::KernelTable& table = table_for(a.layer, a.n_tokens);
-      if (shared_prepared_offset_ != kNotPrepared) {
-        table.down_prepared(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s,
-                            prepared_.data() + shared_prepared_offset_, identity_.data(), shared_scale_.data(),
-                            a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
-      } else {
-        table.down(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s, identity_.data(),
-                   shared_scale_.data(), a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
+    });
+
+    // Phase 2's inputs likewise; phase 2 runs every expert in every row
+    // block, so whenever there is more than one block.
+    const int32_t f_shared_down = last ? Fs : 0;
+    prepare_inputs(kernels::Phase::kDown, a, threads, i0, i1, several_blocks, several_blocks && f_shared_down > 0);
+
+    // Phase 2: blocks of d_model rows, every active expert in ascending order.
+    const int64_t d_items = (D + d_rows - 1) / d_rows;
+    pool_.parallel_for(d_items, threads, [&](int64_t item, int thread) {
+      kernels::KernelScratch* const scratch = &kernel_scratch_[static_cast<size_t>(thread)];
+      const int32_t d_begin = static_cast<int32_t>(item) * d_rows;
+      const int32_t d_end = std::min(D, d_begin + d_rows);
+      if (first) {
+        for (int32_t t = 0; t < a.n_tokens; ++t) {
+          float* row = a.output + static_cast<size_t>(t) * static_cast<size_t>(D);
+          std::fill(row + d_begin, row + d_end, 0.0f);
+        }
       }
-    }
-  });
+      for (size_t i = i0; i < i1; ++i) {
+        const int32_t e = active_experts_[i];
+        const int32_t begin = expert_offsets_[static_cast<size_t>(e)];
+        const int32_t n = expert_offsets_[static_cast<size_t>(e) + 1] - begin;
+        const kernels::KernelTable& table = table_for(a.layer, n);
+        const float* h = hidden_.data() + static_cast<size_t>(begin) * ldh;
+        const uint8_t* packed = expert_base_[i];
+        const uint8_t* down = packed + store_.gate_up_bytes(a.layer);
+        const kernels::ExpertShape expert_shape = store_.expert_shape_at(a.layer, packed);
+        if (prepared_offset_[i] != kNotPrepared) {
+          table.down_prepared(expert_shape, down, h, ldh, prepared_.data() + prepared_offset_[i],
+                              slot_token_.data() + begin, slot_weight_.data() + begin, n, d_begin, d_end, a.output,
+                              static_cast<size_t>(D), scratch);
+        } else {
+          table.down(expert_shape, down, h, ldh, slot_token_.data() + begin, slot_weight_.data() + begin, n, d_begin,
+                     d_end, a.output, static_cast<size_t>(D), scratch);
+        }
+      }
+      if (f_shared_down > 0) {
+        const kernels::KernelTable& table = table_for(a.layer, a.n_tokens);
+        if (shared_prepared_offset_ != kNotPrepared) {
+          table.down_prepared(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s,
+                              prepared_.data() + shared_prepared_offset_, identity_.data(), shared_scale_.data(),
+                              a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
+        } else {
+          table.down(shared_shape, store_.shared_down(a.layer), shared_hidden_.data(), ldh_s, identity_.data(),
+                     shared_scale_.data(), a.n_tokens, d_begin, d_end, a.output, static_cast<size_t>(D), scratch);
+        }
+      }
+    });
+  };
+
+  const size_t n_active = active_experts_.size();
+  if (cache_ == nullptr) {
+    for (size_t i = 0; i < n_active; ++i) expert_base_[i] = store_.packed_expert(a.layer, active_experts_[i]);
+    run_experts(0, n_active, true, true);
+    return;
+  }
+  run_cached(a, run_experts);
+}
+
+void Engine::speculate_locked(int32_t layer, int32_t n_tokens, const float* input, int threads) {
+  n_speculated_ = 0;
+  if (cache_ == nullptr || !speculate_ || layer + 1 >= n_layers_) return;
+  const size_t slots = static_cast<size_t>(n_tokens) * static_cast<size_t>(router_.top_k());
+  if (spec_ids_.size() < slots) {
+    spec_ids_.resize(slots);
+    spec_weights_.resize(slots);
+  }
+  route_locked(layer + 1, n_tokens, input, threads, spec_ids_.data(), spec_weights_.data());
+  std::fill(spec_mark_.begin(), spec_mark_.end(), 0);
+  for (size_t s = 0; s < slots; ++s) {
+    const int32_t e = spec_ids_[s];
+    if (e < 0 || spec_mark_[static_cast<size_t>(e)] != 0) continue;
+    spec_mark_[static_cast<size_t>(e)] = 1;
+    speculated_[static_cast<size_t>(n_speculated_++)] = e;
+  }
+  // A guess larger than half the pool would evict what this call and the
+  // next need (a prefill touches most experts anyway).
+  if (n_speculated_ > cache_->slots() / 2) n_speculated_ = 0;
+}
+
+void Engine::set_cache(ExpertCache* cache, bool speculate) {
+  std::lock_guard<FairMutex> lock(call_mutex_);
+  cache_ = cache;
+  speculate_ = speculate;
 }
 
 void Engine::infer(const InferArgs& args) {
@@ -468,11 +578,14 @@ void Engine::infer(const InferArgs& args) {
   }
   std::lock_guard<FairMutex> lock(call_mutex_);
   if (args.expert_ids != nullptr) {
+    n_speculated_ = 0;
     run_locked(args);
     return;
   }
   int threads = (args.threads <= 0 || args.threads > pool_.size()) ? pool_.size() : args.threads;
-  route_locked(args.layer, args.n_tokens, args.input, threads);
+  reserve_tokens_locked(args.n_tokens);  // before taking blob_ids_'s pointer
+  route_locked(args.layer, args.n_tokens, args.input, threads, blob_ids_.data(), blob_weights_.data());
+  speculate_locked(args.layer, args.n_tokens, args.input, threads);
   InferArgs a = args;
   a.top_k = router_.top_k();
   a.expert_ids = blob_ids_.data();
@@ -495,6 +608,7 @@ void Engine::infer_blob(const InferArgs& args, const void* blob, size_t blob_siz
     blob_weights_.resize(slots);
   }
   decode_routing_payload(header, blob, blob_ids_.data(), blob_weights_.data(), "routing blob");
+  n_speculated_ = 0;
   InferArgs a = args;
   a.top_k = header.top_k;
   a.expert_ids = blob_ids_.data();

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "moe/expert_cache.h"
 #include "moe/expert_store.h"
 #include "moe/router.h"
 #include "runtime/fair_mutex.h"
@@ -60,6 +61,11 @@ class Engine {
   // INVALID_ARGUMENT when the model has no router.
   void route(int32_t layer, int32_t n_tokens, const float* input, int32_t* ids, float* weights, int threads);
 
+  // Experts not in the store come from `cache` (a model opened with a
+  // memory budget); `speculate`: prefetch the next layer's experts that its
+  // router predicts from this call's input (built-in router only).
+  void set_cache(ExpertCache* cache, bool speculate);
+
   // Installs the built-in router (the store must hold its weights).
   void set_router(const RouterDesc& desc);
   bool has_router() const { return router_.desc().family != RouterFamily::kNone; }
@@ -91,7 +97,15 @@ class Engine {
   void run_locked(const InferArgs& args);
   void bucket(const InferArgs& args);
   // Router logits -> router_ids_/router_weights_ for a.n_tokens tokens.
-  void route_locked(int32_t layer, int32_t n_tokens, const float* input, int threads);
+  // ids/weights must hold n_tokens * top_k (reserve_tokens_locked first
+  // when they are blob_ids_ / blob_weights_, which it may grow).
+  void route_locked(int32_t layer, int32_t n_tokens, const float* input, int threads, int32_t* ids, float* weights);
+  // With a cache: the next layer's router on this call's input, its
+  // experts into speculated_ (prefetched by run_cached).
+  void speculate_locked(int32_t layer, int32_t n_tokens, const float* input, int threads);
+  // The waves of a call whose experts come from the cache.
+  template <class RunExperts>
+  void run_cached(const InferArgs& a, const RunExperts& run_experts);
   void compute_shared_scale(const InferArgs& a);
   void check_layer(int32_t layer) const;
   void reserve_tokens_locked(int32_t tokens);
@@ -102,7 +116,8 @@ class Engine {
   // Plans and runs the preparation of a phase's inputs (kernels::PrepareFn)
   // for the routed experts and/or the shared expert; sets prepared_offset_
   // and shared_prepared_offset_ (kNotPrepared where not prepared).
-  void prepare_inputs(kernels::Phase phase, const InferArgs& a, int threads, bool routed, bool shared);
+  void prepare_inputs(kernels::Phase phase, const InferArgs& a, int threads, size_t i0, size_t i1, bool routed,
+                      bool shared);
 
   const ExpertStore& store_;
   int32_t n_layers_;
@@ -140,6 +155,18 @@ class Engine {
   size_t shared_prepared_offset_ = kNotPrepared;
   AlignedVector<uint8_t> prepared_;
   AlignedVector<float> hidden_;          // [slots][ldh] silu(gate x) * up x; rows on cache lines
+  std::vector<const uint8_t*> expert_base_;  // [active index] packed expert of the wave running
+  // Under a budget (cache_): the wave's cached experts, their active
+  // indices and slots, the next wave's, and the router's guess for the next layer.
+  ExpertCache* cache_ = nullptr;
+  bool speculate_ = false;
+  std::vector<int32_t> wave_ids_, wave_index_, next_ids_;
+  std::vector<const uint8_t*> wave_bases_;
+  std::vector<int32_t> spec_ids_;
+  std::vector<float> spec_weights_;
+  std::vector<uint8_t> spec_mark_;
+  std::vector<int32_t> speculated_;
+  int32_t n_speculated_ = 0;
   std::vector<int32_t> blob_ids_;        // decoded routing.bin, or the router's choice
   std::vector<float> blob_weights_;
   // Built-in router and shared expert.

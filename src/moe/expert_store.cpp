@@ -97,6 +97,19 @@ kernels::Epilogue model_epilogue(const Manifest& m) {
   return e;
 }
 
+kernels::ExpertShape layer_expert_shape(const Manifest& m, int32_t layer) {
+  const LayerTypes t = m.layer_types(layer);
+  kernels::ExpertShape s = kernels::make_expert_shape(m.d_model, m.d_ff, t.dtype, t.down_dtype);
+  s.epilogue = model_epilogue(m);
+  return s;
+}
+
+size_t packed_expert_slot_bytes(const kernels::ExpertShape& shape) {
+  // Every expert on a cache line (block-format rows are not multiples of one).
+  const size_t bytes = packed_expert_bytes(shape);
+  return (bytes + kernels::kRowAlignBytes - 1) / kernels::kRowAlignBytes * kernels::kRowAlignBytes;
+}
+
 namespace {
 
 // Router rows [E][D] f32 into the "down" block of the router shape.
@@ -130,23 +143,22 @@ void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
   for (int32_t l = 0; l < m.n_layers; ++l) {
     Layer& L = layers_[static_cast<size_t>(l)];
     const LayerTypes t = m.layer_types(l);
-    L.shape = kernels::make_expert_shape(m.d_model, m.d_ff, t.dtype, t.down_dtype);
-    L.shape.epilogue = model_epilogue(m);
+    L.shape = layer_expert_shape(m, l);
     L.gate_up_bytes = packed_gate_up_bytes(L.shape);
     L.bias_offset = packed_bias_offset(L.shape);
-    L.expert_bytes = lines(packed_expert_bytes(L.shape));
+    L.expert_bytes = packed_expert_slot_bytes(L.shape);
     if (m.has_shared()) {
       L.shared_shape = kernels::make_expert_shape(m.d_model, m.shared_d_ff, t.dtype, t.down_dtype);
       L.shared_bytes = lines(packed_expert_bytes(L.shared_shape));
     }
     L.offset = static_cast<size_t>(total);
-    total += static_cast<uint64_t>(L.expert_bytes) * static_cast<uint64_t>(m.n_experts) + router_bytes_ +
-             L.shared_bytes;
+    const uint64_t experts = options.defer_experts ? 0 : static_cast<uint64_t>(L.expert_bytes) * m.n_experts;
+    total += experts + router_bytes_ + L.shared_bytes;
   }
   region_ = WeightRegion(static_cast<size_t>(total), options.huge_pages);
   options_ = options;
-  slots_.resize(static_cast<size_t>(m.n_layers) * static_cast<size_t>(m.n_experts));
-  for (int32_t l = 0; l < m.n_layers; ++l) {
+  slots_.assign(static_cast<size_t>(m.n_layers) * static_cast<size_t>(m.n_experts), nullptr);
+  for (int32_t l = 0; l < m.n_layers && !options.defer_experts; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     for (int32_t e = 0; e < m.n_experts; ++e) {
       slots_[slot(l, e)] = region_.data() + L.offset + static_cast<size_t>(e) * L.expert_bytes;
@@ -198,7 +210,7 @@ ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest
   for (int32_t l = 0; l < m.n_layers; ++l) {
     const LayerBuffers& lw = layers[static_cast<size_t>(l)];
     const kernels::ExpertShape& shape = this->shape(l);
-    for (int32_t e = 0; e < m.n_experts; ++e) {
+    for (int32_t e = 0; e < m.n_experts && !options.defer_experts; ++e) {
       const ExpertBuffers& ew = lw.experts[static_cast<size_t>(e)];
       ExpertParts parts{static_cast<const uint8_t*>(ew.gate), static_cast<const uint8_t*>(ew.up),
                         static_cast<const uint8_t*>(ew.down)};
@@ -297,6 +309,10 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
       }
     }
     for (int32_t e = 0; e < m.n_experts; ++e) {
+      if (options.defer_experts) {
+        ++next;  // read on demand by the cache, checked there
+        continue;
+      }
       const Bytes file = open_checked(m.expert_file(l, e));
       pack_expert(file.data(), shape(l), mutable_at(base(l, e)));
     }

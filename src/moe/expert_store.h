@@ -25,11 +25,19 @@ size_t packed_bias_offset(const kernels::ExpertShape& shape);
 size_t packed_expert_bytes(const kernels::ExpertShape& shape);
 // The activation and bias flag of the manifest's experts.
 kernels::Epilogue model_epilogue(const Manifest& m);
+// Layer `layer`'s routed expert shape (its types, the model's epilogue),
+// and the bytes one packed expert of it takes in the store or a cache
+// slot (whole cache lines).
+kernels::ExpertShape layer_expert_shape(const Manifest& m, int32_t layer);
+size_t packed_expert_slot_bytes(const kernels::ExpertShape& shape);
 
 struct StoreOptions {
   bool verify_checksums = true;
   bool huge_pages = true;
   bool lock_memory = true;
+  // Leave the routed experts out of the region (an ExpertCache holds them,
+  // moe/expert_cache.h); routers and shared experts are packed as always.
+  bool defer_experts = false;
 };
 
 struct StoreStats {
@@ -65,10 +73,14 @@ class ExpertStore {
   // Layer `layer`'s shape with expert `expert`'s biases set in its
   // epilogue (shape(layer) itself when the model has none).
   kernels::ExpertShape expert_shape(int32_t layer, int32_t expert) const {
+    return expert_shape_at(layer, base(layer, expert));
+  }
+  // The same for a packed expert at `packed` (the store's or a cache slot).
+  kernels::ExpertShape expert_shape_at(int32_t layer, const uint8_t* packed) const {
     const Layer& L = layers_[static_cast<size_t>(layer)];
     kernels::ExpertShape s = L.shape;
     if (s.epilogue.biased) {
-      const auto* bias = reinterpret_cast<const float*>(base(layer, expert) + L.bias_offset);
+      const auto* bias = reinterpret_cast<const float*>(packed + L.bias_offset);
       s.epilogue.gate_up_bias = bias;
       s.epilogue.down_bias = bias + 2 * static_cast<size_t>(s.d_ff);
     }
@@ -100,6 +112,15 @@ class ExpertStore {
     return shared_gate_.empty() ? nullptr : shared_gate_.data() + static_cast<size_t>(layer) * d_model_;
   }
 
+  // Bytes of layer `layer`'s packed experts: gate/up, and all of one
+  // (whole cache lines, the size of an ExpertCache slot).
+  size_t gate_up_bytes(int32_t layer) const { return layers_[static_cast<size_t>(layer)].gate_up_bytes; }
+  size_t expert_bytes(int32_t layer) const { return layers_[static_cast<size_t>(layer)].expert_bytes; }
+  // With defer_experts, only swapped-in experts are here (nullptr for the
+  // rest: the cache has them); otherwise every expert.
+  bool experts_deferred() const { return options_.defer_experts; }
+  const uint8_t* packed_expert(int32_t layer, int32_t expert) const { return base(layer, expert); }
+
   const WeightRegion& region() const { return region_; }
   const StoreStats& stats() const { return stats_; }
 
@@ -125,7 +146,7 @@ class ExpertStore {
   // Per-layer router and shared expert, after the layer's experts.
   const uint8_t* extras(int32_t layer) const {
     const Layer& L = layers_[static_cast<size_t>(layer)];
-    return region_.data() + L.offset + static_cast<size_t>(n_experts_) * L.expert_bytes;
+    return region_.data() + L.offset + (options_.defer_experts ? 0 : static_cast<size_t>(n_experts_) * L.expert_bytes);
   }
   uint8_t* mutable_at(const uint8_t* p) { return const_cast<uint8_t*>(p); }
 

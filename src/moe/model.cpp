@@ -47,7 +47,115 @@ std::string block_list(const std::vector<int32_t>& blocks) {
   return s;
 }
 
+// Every routed expert of a model directory: one file each, its manifest
+// checksum when verifying.
+CacheSource directory_source(const std::string& dir, const Manifest& m, bool verify) {
+  CacheSource src;
+  src.n_experts = m.n_experts;
+  for (int32_t l = 0; l < m.n_layers; ++l) {
+    src.shapes.push_back(layer_expert_shape(m, l));
+    for (int32_t e = 0; e < m.n_experts; ++e) {
+      const std::string name = m.expert_file(l, e);
+      ExpertLocation loc;
+      loc.n_parts = 1;
+      loc.part[0] = {static_cast<int32_t>(src.files.paths.size()), 0, m.expert_file_bytes(l)};
+      if (auto it = m.checksums.find(name); verify && it != m.checksums.end()) {
+        loc.has_checksum = true;
+        loc.checksum = it->second;
+      }
+      src.files.paths.push_back(dir + "/" + name);
+      src.files.sizes.push_back(m.expert_file_bytes(l));
+      src.locations.push_back(loc);
+    }
+  }
+  return src;
+}
+
+// A GGUF's routed experts: slices of its expert tensors (gate, up, down and
+// gpt-oss's biases), found from the buffers load_gguf_model mapped.
+CacheSource gguf_source(const GgufModel& g) {
+  const Manifest& m = g.manifest;
+  CacheSource src;
+  src.n_experts = m.n_experts;
+  for (const GgufFile& f : g.files) {
+    src.files.paths.push_back(f.source());
+    src.files.sizes.push_back(f.size());
+  }
+  const size_t D = static_cast<size_t>(m.d_model), F = static_cast<size_t>(m.d_ff);
+  for (int32_t l = 0; l < m.n_layers; ++l) {
+    const kernels::ExpertShape shape = layer_expert_shape(m, l);
+    src.shapes.push_back(shape);
+    for (int32_t e = 0; e < m.n_experts; ++e) {
+      const ExpertBuffers& b = g.layers[static_cast<size_t>(l)].experts[static_cast<size_t>(e)];
+      const void* ptrs[6] = {b.gate, b.up, b.down, b.gate_bias, b.up_bias, b.down_bias};
+      const uint64_t bytes[6] = {F * weight_row_bytes(shape.weight_type, D), F * weight_row_bytes(shape.weight_type, D),
+                                 D * weight_row_bytes(shape.down_type, F), F * 4, F * 4, D * 4};
+      ExpertLocation loc;
+      loc.n_parts = m.expert_bias ? 6 : 3;
+      for (int i = 0; i < loc.n_parts; ++i) {
+        bool found = false;
+        for (size_t fi = 0; fi < g.files.size() && !found; ++fi) {
+          uint64_t offset = 0;
+          if (ptrs[i] != nullptr && g.files[fi].file_offset(ptrs[i], bytes[i], &offset)) {
+            loc.part[i] = {static_cast<int32_t>(fi), offset, bytes[i]};
+            found = true;
+          }
+        }
+        if (!found) {
+          // A tensor Colibri converted at open (not as stored): nothing to read back.
+          fail(Status::kUnsupported, g.path + ": layer " + std::to_string(l) + " expert " + std::to_string(e) +
+                                         ": its weights are not stored in the file as they are used, so they "
+                                         "cannot be read on demand under max_resident");
+        }
+      }
+      src.locations.push_back(loc);
+    }
+  }
+  return src;
+}
+
 }  // namespace
+
+int32_t Model::budget_slots(const OpenOptions& o, const std::string& what) {
+  if (!(o.max_resident_percent >= 0.0 && o.max_resident_percent <= 100.0)) {
+    fail(Status::kInvalidArgument, "options.max_resident_percent must be in [0, 100], got " +
+                                       std::to_string(o.max_resident_percent));
+  }
+  if (o.io_threads < 0 || o.io_threads > 64) {
+    fail(Status::kInvalidArgument, "options.io_threads must be in [0, 64] (0 = 4), got " + std::to_string(o.io_threads));
+  }
+  experts_bytes_ = 0;
+  slot_bytes_ = 0;
+  for (int32_t l = 0; l < manifest_.n_layers; ++l) {
+    const size_t b = packed_expert_slot_bytes(layer_expert_shape(manifest_, l));
+    experts_bytes_ += static_cast<uint64_t>(b) * static_cast<uint64_t>(manifest_.n_experts);
+    slot_bytes_ = std::max(slot_bytes_, b);
+  }
+  const uint64_t from_percent =
+      static_cast<uint64_t>(static_cast<double>(experts_bytes_) * o.max_resident_percent / 100.0);
+  const uint64_t budget = std::max(o.max_resident_bytes, from_percent);
+  if (budget == 0 || budget >= experts_bytes_) return 0;
+  const uint64_t slots = budget / slot_bytes_;
+  if (slots == 0) {
+    fail(Status::kInvalidArgument, what + ": max_resident of " + std::to_string(budget) +
+                                       " bytes holds no expert: one packed expert is " + std::to_string(slot_bytes_) +
+                                       " bytes (the model's experts are " + std::to_string(experts_bytes_) + ")");
+  }
+  return static_cast<int32_t>(std::min<uint64_t>(slots, static_cast<uint64_t>(manifest_.n_layers) * manifest_.n_experts));
+}
+
+void Model::start_cache(const OpenOptions& o, CacheSource source, int32_t slots, std::string* warnings) {
+  CacheOptions co;
+  co.slots = slots;
+  co.slot_bytes = slot_bytes_;
+  co.policy = o.eviction;
+  co.readers = o.io_threads == 0 ? 4 : o.io_threads;
+  co.direct_io = o.direct_io;
+  co.verify_checksums = o.verify_checksums;
+  co.huge_pages = o.huge_pages;
+  co.lock_memory = o.lock_memory;
+  cache_ = std::make_unique<ExpertCache>(std::move(source), co, warnings);
+}
 
 Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -56,8 +164,12 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
     // The weights are copied into the store, then the file is unmapped.
     const GgufModel g = load_gguf_model(dir);
     manifest_ = g.manifest;
-    store_ = std::make_unique<ExpertStore>(g.layers, manifest_, store_options(o, false), warnings,
+    const int32_t slots = budget_slots(o, dir);
+    StoreOptions so = store_options(o, false);
+    so.defer_experts = slots > 0;
+    store_ = std::make_unique<ExpertStore>(g.layers, manifest_, so, warnings,
                                            [&g](int32_t layer) { g.release_layer(layer); });
+    if (slots > 0) start_cache(o, gguf_source(g), slots, warnings);
     first_block_ = g.first_block;
     const int32_t last = g.first_block + manifest_.n_layers - 1;
     source_description_ = "gguf " + g.architecture + ", layers 0-" + std::to_string(manifest_.n_layers - 1) +
@@ -75,7 +187,11 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
   }
   manifest_ = load_manifest(dir);
   if (o.verify_checksums) verify_manifest_checksum(dir);
-  store_ = std::make_unique<ExpertStore>(dir, manifest_, store_options(o, o.verify_checksums), warnings);
+  const int32_t slots = budget_slots(o, dir);
+  StoreOptions so = store_options(o, o.verify_checksums);
+  so.defer_experts = slots > 0;
+  store_ = std::make_unique<ExpertStore>(dir, manifest_, so, warnings);
+  if (slots > 0) start_cache(o, directory_source(dir, manifest_, o.verify_checksums), slots, warnings);
   start(o);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -85,6 +201,11 @@ Model::Model(const Manifest& manifest, const std::vector<LayerBuffers>& layers, 
   const auto t0 = std::chrono::steady_clock::now();
   check_threads(o);
   manifest_ = manifest;
+  if (o.max_resident_bytes != 0 || o.max_resident_percent != 0.0) {
+    fail(Status::kInvalidArgument, "options.max_resident_bytes / max_resident_percent apply to models opened from "
+                                   "files (a model directory or a GGUF file), whose experts can be read again; "
+                                   "colibri_open_memory's weights are the caller's memory");
+  }
   store_ = std::make_unique<ExpertStore>(layers, manifest_, store_options(o, false), warnings);
   start(o);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -116,7 +237,12 @@ void Model::swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, siz
   // Packed outside the call lock: inference goes on meanwhile.
   WeightRegion fresh = store_->pack_replacement(layer, bytes, warnings);
   WeightRegion retired;
-  engine_->exclusive([&] { retired = store_->replace(layer, expert, std::move(fresh)); });
+  engine_->exclusive([&] {
+    retired = store_->replace(layer, expert, std::move(fresh));
+    // The store's copy wins from now on; the cached one of the old weights
+    // is dropped so its slot serves others.
+    if (cache_ != nullptr) cache_->forget(layer, expert);
+  });
   expert_swaps_.fetch_add(1, std::memory_order_relaxed);
   // `retired` is unmapped here, after the lock: no call can be reading it.
 }
@@ -143,6 +269,7 @@ void Model::start(const OpenOptions& o) {
   for (int32_t l = 0; l < manifest_.n_layers; ++l) plans.push_back(kernels::plan_kernels(isa, store_->shape(l), precision));
   engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_, plans);
   if (manifest_.has_router()) engine_->set_router(manifest_.router);
+  if (cache_ != nullptr) engine_->set_cache(cache_.get(), o.speculate && manifest_.has_router());
   // "decode ..., prefill ... from N tokens/expert"; layers of other types
   // (Manifest::layer_dtypes) run other tables: each set is listed with its layers.
   const auto describe = [](const kernels::KernelPlan& p) {

@@ -10,6 +10,7 @@
 
 #include "io/manifest.h"
 #include "moe/engine.h"
+#include "moe/expert_cache.h"
 #include "moe/expert_store.h"
 #include "moe/weight_buffers.h"
 #include "runtime/thread_pool.h"
@@ -27,6 +28,15 @@ struct OpenOptions {
   int32_t reserve_tokens = 64;
   bool bf16_compute = false;
   bool exact_prefill = false;
+  // Memory budget for routed experts' weights: bytes, or a percentage of
+  // their packed size (the larger when both are set); 0 and 0: none. A
+  // budget the model fits in changes nothing.
+  uint64_t max_resident_bytes = 0;
+  double max_resident_percent = 0.0;
+  int32_t io_threads = 0;  // reader threads under a budget; 0: 4
+  EvictionPolicy eviction = EvictionPolicy::kDecayedFrequency;
+  bool direct_io = true;
+  bool speculate = true;   // router speculation under a budget
 };
 
 class Model {
@@ -44,6 +54,12 @@ class Model {
   const Manifest& manifest() const { return manifest_; }
   Engine& engine() { return *engine_; }
   const ExpertStore& store() const { return *store_; }
+  // The resident expert cache; nullptr without a budget (or when the
+  // model fits in it).
+  const ExpertCache* cache() const { return cache_.get(); }
+  ExpertCache* cache() { return cache_.get(); }
+  // Bytes of every routed expert packed (what no budget keeps resident).
+  uint64_t experts_bytes() const { return experts_bytes_; }
   int threads() const { return pool_->size(); }
   double load_seconds() const { return load_seconds_; }
   const std::string& kernels_description() const { return kernels_description_; }
@@ -64,9 +80,16 @@ class Model {
  private:
   // Everything after the store: pool, engine, kernel choice, scratch.
   void start(const OpenOptions& options);
+  // Under a budget the model does not fit: the store's options with
+  // defer_experts and the cache's slot count (0: no cache).
+  int32_t budget_slots(const OpenOptions& options, const std::string& what);
+  void start_cache(const OpenOptions& options, CacheSource source, int32_t slots, std::string* warnings);
 
   Manifest manifest_;
   std::unique_ptr<ExpertStore> store_;
+  std::unique_ptr<ExpertCache> cache_;  // destroyed before the store (its readers stop first)
+  uint64_t experts_bytes_ = 0;
+  size_t slot_bytes_ = 0;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<Engine> engine_;
   double load_seconds_ = 0.0;

@@ -33,6 +33,7 @@ struct LoadArgs {
   int swap_every = 0;
   uint64_t seed = 7;
   bool json = false;
+  CacheFlags cache;
 };
 
 // Resident set size from /proc/self/status, in bytes.
@@ -83,7 +84,7 @@ struct Row {
 void run_loadtest(const LoadArgs& a) {
   const std::vector<int> caller_counts = parse_callers(a.callers);
   ModelHandle h;
-  open_model(a.model, a.threads, true, &h);
+  open_model(a.model, a.threads, true, &h, "default", a.cache);
   colibri_model_info_t info;
   check(colibri_model_info(h.model, &info), "loadtest");
   if (a.layer >= info.n_layers) throw CliError("loadtest: --layer " + std::to_string(a.layer) + " is out of range");
@@ -238,6 +239,7 @@ void add_load_commands(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   l->add_option("--seed", la->seed, "Seed for routings and inputs");
   l->add_flag("--json", la->json, "JSON output");
+  add_cache_flags(l, &la->cache);
   l->callback([la] { run_loadtest(*la); });
 }
 

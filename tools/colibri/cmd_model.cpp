@@ -100,9 +100,9 @@ void run_verify(const std::string& dir) {
   std::printf("\n");
 }
 
-void run_info(const std::string& dir, int threads) {
+void run_info(const std::string& dir, int threads, const CacheFlags& cache) {
   ModelHandle h;
-  open_model(dir, threads, true, &h);
+  open_model(dir, threads, true, &h, "default", cache);
   colibri_model_info_t info;
   colibri_stats_t stats;
   check(colibri_model_info(h.model, &info), "info");
@@ -160,6 +160,7 @@ void run_info(const std::string& dir, int threads) {
               huge_page_kind_name(stats.huge_page_kind));
   std::printf("locked       %s\n", human_bytes(stats.bytes_locked).c_str());
   std::printf("load time    %.3f s (checksums %.3f s)\n", stats.load_seconds, stats.verify_seconds);
+  print_cache_stats(stats);
 }
 
 }  // namespace
@@ -201,7 +202,9 @@ void add_model_commands(CLI::App& app) {
   CLI::App* i = app.add_subcommand("info", "Open a model and print what it holds and what the loader got");
   i->add_option("--model", *info_dir, "Model directory or GGUF file")->required();
   i->add_option("--threads", *threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
-  i->callback([info_dir, threads] { run_info(*info_dir, *threads); });
+  auto cache = std::make_shared<CacheFlags>();
+  add_cache_flags(i, cache.get());
+  i->callback([info_dir, threads, cache] { run_info(*info_dir, *threads, *cache); });
 }
 
 }  // namespace colibri_cli

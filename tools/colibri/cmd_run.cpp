@@ -33,11 +33,12 @@ struct InferArgs {
   std::string model, routing, input, output, precision = "default";
   int layer = 0, threads = 0;
   bool q4 = false;
+  CacheFlags cache;
 };
 
 void run_infer(const InferArgs& a) {
   ModelHandle h;
-  open_model(a.model, a.threads, true, &h, a.precision);
+  open_model(a.model, a.threads, true, &h, a.precision, a.cache);
   const colibri_model_info_t info = model_info(h);
   RoutingHandle r;
   const std::vector<uint8_t> x = read_file(a.input);
@@ -210,6 +211,7 @@ struct BenchArgs {
   int tokens = 0, top_k = 0, iters = 100, warmup = 5, threads = 0, layer = 0, swap_every = 0, compare_threads = 0;
   uint64_t seed = 1;
   bool json = false, no_verify = false;
+  CacheFlags cache;
 };
 
 void set_isa(const std::string& isa) {
@@ -221,7 +223,7 @@ void set_isa(const std::string& isa) {
 void run_bench(const BenchArgs& a) {
   set_isa(a.isa);
   ModelHandle h;
-  open_model(a.model, a.threads, !a.no_verify, &h, a.precision);
+  open_model(a.model, a.threads, !a.no_verify, &h, a.precision, a.cache);
   const colibri_model_info_t info = model_info(h);
   BenchSetup s;
   s.layer = a.layer;
@@ -279,6 +281,9 @@ void run_bench(const BenchArgs& a) {
     doc["isa"] = isa;
     doc["kernels"] = kernels;
     if (swapper) doc["swaps"] = swapper->swaps();
+    colibri_stats_t stats;
+    check(colibri_stats(h.model, &stats), "bench");
+    doc["cache"] = nlohmann::json::parse(cache_stats_json(stats));
     if (a.compare_threads > 0) {
       doc["compare"] = {{"threads", a.compare_threads},
                         {"p50_ms", r.compare_latency.p50_ms},
@@ -291,6 +296,9 @@ void run_bench(const BenchArgs& a) {
                 a.model.c_str(), info.n_experts, info.d_model, info.d_ff, colibri_dtype_name(info.dtype),
                 s.T, a.iters, info.n_threads);
     print_bench(r, kernels);
+    colibri_stats_t stats;
+    check(colibri_stats(h.model, &stats), "bench");
+    print_cache_stats(stats);
     if (swapper) std::printf("swaps        %ld (expert swapped every %d calls, concurrently)\n", swapper->swaps(), a.swap_every);
     if (a.compare_threads > 0) {
       std::printf("compare      %d threads: p50 %.3f ms; each iteration's %d-thread call took %.2fx its %d-thread call "
@@ -413,6 +421,18 @@ void run_demo(const DemoArgs& a) {
 
 }  // namespace
 
+void add_cache_flags(CLI::App* c, CacheFlags* f) {
+  c->add_option("--max-resident", f->max_resident,
+                "Memory budget for expert weights: bytes (K, M, G, T suffixes, x1024) or a percentage of the "
+                "experts such as 25%; the rest stay on disk and are read on demand (docs/CACHE.md)");
+  c->add_option("--eviction", f->eviction, "Under a budget: freq (decayed frequency, default) or lru")
+      ->check(CLI::IsMember({"freq", "lru"}));
+  c->add_option("--io-threads", f->io_threads, "Under a budget: reads in flight (0 = 4)")->check(CLI::Range(0, 64));
+  c->add_flag("--buffered-io", f->buffered_io, "Under a budget: read through the page cache, not O_DIRECT");
+  c->add_flag("--no-speculate", f->no_speculate,
+              "Under a budget: do not prefetch the next layer's experts its router predicts");
+}
+
 void add_run_commands(CLI::App& app) {
   auto ia = std::make_shared<InferArgs>();
   CLI::App* infer = app.add_subcommand("infer", "Run one MoE layer on raw float32 input");
@@ -425,6 +445,7 @@ void add_run_commands(CLI::App& app) {
   infer->add_option("--threads", ia->threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
   infer->add_flag("--q4-weights", ia->q4, "For .route text: weights are 4-bit codes");
   infer->add_option("--precision", ia->precision, kPrecisionHelp)->check(CLI::IsMember(precision_names()));
+  add_cache_flags(infer, &ia->cache);
   infer->callback([ia] { run_infer(*ia); });
 
   auto ba = std::make_shared<BenchArgs>();
@@ -451,6 +472,7 @@ void add_run_commands(CLI::App& app) {
                 "Also run every iteration at this many threads, back to back with the main call, and report the "
                 "median per-iteration ratio")
       ->check(CLI::PositiveNumber);
+  add_cache_flags(b, &ba->cache);
   b->callback([ba] { run_bench(*ba); });
 
   auto da = std::make_shared<DemoArgs>();

@@ -4,6 +4,11 @@
 
 namespace colibri_cli {
 
+struct CacheFlags;
+// --max-resident, --eviction, --io-threads, --buffered-io, --no-speculate
+// (common.h's CacheFlags) on a command that opens a model.
+void add_cache_flags(CLI::App* command, CacheFlags* flags);
+
 // Each adds its subcommand(s) to the app; the command runs from the
 // subcommand's callback and reports failure by throwing CliError.
 void add_model_commands(CLI::App& app);  // gen, verify, info

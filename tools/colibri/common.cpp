@@ -66,9 +66,58 @@ LatencySummary summarize(std::vector<double> s) {
   return r;
 }
 
-void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out, const std::string& precision) {
+uint64_t parse_budget(const std::string& text, float* percent) {
+  *percent = 0.0f;
+  const auto bad = [&] {
+    return CliError("--max-resident: '" + text + "' is not a size (bytes, or with K, M, G, T (x1024), or a "
+                    "percentage of the experts such as 25%)");
+  };
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    throw bad();
+  }
+  if (!(value >= 0) || !std::isfinite(value)) throw bad();
+  std::string unit = text.substr(used);
+  for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (unit == "%") {
+    if (value > 100) throw CliError("--max-resident: " + text + " is more than 100%");
+    *percent = static_cast<float>(value);
+    return 0;
+  }
+  double scale = 1;
+  if (unit.empty() || unit == "B") scale = 1;
+  else if (unit == "K" || unit == "KB" || unit == "KIB") scale = 1024.0;
+  else if (unit == "M" || unit == "MB" || unit == "MIB") scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GB" || unit == "GIB") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "TB" || unit == "TIB") scale = 1024.0 * 1024 * 1024 * 1024;
+  else throw bad();
+  const double bytes = value * scale;
+  if (bytes >= 1.8e19) throw bad();
+  return static_cast<uint64_t>(bytes);
+}
+
+void apply_cache_flags(const CacheFlags& f, colibri_open_options_t* o) {
+  if (!f.max_resident.empty()) o->max_resident_bytes = parse_budget(f.max_resident, &o->max_resident_percent);
+  if (f.eviction == "lru") {
+    o->eviction_policy = COLIBRI_EVICT_LRU;
+  } else if (f.eviction == "freq") {
+    o->eviction_policy = COLIBRI_EVICT_DECAYED_FREQUENCY;
+  } else {
+    throw CliError("--eviction: '" + f.eviction + "' is not freq or lru");
+  }
+  o->io_threads = f.io_threads;
+  o->direct_io = f.buffered_io ? 0 : 1;
+  o->speculate = f.no_speculate ? 0 : 1;
+}
+
+void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out, const std::string& precision,
+                const CacheFlags& cache) {
   colibri_open_options_t options;
   colibri_open_options_default(&options);
+  apply_cache_flags(cache, &options);
   options.n_threads = threads;
   options.verify_checksums = verify ? 1 : 0;
   options.exact_prefill = precision == "exact" ? 1 : 0;
@@ -76,6 +125,52 @@ void open_model(const std::string& dir, int threads, bool verify, ModelHandle* o
   check(colibri_open(dir.c_str(), &options, &out->model), "open " + dir);
   const std::string warning = colibri_last_warning();
   if (!warning.empty()) std::fprintf(stderr, "colibri: warning: %s\n", warning.c_str());
+}
+
+void print_cache_stats(const colibri_stats_t& c) {
+  if (c.cache_slots == 0) return;
+  std::printf("resident     %s for %d experts (%.1f%% of the experts' %s); %llu resident now\n",
+              human_bytes(c.resident_bytes).c_str(), c.cache_slots,
+              100.0 * static_cast<double>(c.resident_bytes) / static_cast<double>(c.experts_bytes),
+              human_bytes(c.experts_bytes).c_str(), static_cast<unsigned long long>(c.resident_experts));
+  const uint64_t lookups = c.cache_hits + c.cache_misses;
+  if (lookups == 0) return;
+  std::printf("cache        %llu hits, %llu misses (hit rate %.1f%%), %llu evictions\n",
+              static_cast<unsigned long long>(c.cache_hits), static_cast<unsigned long long>(c.cache_misses),
+              100.0 * static_cast<double>(c.cache_hits) / static_cast<double>(lookups),
+              static_cast<unsigned long long>(c.cache_evictions));
+  std::printf("reads        %llu (%llu O_DIRECT, %llu failed), %s, %.3f s summed over readers (%.3f s checksums), "
+              "%.0f MB/s per reader; calls waited %.3f s\n",
+              static_cast<unsigned long long>(c.expert_reads), static_cast<unsigned long long>(c.direct_reads),
+              static_cast<unsigned long long>(c.expert_read_failures), human_bytes(c.bytes_read).c_str(),
+              c.read_seconds, c.checksum_seconds, c.read_seconds > 0 ? c.bytes_read / c.read_seconds / 1e6 : 0.0,
+              c.wait_seconds);
+  if (c.prefetch_reads > 0 || c.predicted > 0) {
+    std::printf("prefetch     %llu reads, %llu used; router speculation %llu predicted, %llu right (%.1f%%)\n",
+                static_cast<unsigned long long>(c.prefetch_reads), static_cast<unsigned long long>(c.prefetch_used),
+                static_cast<unsigned long long>(c.predicted), static_cast<unsigned long long>(c.predicted_used),
+                c.predicted > 0 ? 100.0 * static_cast<double>(c.predicted_used) / static_cast<double>(c.predicted) : 0.0);
+  }
+}
+
+std::string cache_stats_json(const colibri_stats_t& c) {
+  if (c.cache_slots == 0) return "null";
+  char buf[1024];
+  std::snprintf(buf, sizeof buf,
+                "{\"slots\": %d, \"resident_bytes\": %llu, \"experts_bytes\": %llu, \"hits\": %llu, "
+                "\"misses\": %llu, \"evictions\": %llu, \"reads\": %llu, \"direct_reads\": %llu, "
+                "\"read_failures\": %llu, \"bytes_read\": %llu, \"read_seconds\": %.6f, "
+                "\"checksum_seconds\": %.6f, \"wait_seconds\": %.6f, \"prefetch_reads\": %llu, "
+                "\"prefetch_used\": %llu, \"predicted\": %llu, \"predicted_used\": %llu}",
+                c.cache_slots, static_cast<unsigned long long>(c.resident_bytes),
+                static_cast<unsigned long long>(c.experts_bytes), static_cast<unsigned long long>(c.cache_hits),
+                static_cast<unsigned long long>(c.cache_misses), static_cast<unsigned long long>(c.cache_evictions),
+                static_cast<unsigned long long>(c.expert_reads), static_cast<unsigned long long>(c.direct_reads),
+                static_cast<unsigned long long>(c.expert_read_failures), static_cast<unsigned long long>(c.bytes_read),
+                c.read_seconds, c.checksum_seconds, c.wait_seconds, static_cast<unsigned long long>(c.prefetch_reads),
+                static_cast<unsigned long long>(c.prefetch_used), static_cast<unsigned long long>(c.predicted),
+                static_cast<unsigned long long>(c.predicted_used));
+  return buf;
 }
 
 std::string human_bytes(uint64_t bytes) {

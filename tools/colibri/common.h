@@ -77,10 +77,30 @@ inline const std::vector<std::string>& dtype_choices() {
 std::string dtype_label(colibri_dtype_t dtype, colibri_dtype_t down_dtype);
 std::string dtype_label(colibri::WeightType dtype, colibri::WeightType down_dtype);
 
+// The memory-budget flags of every command that opens a model
+// (add_cache_flags in commands.h): --max-resident 2G / 512MiB / 25%, the
+// eviction policy, reader threads, O_DIRECT and router speculation.
+struct CacheFlags {
+  std::string max_resident;  // empty: no budget
+  std::string eviction = "freq";
+  int io_threads = 0;
+  bool buffered_io = false;
+  bool no_speculate = false;
+};
+// Applies the flags to open options; throws CliError on a malformed size.
+void apply_cache_flags(const CacheFlags& flags, colibri_open_options_t* options);
+// "1073741824", "1G", "512MiB", "1.5GB" (powers of 1024 either way) to
+// bytes; "25%" to a percentage in *percent (bytes 0). Throws CliError.
+uint64_t parse_budget(const std::string& text, float* percent);
+
 // Opens a model; prints the loader's warning (if any) to stderr.
 void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out,
-                const std::string& precision = "default");
+                const std::string& precision = "default", const CacheFlags& cache = CacheFlags());
 colibri_model_info_t model_info(const ModelHandle& h);
+// The memory budget's lines of `colibri info` / `colibri bench` (nothing
+// without a budget), and the same as JSON text ("null" without one).
+void print_cache_stats(const colibri_stats_t& stats);
+std::string cache_stats_json(const colibri_stats_t& stats);
 
 // Explicit routing for benchmarks and load tests.
 struct Routing {
