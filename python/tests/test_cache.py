@@ -134,3 +134,35 @@ def test_accelerate_gguf_under_a_budget(tmp_path):
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="max_resident needs gguf="):
         ct.accelerate(make_model("qwen3_moe", seed=7, n_layers=1, D=256, F_=256), max_resident="25%")
+
+
+def test_bench_replays_a_trace(tmp_path):
+    """colibri bench --trace reads what colibri.routing writes, runs every
+    step, counts decode tokens, and names the step of a bad trace."""
+    import json
+    from colibri import routing
+
+    cli = find_cli()
+    d = str(tmp_path / "model")
+    r = subprocess.run([cli, "gen", "--out", d, "--layers", "3", "--experts", "8", "--d-model", "64", "--d-ff",
+                        "64", "--dtype", "f32"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    t = routing.synthetic_trace(3, 8, 2, 5, prefill_tokens=7, seed=3)
+    path = str(tmp_path / "t.ctrace")
+    t.save(path)
+    r = subprocess.run([cli, "bench", "--model", d, "--trace", path, "--warmup", "0", "--max-resident", "25%",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["steps"] == len(t) == 3 + 5 * 3
+    assert doc["decode"]["tokens"] == 5 and doc["prefill"]["tokens"] == 7
+    assert doc["timed"]["hits"] + doc["timed"]["misses"] == t.total_lookups()
+    bad = routing.RoutingTrace(4, 8, 2)
+    bad.append(3, np.array([[0, 1]], dtype=np.int32))
+    bad.save(path)
+    r = subprocess.run([cli, "bench", "--model", d, "--trace", path], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "the model 3 of 8" in r.stderr, r.stderr
+    with open(path, "r+b") as f:
+        f.truncate(40)
+    r = subprocess.run([cli, "bench", "--model", d, "--trace", path], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and path + ": step 0: truncated ids" in r.stderr, r.stderr

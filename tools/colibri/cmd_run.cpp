@@ -18,6 +18,7 @@
 #include "common.h"
 #include "io/manifest.h"
 #include "lib/model_writer.h"
+#include "lib/routing_trace.h"
 #include "io/verify.h"
 #include "util/error.h"
 
@@ -212,6 +213,7 @@ struct BenchArgs {
   uint64_t seed = 1;
   bool json = false, no_verify = false;
   CacheFlags cache;
+  std::string trace;  // replay a .ctrace instead
 };
 
 void set_isa(const std::string& isa) {
@@ -220,11 +222,123 @@ void set_isa(const std::string& isa) {
   ::setenv("COLIBRI_ISA", isa.c_str(), 1);
 }
 
+// --trace: every step of a routing trace as one call, in order (decode
+// steps of one token, prefill steps of many), weights 1/k; the first
+// --warmup steps untimed. Decode tokens/s counts layer-0 steps of one
+// token over the time of all one-token steps (one token through every
+// layer), prefill likewise with its tokens.
+void run_trace_bench(const BenchArgs& a, const ModelHandle& h, const colibri_model_info_t& info) {
+  colibri::RoutingTrace t;
+  try {
+    t = colibri::read_routing_trace(a.trace);
+  } catch (const colibri::Error& e) {
+    throw CliError(e.what());
+  }
+  if (t.n_experts != info.n_experts || t.n_layers > info.n_layers) {
+    throw CliError("bench: " + a.trace + " has " + std::to_string(t.n_layers) + " layers of " +
+                   std::to_string(t.n_experts) + " experts; the model " + std::to_string(info.n_layers) + " of " +
+                   std::to_string(info.n_experts));
+  }
+  std::mt19937_64 rng(a.seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> in, out;
+  std::vector<float> weights;
+  std::vector<double> decode_s, prefill_s;
+  double decode_total = 0, prefill_total = 0;
+  int64_t decode_tokens = 0, prefill_tokens = 0;
+  colibri_stats_t before{};
+  const size_t warmup = std::min(t.steps.size(), static_cast<size_t>(std::max(0, a.warmup)));
+  for (size_t i = 0; i < t.steps.size(); ++i) {
+    if (i == warmup) check(colibri_stats(h.model, &before), "bench");
+    const colibri::TraceStep& st = t.steps[i];
+    const size_t n = static_cast<size_t>(st.n_tokens) * static_cast<size_t>(info.d_model);
+    if (in.size() < n) {
+      in.resize(n);
+      for (float& v : in) v = u(rng);
+      out.resize(n);
+    }
+    weights.assign(st.ids.size(), 1.0f / static_cast<float>(t.top_k));
+    colibri_infer_t c;
+    colibri_infer_default(&c);
+    c.layer = st.layer;
+    c.n_tokens = st.n_tokens;
+    c.input = in.data();
+    c.output = out.data();
+    c.top_k = t.top_k;
+    c.expert_ids = st.ids.data();
+    c.expert_weights = weights.data();
+    c.n_threads = a.threads;
+    const auto t0 = std::chrono::steady_clock::now();
+    check(colibri_infer(h.model, &c), "bench: trace step " + std::to_string(i));
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i < warmup) continue;
+    if (st.n_tokens == 1) {
+      decode_s.push_back(dt);
+      decode_total += dt;
+      decode_tokens += st.layer == 0 ? 1 : 0;
+    } else {
+      prefill_s.push_back(dt);
+      prefill_total += dt;
+      prefill_tokens += st.layer == 0 ? st.n_tokens : 0;
+    }
+  }
+  colibri_stats_t after{};
+  check(colibri_stats(h.model, &after), "bench");
+  const uint64_t hits = after.cache_hits - before.cache_hits, misses = after.cache_misses - before.cache_misses;
+  const uint64_t bytes = after.bytes_read - before.bytes_read;
+  const double wait = after.wait_seconds - before.wait_seconds;
+  const LatencySummary d = summarize(decode_s), p = summarize(prefill_s);
+  const double decode_tps = decode_total > 0 ? static_cast<double>(decode_tokens) / decode_total : 0.0;
+  const double prefill_tps = prefill_total > 0 ? static_cast<double>(prefill_tokens) / prefill_total : 0.0;
+  const double tokens = static_cast<double>(decode_tokens + prefill_tokens);
+  if (a.json) {
+    nlohmann::json doc;
+    doc["model"] = a.model;
+    doc["trace"] = a.trace;
+    doc["steps"] = t.steps.size();
+    doc["warmup_steps"] = warmup;
+    doc["threads"] = info.n_threads;
+    doc["kernels"] = colibri_model_kernels(h.model);
+    doc["decode"] = {{"steps", decode_s.size()}, {"tokens", decode_tokens}, {"seconds", decode_total},
+                     {"tokens_per_second", decode_tps}, {"step_p50_ms", d.p50_ms}, {"step_p99_ms", d.p99_ms},
+                     {"step_mean_ms", d.mean_ms}};
+    doc["prefill"] = {{"steps", prefill_s.size()}, {"tokens", prefill_tokens}, {"seconds", prefill_total},
+                      {"tokens_per_second", prefill_tps}, {"step_p50_ms", p.p50_ms}, {"step_mean_ms", p.mean_ms}};
+    doc["timed"] = {{"hits", hits}, {"misses", misses}, {"bytes_read", bytes}, {"wait_seconds", wait},
+                    {"bytes_read_per_token", tokens > 0 ? static_cast<double>(bytes) / tokens : 0.0}};
+    doc["cache"] = nlohmann::json::parse(cache_stats_json(after));
+    std::printf("%s\n", doc.dump(2).c_str());
+    return;
+  }
+  std::printf("trace        %s: %zu steps (%zu untimed), %d threads, kernels %s\n", a.trace.c_str(), t.steps.size(),
+              warmup, info.n_threads, colibri_model_kernels(h.model));
+  if (!decode_s.empty()) {
+    std::printf("decode       %.2f tokens/s (%lld tokens through %d layers); per step p50 %.3f ms, mean %.3f ms\n",
+                decode_tps, static_cast<long long>(decode_tokens), t.n_layers, d.p50_ms, d.mean_ms);
+  }
+  if (!prefill_s.empty()) {
+    std::printf("prefill      %.1f tokens/s (%lld tokens); per step p50 %.3f ms\n", prefill_tps,
+                static_cast<long long>(prefill_tokens), p.p50_ms);
+  }
+  if (after.cache_slots > 0) {
+    std::printf("timed        %llu hits, %llu misses (%.1f%%), %s read (%s per token), waited %.3f s\n",
+                static_cast<unsigned long long>(hits), static_cast<unsigned long long>(misses),
+                hits + misses > 0 ? 100.0 * static_cast<double>(hits) / static_cast<double>(hits + misses) : 0.0,
+                human_bytes(bytes).c_str(), human_bytes(tokens > 0 ? static_cast<uint64_t>(bytes / tokens) : 0).c_str(),
+                wait);
+  }
+  print_cache_stats(after);
+}
+
 void run_bench(const BenchArgs& a) {
   set_isa(a.isa);
   ModelHandle h;
   open_model(a.model, a.threads, !a.no_verify, &h, a.precision, a.cache);
   const colibri_model_info_t info = model_info(h);
+  if (!a.trace.empty()) {
+    run_trace_bench(a, h, info);
+    return;
+  }
   BenchSetup s;
   s.layer = a.layer;
   s.iters = a.iters;
@@ -472,6 +586,10 @@ void add_run_commands(CLI::App& app) {
                 "Also run every iteration at this many threads, back to back with the main call, and report the "
                 "median per-iteration ratio")
       ->check(CLI::PositiveNumber);
+  auto* trace = b->add_option("--trace", ba->trace,
+                               "Replay a routing trace (.ctrace, docs/FORMAT.md): every step one call, in order");
+  trace->excludes(routing);
+  trace->excludes(tokens);
   add_cache_flags(b, &ba->cache);
   b->callback([ba] { run_bench(*ba); });
 
