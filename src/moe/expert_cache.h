@@ -82,7 +82,6 @@ class ExpertCache {
 
   int32_t slots() const { return options_.slots; }
   size_t region_bytes() const { return region_.size(); }
-  const WeightRegion& region() const { return region_; }
 
   // Pins experts[0..n) of `layer` (at most slots(), distinct) and starts
   // reads of those not resident; counts one lookup each for the policy.

@@ -134,10 +134,6 @@ void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
     if (m.router_has_bias()) router_bias_.assign(static_cast<size_t>(m.n_layers) * m.n_experts, 0.0f);
   }
   if (m.has_shared() && m.shared_gate) shared_gate_.assign(static_cast<size_t>(m.n_layers) * m.d_model, 0.0f);
-  const auto lines = [](size_t bytes) {
-    // Every expert on a cache line (block-format rows are not multiples of one).
-    return (bytes + kernels::kRowAlignBytes - 1) / kernels::kRowAlignBytes * kernels::kRowAlignBytes;
-  };
   layers_.resize(static_cast<size_t>(m.n_layers));
   uint64_t total = 0;  // the manifest's limits keep this far below 2^64
   for (int32_t l = 0; l < m.n_layers; ++l) {
@@ -149,7 +145,7 @@ void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
     L.expert_bytes = packed_expert_slot_bytes(L.shape);
     if (m.has_shared()) {
       L.shared_shape = kernels::make_expert_shape(m.d_model, m.shared_d_ff, t.dtype, t.down_dtype);
-      L.shared_bytes = lines(packed_expert_bytes(L.shared_shape));
+      L.shared_bytes = packed_expert_slot_bytes(L.shared_shape);
     }
     L.offset = static_cast<size_t>(total);
     const uint64_t experts = options.defer_experts ? 0 : static_cast<uint64_t>(L.expert_bytes) * m.n_experts;

@@ -80,8 +80,9 @@ class Model {
  private:
   // Everything after the store: pool, engine, kernel choice, scratch.
   void start(const OpenOptions& options);
-  // Under a budget the model does not fit: the store's options with
-  // defer_experts and the cache's slot count (0: no cache).
+  // The cache's slot count for the options' budget (0: no budget, or one
+  // the experts fit in); sets experts_bytes_ and slot_bytes_. Throws for a
+  // bad budget, naming `what` (the model's path).
   int32_t budget_slots(const OpenOptions& options, const std::string& what);
   void start_cache(const OpenOptions& options, CacheSource source, int32_t slots, std::string* warnings);
 
