@@ -121,11 +121,141 @@ def probe_disk(files, seconds, readers):
             "request_bytes_random": os.path.getsize(files[0])}
 
 
-def run_bench(cli, model, trace, threads, budget, eviction, warmup):
+def expert_files(model, layer, n_layers, n_experts):
+    d = os.path.join(model, "layer_%02d" % layer) if n_layers > 1 else model
+    names = sorted((f for f in os.listdir(d) if f.startswith("expert_") and f.endswith(".bin")),
+                   key=lambda f: int(f[len("expert_"):-len(".bin")]))
+    if len(names) != n_experts:
+        raise SystemExit("%s: %d expert files, the manifest says %d" % (d, len(names), n_experts))
+    return [os.path.join(d, f) for f in names], os.path.join(d, "router.bin")
+
+
+def gguf_from_directory(model, manifest, path):
+    """The model directory's experts and routers as a qwen3moe GGUF, the
+    bytes unchanged (bf16 experts, f32 routers), written tensor by tensor so
+    only one tensor is in memory at a time."""
+    import gguf
+    import numpy as np
+
+    L, E, D, F = (manifest[key] for key in ("n_layers", "n_experts", "d_model", "d_ff"))
+    if manifest["dtype"] != "bf16" or manifest.get("version", 1) > 2 or "shared_expert" in manifest:
+        raise SystemExit("gguf_from_directory: only bf16 routed experts with a router")
+    w = gguf.GGUFWriter(path + ".tmp", "qwen3moe")
+    w.add_block_count(L)
+    w.add_embedding_length(D)
+    w.add_expert_count(E)
+    w.add_expert_used_count(manifest["router"]["top_k"])
+    w.add_expert_feed_forward_length(F)
+    parts = (("ffn_gate_exps", F, D, 0), ("ffn_up_exps", F, D, F * D), ("ffn_down_exps", D, F, 2 * F * D))
+    for layer in range(L):
+        for name, rows, cols, _ in parts:
+            w.add_tensor_info("blk.%d.%s.weight" % (layer, name), (E, rows, cols * 2), np.dtype(np.uint8),
+                              E * rows * cols * 2, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        w.add_tensor_info("blk.%d.ffn_gate_inp.weight" % layer, (E, D), np.dtype(np.float32), E * D * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for layer in range(L):
+        files, router = expert_files(model, layer, L, E)
+        maps = [np.memmap(f, dtype=np.uint16, mode="r") for f in files]
+        for _, rows, cols, start in parts:
+            w.write_tensor_data(np.stack([m[start:start + rows * cols] for m in maps]).view(np.uint8))
+        w.write_tensor_data(np.fromfile(router, dtype=np.float32, count=E * D))
+        del maps
+    w.close()
+    os.replace(path + ".tmp", path)
+
+
+class MemoryLimit:
+    """Runs a command inside a memory cgroup with a hard limit, so the page
+    cache it fills is reclaimed at the limit as under memory pressure:
+    cgroup v2 (memory.max) where the memory controller is there, else v1
+    (memory.limit_in_bytes). Needs root. The peak usage of each run comes
+    back with its output."""
+
+    def __init__(self, name="colibri-cache-bench"):
+        self.v2 = None
+        root2 = "/sys/fs/cgroup"
+        if os.path.exists(os.path.join(root2, "cgroup.controllers")) and \
+                "memory" in open(os.path.join(root2, "cgroup.controllers")).read().split():
+            self.dir, self.v2 = os.path.join(root2, name), True
+        elif os.path.isdir("/sys/fs/cgroup/memory"):
+            self.dir, self.v2 = os.path.join("/sys/fs/cgroup/memory", name), False
+        else:
+            raise OSError("no memory cgroup controller (v2 or v1) under /sys/fs/cgroup")
+        os.makedirs(self.dir, exist_ok=True)
+        if self.v2:
+            with open(os.path.join(root2, "cgroup.subtree_control"), "w") as f:
+                f.write("+memory")
+
+    def describe(self):
+        return "cgroup %s (%s)" % (self.dir, "v2 memory.max" if self.v2 else "v1 memory.limit_in_bytes")
+
+    def _write(self, name, value):
+        with open(os.path.join(self.dir, name), "w") as f:
+            f.write(str(value))
+
+    def _read(self, name):
+        try:
+            return int(open(os.path.join(self.dir, name)).read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def run(self, cmd, limit_bytes):
+        if self.v2:
+            self._write("memory.max", limit_bytes)
+            self._write("memory.swap.max", 0) if os.path.exists(os.path.join(self.dir, "memory.swap.max")) else None
+            try:
+                self._write("memory.peak", "0")  # newer kernels reset the peak so
+            except OSError:
+                pass
+        else:
+            self._write("memory.limit_in_bytes", limit_bytes)
+            self._write("memory.max_usage_in_bytes", 0)
+        wrapped = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', self.dir] + cmd
+        r = subprocess.run(wrapped, capture_output=True, text=True)
+        peak = self._read("memory.peak" if self.v2 else "memory.max_usage_in_bytes")
+        return r, peak
+
+
+def run_limited(limit, cmd, limit_bytes, what):
+    drop_page_cache()
+    t0 = time.perf_counter()
+    r, peak = limit.run(cmd, limit_bytes)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit("%s failed under a %d MiB limit: %s\n%s" % (what, limit_bytes >> 20, " ".join(cmd), r.stderr))
+    out = r.stdout.strip()
+    try:
+        doc = json.loads(out)
+    except ValueError:  # llamacpp_mmap: one JSON line after any other output
+        doc = json.loads(out.splitlines()[-1])
+    doc.update({"wall_seconds": wall, "command": " ".join(cmd), "limit_bytes": limit_bytes, "peak_bytes": peak})
+    return doc
+
+
+def io_engines(probe, files, seconds):
+    """The reader pool's pread against io_uring at 1-8 reads in flight
+    (colibri_io_probe), random whole experts, O_DIRECT."""
+    rng = random.Random(3)
+    sample = rng.sample(files, min(len(files), 256))
+    r = subprocess.run([probe, "--seconds", str(seconds), "--depths", "1,2,4,8"] + sample,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit("colibri_io_probe failed: %s" % r.stderr)
+    return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+
+def bench_cmd(cli, model, trace, threads, budget, eviction, warmup):
     cmd = [cli, "bench", "--model", model, "--trace", trace, "--threads", str(threads), "--json",
            "--warmup", str(warmup), "--no-verify"]
     if budget < 100:
         cmd += ["--max-resident", "%g%%" % budget, "--eviction", eviction]
+    return cmd
+
+
+def run_bench(cli, model, trace, threads, budget, eviction, warmup):
+    cmd = bench_cmd(cli, model, trace, threads, budget, eviction, warmup)
     drop_page_cache()
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -151,6 +281,13 @@ def main():
     ap.add_argument("--probe-seconds", type=float, default=4.0)
     ap.add_argument("--tiny", action="store_true", help="a small model, seconds")
     ap.add_argument("--out", help="folder for results.json, the traces and cache.png")
+    ap.add_argument("--peer", help="the page-cache peer, llamacpp_mmap (default: BUILD/llamacpp-peer/llamacpp_mmap, "
+                    "made by bench/llamacpp_peer.sh; skipped when missing)")
+    ap.add_argument("--page-cache-budgets", default="50,25,10",
+                    help="budgets at which Colibri and the mmapped GGUF run under the same memory limit")
+    ap.add_argument("--headroom-mib", type=int, default=256,
+                    help="the memory limit is the budget's expert bytes plus this much")
+    ap.add_argument("--io-seconds", type=float, default=3.0, help="per engine and depth in colibri_io_probe")
     a = ap.parse_args()
 
     cli = os.path.join(a.colibri, "tools", "colibri")
@@ -207,6 +344,56 @@ def main():
                        100.0 * hits / (hits + misses) if hits + misses else 100.0,
                        doc["timed"]["bytes_read_per_token"] / 1e6, doc["timed"]["wait_seconds"]))
 
+    # The reader pool's blocking preads against io_uring, same reads in flight.
+    io_runs = []
+    probe = os.path.join(a.colibri, "bench", "colibri_io_probe")
+    if os.path.exists(probe):
+        drop_page_cache()
+        io_runs = io_engines(probe, files, a.io_seconds)
+        for r in io_runs:
+            print("io %-8s %d in flight: %.2f GB/s" % (r["engine"], r["depth"], r["GBps"]))
+    else:
+        print("no %s (liburing-dev missing?): pread against io_uring not measured" % probe)
+
+    # Relying on the page cache: the same weights as a GGUF, mmapped and
+    # used in place (ggml, as llama.cpp runs a model larger than memory),
+    # against Colibri's cache on that GGUF, both under the same memory limit.
+    paged = []
+    peer = a.peer or os.path.join(a.colibri, "llamacpp-peer", "llamacpp_mmap")
+    limit = None
+    if os.path.exists(peer):
+        try:
+            limit = MemoryLimit()
+        except OSError as e:
+            print("page-cache comparison skipped: %s" % e)
+    else:
+        print("page-cache comparison skipped: no %s (bench/llamacpp_peer.sh builds it)" % peer)
+    if limit is not None:
+        gguf_path = model.rstrip("/") + ".gguf"
+        if not os.path.exists(gguf_path):
+            gguf_from_directory(model, manifest, gguf_path)
+        experts_bytes = L * E * 3 * manifest["d_model"] * manifest["d_ff"] * 2
+        for name, trace in traces.items():
+            for budget in [float(b) for b in a.page_cache_budgets.split(",")]:
+                limit_bytes = int(experts_bytes * budget / 100) + (a.headroom_mib << 20)
+                c = run_limited(limit, bench_cmd(cli, gguf_path, trace, a.threads, budget, "freq", 0), limit_bytes,
+                                "colibri bench")
+                cpart = c["prefill"] if c["prefill"]["steps"] else c["decode"]
+                g = run_limited(limit, [peer, "--gguf", gguf_path, "--trace", trace, "--threads", str(a.threads)],
+                                limit_bytes, "llamacpp_mmap")
+                row = {"trace": name, "budget_percent": budget, "limit_bytes": limit_bytes,
+                       "colibri": {"tokens_per_second": cpart["tokens_per_second"], "seconds": cpart["seconds"],
+                                   "tokens": cpart["tokens"], "timed": c["timed"], "peak_bytes": c["peak_bytes"],
+                                   "command": c["command"]},
+                       "page_cache": g}
+                row["speedup"] = cpart["tokens_per_second"] / g["tokens_per_second"] if g["tokens_per_second"] else None
+                paged.append(row)
+                print("%-8s %5.1f%% limit %5d MiB: colibri %7.2f tokens/s (peak %d MiB), mmap %7.2f tokens/s "
+                      "(peak %d MiB, %.0f MB read/token, open %.1f s): %.2fx" %
+                      (name, budget, limit_bytes >> 20, cpart["tokens_per_second"], (c["peak_bytes"] or 0) >> 20,
+                       g["tokens_per_second"], (g["peak_bytes"] or 0) >> 20, g["bytes_read_per_token"] / 1e6,
+                       g["open_seconds"], row["speedup"] or 0))
+
     # The bound: bytes read per token at the random-read bandwidth, plus
     # the compute of the 100% run (same trace).
     for r in runs:
@@ -219,7 +406,9 @@ def main():
 
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
            "model": model, "layers": L, "experts": E, "top_k": k, "threads": a.threads, "disk": disk,
-           "page_cache_dropped": drop_page_cache(), "runs": runs, "traces": traces}
+           "page_cache_dropped": drop_page_cache(), "runs": runs, "traces": traces, "io_engines": io_runs,
+           "page_cache": {"limit": limit.describe() if limit else None, "headroom_mib": a.headroom_mib,
+                          "runs": paged}}
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(doc, f, indent=2)
     print("\n| trace | budget | policy | tokens/s | hit rate | MB read / token | s / token | bound | over bound |")
@@ -231,6 +420,22 @@ def main():
             r["trace"], r["budget_percent"], r["eviction"], r["tokens_per_second"],
             "%.1f%%" % (100.0 * t["hits"] / n) if n else "(resident)", t["bytes_read_per_token"] / 1e6,
             r["seconds_per_token"], r["bound_seconds_per_token"], r["over_bound"]))
+    if io_runs:
+        print("\n| reads in flight | pread pool GB/s | io_uring GB/s |")
+        print("|---|---|---|")
+        for d in sorted({r["depth"] for r in io_runs}):
+            by = {r["engine"]: r["GBps"] for r in io_runs if r["depth"] == d}
+            print("| %d | %.2f | %.2f |" % (d, by.get("pread", 0), by.get("io_uring", 0)))
+    if paged:
+        print("\n| trace | budget | memory limit | Colibri tokens/s | peak MiB | mmap tokens/s | peak MiB | "
+              "mmap MB read / token | Colibri / mmap |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in paged:
+            c, g = r["colibri"], r["page_cache"]
+            print("| %s | %g%% | %d MiB | %.2f | %d | %.2f | %d | %.0f | %.2fx |" % (
+                r["trace"], r["budget_percent"], r["limit_bytes"] >> 20, c["tokens_per_second"],
+                (c["peak_bytes"] or 0) >> 20, g["tokens_per_second"], (g["peak_bytes"] or 0) >> 20,
+                g["bytes_read_per_token"] / 1e6, r["speedup"] or 0))
     try:
         import matplotlib
         matplotlib.use("Agg")

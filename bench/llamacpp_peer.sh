@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the llama.cpp peer benchmark: ggml's CPU backend from the llama.cpp
-# that PyPI's llama-cpp-python source distribution vendors, and our harness
-# bench/llamacpp_moe.cpp against it. Nothing of llama.cpp/ggml is committed;
+# that PyPI's llama-cpp-python source distribution vendors, and our harnesses
+# bench/llamacpp_moe.cpp (one layer, weights in memory) and
+# bench/llamacpp_mmap.cpp (a GGUF mmapped, the page-cache baseline) against it. Nothing of llama.cpp/ggml is committed;
 # everything lands in the work directory.
 #
 #   bench/llamacpp_peer.sh [WORK_DIR]      # default build/llamacpp-peer (git-ignored)
@@ -120,5 +121,18 @@ if [[ ! -x "$EXE" || "$HARNESS_SRC" -nt "$EXE" || "$BUILD/.built" -nt "$EXE" ]];
         || die "harness compilation failed"
     mv "$EXE.tmp" "$EXE"
 fi
-say "ready: $EXE (package $name, ggml $ggml_version)"
+# The page-cache peer of bench/cache_bench.py: a GGUF mmapped as llama.cpp maps it.
+MMAP_SRC="$ROOT/bench/llamacpp_mmap.cpp"
+MMAP_EXE="$WORK/llamacpp_mmap"
+if [[ ! -x "$MMAP_EXE" || "$MMAP_SRC" -nt "$MMAP_EXE" || "$BUILD/.built" -nt "$MMAP_EXE" ]]; then
+    say "compiling $MMAP_SRC"
+    omp=()
+    [[ "$OPENMP" == "ON" ]] && omp=(-fopenmp)
+    ${CXX:-g++} -O2 -std=c++17 -Wall -Wextra -DLLAMACPP_PEER_PACKAGE="\"$name\"" \
+        -I"$GGML/include" "$MMAP_SRC" -o "$MMAP_EXE.tmp" \
+        -Wl,--start-group "${libs[@]}" -Wl,--end-group "${omp[@]}" -lpthread -ldl -lm \
+        || die "compilation of $MMAP_SRC failed"
+    mv "$MMAP_EXE.tmp" "$MMAP_EXE"
+fi
+say "ready: $EXE and $MMAP_EXE (package $name, ggml $ggml_version)"
 echo "$EXE"

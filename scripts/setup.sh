@@ -12,6 +12,7 @@
 #   libcli11-dev          command-line parsing for the colibri tool
 #   libgtest-dev          unit tests
 #   libbenchmark-dev      per-kernel throughput benchmark (bench/kernel_bench.cpp)
+#   liburing-dev          io_uring against the reader pool's pread (bench/io_probe.cpp)
 #   valgrind              leak check in the test suite
 #   clang, libclang-rt-N-dev  libFuzzer targets of the parsers (scripts/fuzz.sh);
 #                         N is the installed clang's major version (14 on
@@ -51,7 +52,7 @@ apt_install() {
 }
 
 apt_install cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev \
-  libbenchmark-dev valgrind clang clang-tidy qemu-user python3-venv
+  libbenchmark-dev liburing-dev valgrind clang clang-tidy qemu-user python3-venv
 # libFuzzer's runtime is versioned with clang: no fixed package name.
 clang_major="$(clang -dumpversion | cut -d. -f1)"
 apt_install "libclang-rt-${clang_major}-dev"
