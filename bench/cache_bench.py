@@ -254,8 +254,8 @@ def bench_cmd(cli, model, trace, threads, budget, eviction, warmup):
     return cmd
 
 
-def run_bench(cli, model, trace, threads, budget, eviction, warmup):
-    cmd = bench_cmd(cli, model, trace, threads, budget, eviction, warmup)
+def run_bench(cli, model, trace, threads, budget, eviction, warmup, extra=()):
+    cmd = bench_cmd(cli, model, trace, threads, budget, eviction, warmup) + list(extra)
     drop_page_cache()
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -288,6 +288,8 @@ def main():
     ap.add_argument("--headroom-mib", type=int, default=256,
                     help="the memory limit is the budget's expert bytes plus this much")
     ap.add_argument("--io-seconds", type=float, default=3.0, help="per engine and depth in colibri_io_probe")
+    ap.add_argument("--engine-repeats", type=int, default=3,
+                    help="rounds of the end-to-end read-engine comparison (prefill trace at 25%%)")
     a = ap.parse_args()
 
     cli = os.path.join(a.colibri, "tools", "colibri")
@@ -355,6 +357,20 @@ def main():
     else:
         print("no %s (liburing-dev missing?): pread against io_uring not measured" % probe)
 
+    # The engines end to end: the prefill trace (every expert of every layer
+    # read, in waves) at 25%, pread and io_uring at the default reader count,
+    # and pread at 4 readers, in turn, so the host's swings fall on all.
+    engine_runs = []
+    engine_cases = (("pread", ["--io-engine", "pread"]), ("io_uring", ["--io-engine", "io_uring"]),
+                    ("pread, 4 readers", ["--io-engine", "pread", "--io-threads", "4"]))
+    if "prefill" in traces:
+        for rep in range(a.engine_repeats):
+            for label, extra in engine_cases:
+                doc = run_bench(cli, model, traces["prefill"], a.threads, 25, "freq", 0, extra)
+                engine_runs.append({"engine": label, "round": rep, "tokens_per_second": doc["prefill"]["tokens_per_second"],
+                                    "uring_reads": (doc["cache"] or {}).get("uring_reads"), "command": doc["command"]})
+                print("engine %-16s round %d: %.2f tokens/s" % (label, rep, engine_runs[-1]["tokens_per_second"]))
+
     # Relying on the page cache: the same weights as a GGUF, mmapped and
     # used in place (ggml, as llama.cpp runs a model larger than memory),
     # against Colibri's cache on that GGUF, both under the same memory limit.
@@ -406,7 +422,7 @@ def main():
 
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
            "model": model, "layers": L, "experts": E, "top_k": k, "threads": a.threads, "disk": disk,
-           "page_cache_dropped": drop_page_cache(), "runs": runs, "traces": traces, "io_engines": io_runs,
+           "page_cache_dropped": drop_page_cache(), "runs": runs, "traces": traces, "io_engines": io_runs, "engine_runs": engine_runs,
            "page_cache": {"limit": limit.describe() if limit else None, "headroom_mib": a.headroom_mib,
                           "runs": paged}}
     with open(os.path.join(out, "results.json"), "w") as f:
@@ -426,6 +442,13 @@ def main():
         for d in sorted({r["depth"] for r in io_runs}):
             by = {r["engine"]: r["GBps"] for r in io_runs if r["depth"] == d}
             print("| %d | %.2f | %.2f |" % (d, by.get("pread", 0), by.get("io_uring", 0)))
+    if engine_runs:
+        import statistics
+        print("\n| prefill at 25%, engine | tokens/s, median | rounds |")
+        print("|---|---|---|")
+        for label, _ in engine_cases:
+            v = [r["tokens_per_second"] for r in engine_runs if r["engine"] == label]
+            print("| %s | %.2f | %s |" % (label, statistics.median(v), ", ".join("%.2f" % x for x in v)))
     if paged:
         print("\n| trace | budget | memory limit | Colibri tokens/s | peak MiB | mmap tokens/s | peak MiB | "
               "mmap MB read / token | Colibri / mmap |")

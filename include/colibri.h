@@ -159,11 +159,13 @@ typedef struct colibri_open_options_s {
    * resident model's. */
   uint64_t max_resident_bytes;   /* 0 = no byte budget */
   float max_resident_percent;    /* of the packed experts' bytes, 0-100; 0 = none */
-  int32_t io_threads;            /* reads in flight under a budget; 0 = 4 */
+  int32_t io_threads;            /* reader threads under a budget; 0 = enough for about
+                                    128 MiB in flight, 2 to 8 */
   int32_t eviction_policy;       /* colibri_eviction_t */
   int32_t direct_io;             /* 1 = O_DIRECT reads where the filesystem allows */
   int32_t speculate;             /* 1 = the built-in router's guess of the next
                                     layer's experts starts their reads */
+  int32_t io_engine;             /* colibri_io_engine_t */
 } colibri_open_options_t;
 
 typedef enum {
@@ -171,10 +173,19 @@ typedef enum {
   COLIBRI_EVICT_LRU = 1
 } colibri_eviction_t;
 
+/* How reads under a budget reach the disk (docs/CACHE.md: the two were
+ * equal within noise at the same bytes in flight where measured). */
+typedef enum {
+  COLIBRI_IO_PREAD = 0, /* default: blocking pread, one expert in flight per reader thread */
+  COLIBRI_IO_URING = 1  /* io_uring, each expert's reads in 2 MiB pieces all in flight;
+                           colibri_open fails with COLIBRI_ERR_UNSUPPORTED where this
+                           build or kernel cannot run it */
+} colibri_io_engine_t;
+
 /* Defaults: n_threads 0, lock_memory 1, huge_pages 1, verify_checksums 1,
  * pin_threads 0, reserve_tokens 64, bf16_compute 0, exact_prefill 0,
  * max_resident_bytes 0, max_resident_percent 0, io_threads 0,
- * eviction_policy DECAYED_FREQUENCY, direct_io 1, speculate 1. */
+ * eviction_policy DECAYED_FREQUENCY, direct_io 1, speculate 1, io_engine PREAD. */
 COLIBRI_API void colibri_open_options_default(colibri_open_options_t* options);
 
 /* Opens the model directory `path` (holding colibri.json). On success
@@ -443,6 +454,7 @@ typedef struct colibri_stats_s {
   uint64_t prefetch_used;       /* of which a call used the expert before it was evicted */
   uint64_t predicted;           /* experts the router speculation predicted */
   uint64_t predicted_used;      /* of which the next call of that layer used */
+  uint64_t uring_reads;         /* of expert_reads, through io_uring */
 } colibri_stats_t;
 
 /* Both thread-safe. */

@@ -43,6 +43,7 @@ int main(void) {
   FIELD(colibri_open_options_t, eviction_policy);
   FIELD(colibri_open_options_t, direct_io);
   FIELD(colibri_open_options_t, speculate);
+  FIELD(colibri_open_options_t, io_engine);
   end();
 
   BEGIN(colibri_router_desc_t);
@@ -155,6 +156,7 @@ int main(void) {
   FIELD(colibri_stats_t, prefetch_used);
   FIELD(colibri_stats_t, predicted);
   FIELD(colibri_stats_t, predicted_used);
+  FIELD(colibri_stats_t, uring_reads);
   end();
 
   BEGIN(colibri_route_compile_options_t);

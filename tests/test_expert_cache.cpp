@@ -4,7 +4,8 @@
 // routing and the built-in router, skewed routing, calls needing more
 // experts than the pool (waves), several caller threads and hot swaps;
 // files shortened or replaced under a running model give errors, never
-// wrong weights. Also run under ThreadSanitizer (scripts/test.sh).
+// wrong weights. Each with both read engines (pread and io_uring). Also run
+// under ThreadSanitizer (scripts/test.sh).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "colibri.h"
+#include "io/expert_reader.h"
 #include "io/manifest.h"
 #include "io/mapped_file.h"
 #include "lib/model_writer.h"
@@ -57,9 +59,23 @@ Routing make_routing(int32_t T, int32_t k, bool skewed, std::mt19937& rng) {
   return r;
 }
 
+// The read engine of the running test (set by each fixture's SetUp).
+int32_t g_io_engine = COLIBRI_IO_PREAD;
+
+const char* engine_name(int32_t engine) { return engine == COLIBRI_IO_URING ? "io_uring" : "pread"; }
+
+// Sets the engine of a test; false (the caller skips) where io_uring
+// cannot run: no liburing in the build, or a kernel or sandbox that
+// refuses it. The pread instance runs everywhere.
+bool use_engine(int32_t engine, std::string* why) {
+  g_io_engine = engine;
+  return engine != COLIBRI_IO_URING || colibri::io_uring_usable(why);
+}
+
 colibri_open_options_t options(uint64_t budget_bytes = 0, float percent = 0.0f) {
   colibri_open_options_t o;
   colibri_open_options_default(&o);
+  o.io_engine = g_io_engine;
   o.lock_memory = 0;
   o.huge_pages = 0;
   o.max_resident_bytes = budget_bytes;
@@ -109,15 +125,20 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-class CacheModel : public ::testing::TestWithParam<colibri::WeightType> {
+class CacheModel : public ::testing::TestWithParam<std::tuple<colibri::WeightType, int32_t>> {
  protected:
+  void SetUp() override {
+    std::string why;
+    if (!use_engine(std::get<1>(GetParam()), &why)) GTEST_SKIP() << "io_uring not usable here: " << why;
+  }
+  static colibri::WeightType dtype() { return std::get<0>(GetParam()); }
   void write(bool router, int32_t shared_d_ff = 0) {
     colibri::ModelWriteSpec spec;
     spec.n_layers = kLayers;
     spec.n_experts = kExperts;
     spec.d_model = kD;
     spec.d_ff = kF;
-    spec.dtype = GetParam();
+    spec.dtype = dtype();
     if (colibri::weight_format(spec.dtype).quantized) spec.down_dtype = spec.dtype;
     if (router) {
       spec.router.family = colibri::RouterFamily::kQwen3Moe;
@@ -153,7 +174,7 @@ class CacheModel : public ::testing::TestWithParam<colibri::WeightType> {
 // skewed, decode and calls touching every expert (waves when the pool is
 // smaller), the same output bits as the resident model.
 TEST_P(CacheModel, BitIdenticalForEveryBudget) {
-  write(false, GetParam() == colibri::WeightType::kF32 ? 48 : 0);
+  write(false, dtype() == colibri::WeightType::kF32 ? 48 : 0);
   std::mt19937 rng(3);
   struct Call {
     int32_t layer;
@@ -192,6 +213,7 @@ TEST_P(CacheModel, BitIdenticalForEveryBudget) {
     const colibri::Manifest man = colibri::load_manifest(dir_.path());
     EXPECT_EQ(s.bytes_read, s.expert_reads * man.expert_file_bytes(0));
     EXPECT_EQ(s.expert_read_failures, 0u);
+    EXPECT_EQ(s.uring_reads, g_io_engine == COLIBRI_IO_URING ? s.expert_reads : 0u);
     if (slots < kLayers * kExperts / 2) {
       EXPECT_GT(s.cache_evictions, 0u);
     }
@@ -252,14 +274,20 @@ TEST_P(CacheModel, BuiltInRouterAndSpeculation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, CacheModel,
-                         ::testing::Values(colibri::WeightType::kF32, colibri::WeightType::kBF16,
-                                           colibri::WeightType::kQ4_0, colibri::WeightType::kQ4_K,
-                                           colibri::WeightType::kMXFP4),
-                         [](const auto& p) { return std::string(colibri::weight_format(p.param).name); });
+                         ::testing::Combine(::testing::Values(colibri::WeightType::kF32, colibri::WeightType::kBF16,
+                                                              colibri::WeightType::kQ4_0, colibri::WeightType::kQ4_K,
+                                                              colibri::WeightType::kMXFP4),
+                                            ::testing::Values(COLIBRI_IO_PREAD, COLIBRI_IO_URING)),
+                         [](const auto& p) {
+                           return std::string(colibri::weight_format(std::get<0>(p.param)).name) + "_" +
+                                  engine_name(std::get<1>(p.param));
+                         });
 
-class CacheF32 : public ::testing::Test {
+class CacheF32 : public ::testing::TestWithParam<int32_t> {
  protected:
   void SetUp() override {
+    std::string why;
+    if (!use_engine(GetParam(), &why)) GTEST_SKIP() << "io_uring not usable here: " << why;
     spec_.n_layers = kLayers;
     spec_.n_experts = kExperts;
     spec_.d_model = kD;
@@ -280,7 +308,7 @@ class CacheF32 : public ::testing::Test {
   uint64_t slot_bytes_ = 0;
 };
 
-TEST_F(CacheF32, BadBudgetsAreRefused) {
+TEST_P(CacheF32, BadBudgetsAreRefused) {
   colibri_model_t* m = nullptr;
   colibri_open_options_t o = options(slot_bytes_ - 1);
   EXPECT_EQ(colibri_open(dir_.path().c_str(), &o, &m), COLIBRI_ERR_INVALID_ARGUMENT);
@@ -298,9 +326,14 @@ TEST_F(CacheF32, BadBudgetsAreRefused) {
   o.io_threads = -1;
   EXPECT_EQ(colibri_open(dir_.path().c_str(), &o, &m), COLIBRI_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(m, nullptr);
+  o = options(slot_bytes_ * 4);
+  o.io_engine = 2;
+  EXPECT_EQ(colibri_open(dir_.path().c_str(), &o, &m), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(colibri_last_error()).find("io_engine"), std::string::npos) << colibri_last_error();
+  EXPECT_EQ(m, nullptr);
 }
 
-TEST_F(CacheF32, PrefetchIsUsedAndChecked) {
+TEST_P(CacheF32, PrefetchIsUsedAndChecked) {
   colibri_model_t* m = open_with(dir_.path(), options(slot_bytes_ * 6));
   ASSERT_NE(m, nullptr);
   const int32_t ids[] = {1, 5, -1, 7};
@@ -339,7 +372,7 @@ TEST_F(CacheF32, PrefetchIsUsedAndChecked) {
 // A file shortened, then replaced by other bytes, under a running model:
 // the call that needs it fails naming the file, others go on; once the
 // file is back the same expert serves again, with the right bits.
-TEST_F(CacheF32, FilesChangedUnderARunningModel) {
+TEST_P(CacheF32, FilesChangedUnderARunningModel) {
   for (const int verify : {1, 0}) {
     SCOPED_TRACE("verify_checksums " + std::to_string(verify));
     TempDir copy("colibri_cache_fault");
@@ -402,7 +435,7 @@ TEST_F(CacheF32, FilesChangedUnderARunningModel) {
 // Several callers and a hot swap of an expert meanwhile, under a budget
 // smaller than one layer: every output is the layer with the old expert or
 // with the new one, bit for bit.
-TEST_F(CacheF32, CallersAndHotSwapsUnderABudget) {
+TEST_P(CacheF32, CallersAndHotSwapsUnderABudget) {
   TempDir other("colibri_cache_b"), mixed("colibri_cache_ab");
   colibri::write_random_model(other.path(), spec_, 99);
   std::filesystem::copy(dir_.path(), mixed.path(), std::filesystem::copy_options::recursive |
@@ -489,6 +522,9 @@ TEST_F(CacheF32, CallersAndHotSwapsUnderABudget) {
   colibri_free(ref_old);
   colibri_free(ref_new);
 }
+
+INSTANTIATE_TEST_SUITE_P(Engines, CacheF32, ::testing::Values(COLIBRI_IO_PREAD, COLIBRI_IO_URING),
+                         [](const auto& p) { return std::string(engine_name(p.param)); });
 
 TEST(CacheOpenMemory, BudgetIsRefused) {
   std::vector<float> w(static_cast<size_t>(3) * kD * kF, 0.01f);

@@ -95,6 +95,7 @@ class OpenOptions(ctypes.Structure):
         ("eviction_policy", c_int32),
         ("direct_io", c_int32),
         ("speculate", c_int32),
+        ("io_engine", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 
@@ -216,6 +217,7 @@ class Stats(ctypes.Structure):
         ("prefetch_used", ctypes.c_uint64),
         ("predicted", ctypes.c_uint64),
         ("predicted_used", ctypes.c_uint64),
+        ("uring_reads", ctypes.c_uint64),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 

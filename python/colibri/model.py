@@ -78,6 +78,7 @@ class ModelStats:
     prefetch_used: int = 0
     predicted: int = 0
     predicted_used: int = 0
+    uring_reads: int = 0
 
     @property
     def hit_rate(self):
@@ -123,9 +124,10 @@ class RouterConfig:
 
 
 _EVICTION = {"freq": 0, "lru": 1}
+_IO_ENGINE = {"pread": 0, "io_uring": 1}
 
 
-def _apply_budget(o, max_resident, eviction, io_threads, direct_io, speculate):
+def _apply_budget(o, max_resident, eviction, io_threads, direct_io, speculate, io_engine="pread"):
     """max_resident: None, bytes (int), or a percentage string such as '25%'."""
     if max_resident is not None:
         if isinstance(max_resident, str) and max_resident.strip().endswith("%"):
@@ -146,6 +148,9 @@ def _apply_budget(o, max_resident, eviction, io_threads, direct_io, speculate):
     o.io_threads = _check_int(io_threads, "io_threads", 0, 64)
     o.direct_io = 1 if direct_io else 0
     o.speculate = 1 if speculate else 0
+    if io_engine not in _IO_ENGINE:
+        raise ValueError("io_engine must be 'pread' or 'io_uring', got %r" % (io_engine,))
+    o.io_engine = _IO_ENGINE[io_engine]
 
 
 def _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, reserve_tokens, exact_prefill=False):
@@ -180,7 +185,7 @@ def _check_int(value, name, lo, hi):
 _CACHE_STAT_FIELDS = ("cache_slots", "resident_bytes", "resident_experts", "experts_bytes", "cache_hits",
                       "cache_misses", "cache_evictions", "expert_reads", "expert_read_failures", "bytes_read",
                       "direct_reads", "read_seconds", "checksum_seconds", "wait_seconds", "prefetch_reads",
-                      "prefetch_used", "predicted", "predicted_used")
+                      "prefetch_used", "predicted", "predicted_used", "uring_reads")
 
 
 class Model:
@@ -188,7 +193,7 @@ class Model:
 
     ``Model(path, threads=0, lock=True, huge_pages=True, verify=True,
     bf16_compute=False, *, exact_prefill=False, max_resident=None, eviction="freq",
-    io_threads=0, direct_io=True, speculate=True)`` opens a model directory (colibri.json + expert
+    io_threads=0, direct_io=True, speculate=True, io_engine="pread")`` opens a model directory (colibri.json + expert
     files, docs/FORMAT.md) or a GGUF file's MoE layers (the first file of a
     split set for a split one); ``max_resident`` (bytes, or a string such as
     ``"25%"`` of the experts) keeps only that much of the expert weights in
@@ -202,7 +207,7 @@ class Model:
 
     def __init__(self, path, threads=0, lock=True, huge_pages=True, verify=True, bf16_compute=False,
                  *, pin_threads=None, reserve_tokens=None, exact_prefill=False, max_resident=None,
-                 eviction="freq", io_threads=0, direct_io=True, speculate=True):
+                 eviction="freq", io_threads=0, direct_io=True, speculate=True, io_engine="pread"):
         self._handle = None
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -210,7 +215,7 @@ class Model:
             return
         opts = _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, reserve_tokens,
                              exact_prefill)
-        _apply_budget(opts, max_resident, eviction, io_threads, direct_io, speculate)
+        _apply_budget(opts, max_resident, eviction, io_threads, direct_io, speculate, io_engine)
         p = os.fsencode(os.fspath(path))
         h = ctypes.c_void_p()
         L.check(L.lib().colibri_open(p, ctypes.byref(opts), ctypes.byref(h)), "colibri_open")

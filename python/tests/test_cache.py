@@ -27,9 +27,17 @@ def _calls(rng, n_experts, d_model, n_layers, k):
 @pytest.mark.parametrize("arch,kw", [("qwen3moe", dict(dtype="q4_k", down_dtype="q6_k")),
                                      ("gpt-oss", dict(dtype="mxfp4", top_k=4)),
                                      ("llama", dict(dtype="q8_0", split=5))])
-def test_gguf_under_budgets_is_bit_identical(tmp_path, arch, kw):
+@pytest.mark.parametrize("engine", ["pread", "io_uring"])
+def test_gguf_under_budgets_is_bit_identical(tmp_path, arch, kw, engine):
     path = str(tmp_path / "m.gguf")
     fix = gf.write_moe_gguf(path, arch, n_blocks=3, n_experts=8, d_model=256, d_ff=256, seed=3, **kw)
+    if engine == "io_uring":
+        try:
+            colibri.Model(fix.path, lock=False, huge_pages=False, max_resident="50%", io_engine=engine).close()
+        except colibri.ColibriError as e:
+            if e.status != 6:  # COLIBRI_ERR_UNSUPPORTED: no liburing, or a kernel that refuses it
+                raise
+            pytest.skip("io_uring not usable here: %s" % e)
     rng = np.random.default_rng(5)
     with colibri.Model(fix.path, threads=2, lock=False, huge_pages=False) as ref:
         info = ref.info
@@ -40,7 +48,7 @@ def test_gguf_under_budgets_is_bit_identical(tmp_path, arch, kw):
         assert ref.stats.cache_slots == 0
     for budget in ("5%", "20%", "60%", 1):
         m = colibri.Model(fix.path, threads=2, lock=False, huge_pages=False,
-                          max_resident=budget if budget != 1 else None)
+                          max_resident=budget if budget != 1 else None, io_engine=engine)
         if budget == 1:  # one expert's bytes exactly
             per = m.stats.bytes_mapped  # resident model: routers + every expert
             m.close()
@@ -49,7 +57,7 @@ def test_gguf_under_budgets_is_bit_identical(tmp_path, arch, kw):
             one = s.resident_bytes // s.cache_slots
             probe.close()
             assert per > one
-            m = colibri.Model(fix.path, threads=2, lock=False, huge_pages=False, max_resident=one)
+            m = colibri.Model(fix.path, threads=2, lock=False, huge_pages=False, max_resident=one, io_engine=engine)
             assert m.stats.cache_slots == 1
         with m:
             s0 = m.stats
@@ -63,6 +71,7 @@ def test_gguf_under_budgets_is_bit_identical(tmp_path, arch, kw):
             s = m.stats
             assert s.cache_misses > 0 and s.expert_reads >= s.cache_misses
             assert s.expert_read_failures == 0
+            assert s.uring_reads == (s.expert_reads if engine == "io_uring" else 0)
             assert 0.0 <= s.hit_rate < 1.0
 
 
@@ -86,6 +95,8 @@ def test_directory_budget_prefetch_and_cli(tmp_path):
             m.prefetch(0, [8])
     with pytest.raises(ValueError, match="eviction"):
         colibri.Model(d, max_resident="25%", eviction="mru")
+    with pytest.raises(ValueError, match="io_engine"):
+        colibri.Model(d, max_resident="25%", io_engine="aio")
     with pytest.raises(colibri.ColibriError, match="holds no expert"):
         colibri.Model(d, max_resident=1000)
     with pytest.raises(TypeError, match="max_resident"):
@@ -97,6 +108,10 @@ def test_directory_budget_prefetch_and_cli(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert np.array_equal(np.fromfile(tmp_path / "y.bin", dtype="<f4").reshape(4, 128), want)
+    r = subprocess.run([cli, "infer", "--model", d, "--input", str(tmp_path / "x.bin"), "--output",
+                        str(tmp_path / "y.bin"), "--layer", "1", "--max-resident", "25%", "--io-engine", "mmap"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--io-engine" in r.stderr, r.stdout + r.stderr
     r = subprocess.run([cli, "info", "--model", d, "--max-resident", "40%"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -252,6 +252,7 @@ void colibri_open_options_default(colibri_open_options_t* o) {
   o->eviction_policy = COLIBRI_EVICT_DECAYED_FREQUENCY;
   o->direct_io = 1;
   o->speculate = 1;
+  o->io_engine = COLIBRI_IO_PREAD;
 }
 
 colibri_status_t colibri_open(const char* path, const colibri_open_options_t* options,
@@ -523,6 +524,7 @@ colibri_status_t colibri_stats(const colibri_model_t* model, colibri_stats_t* ou
     out->expert_read_failures = c.read_failures;
     out->bytes_read = c.bytes_read;
     out->direct_reads = c.direct_reads;
+    out->uring_reads = c.uring_reads;
     out->read_seconds = c.read_seconds;
     out->checksum_seconds = c.checksum_seconds;
     out->wait_seconds = c.wait_seconds;

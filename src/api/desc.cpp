@@ -28,6 +28,11 @@ OpenOptions open_options(const colibri_open_options_t& o) {
   }
   r.eviction = o.eviction_policy == COLIBRI_EVICT_LRU ? EvictionPolicy::kLru : EvictionPolicy::kDecayedFrequency;
   r.direct_io = o.direct_io != 0;
+  if (o.io_engine != COLIBRI_IO_PREAD && o.io_engine != COLIBRI_IO_URING) {
+    fail(Status::kInvalidArgument, "options.io_engine must be 0 (pread) or 1 (io_uring), got " +
+                                       std::to_string(o.io_engine));
+  }
+  r.io_engine = o.io_engine == COLIBRI_IO_URING ? IoEngine::kIoUring : IoEngine::kPread;
   r.speculate = o.speculate != 0;
   return r;
 }

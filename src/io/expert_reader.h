@@ -1,11 +1,18 @@
 // On-demand reads of one expert's bytes from the model's files, for the
 // expert cache (moe/expert_cache.h). Files are opened per read (O_DIRECT
 // where the filesystem takes it, so the page cache does not hold a second
-// copy) and read with pread, never mapped: a file shortened or replaced
-// while the model runs gives an Error from the read, not SIGBUS.
+// copy) and read, never mapped: a file shortened or replaced while the
+// model runs gives an Error from the read, not SIGBUS.
+//
+// Two engines. pread: the expert's parts one after another, one request in
+// flight per reader. io_uring (liburing, where the build has it and the
+// kernel allows it): the parts cut into 2 MiB pieces, all in flight at once
+// on the reader's own ring, so a few readers keep many requests at the
+// device, which is what makes this machine's disk fast (docs/CACHE.md).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,14 +50,30 @@ struct ReadCounters {
   uint64_t bytes = 0;         // read from the files
   uint64_t direct_reads = 0;  // reads that bypassed the page cache
   uint64_t buffered_reads = 0;
+  uint64_t uring_reads = 0;   // reads through io_uring
 };
+
+enum class IoEngine {
+  kPread,
+  kIoUring,  // refused where not usable
+};
+
+// Whether this build and kernel can run io_uring reads; *why says why not.
+bool io_uring_usable(std::string* why);
 
 // One reader's staging buffer and file access. Not thread-safe: the cache
 // gives each reader thread its own.
 class ExpertReader {
  public:
-  // `max_staging`: the largest staging_bytes() of any location it will read.
-  ExpertReader(size_t max_staging, bool direct_io);
+  // `max_staging`: the largest staging_bytes() of any location it will
+  // read. Throws Error(kUnsupported) for IoEngine::kIoUring where
+  // io_uring is not usable.
+  ExpertReader(size_t max_staging, bool direct_io, IoEngine engine = IoEngine::kPread);
+  ~ExpertReader();
+  ExpertReader(const ExpertReader&) = delete;
+  ExpertReader& operator=(const ExpertReader&) = delete;
+
+  bool uses_io_uring() const { return ring_ != nullptr; }
 
   // Reads loc's parts; parts[i] points into the staging buffer, valid until
   // the next read. Throws Error(kIo) when a file cannot be opened or read,
@@ -62,8 +85,12 @@ class ExpertReader {
   static size_t staging_bytes(const ExpertLocation& loc);
 
  private:
+  struct Ring;
+  void read_uring(const ExpertFiles& files, const ExpertLocation& loc, const uint8_t* parts[6], ReadCounters* counters);
+
   std::vector<uint8_t, AlignedAllocator<uint8_t, 4096>> staging_;  // page-aligned for O_DIRECT
   bool direct_io_;
+  std::unique_ptr<Ring> ring_;  // null: pread
 };
 
 }  // namespace colibri

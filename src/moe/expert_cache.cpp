@@ -260,12 +260,22 @@ void ExpertCache::fill(ExpertReader& reader, const Job& job, double* checksum_se
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.bytes_read += counters.bytes;
   stats_.direct_reads += counters.direct_reads;
+  stats_.uring_reads += counters.uring_reads;
 }
 
 void ExpertCache::reader_main(int /*index*/) {
   size_t staging = 0;
   for (const ExpertLocation& loc : source_.locations) staging = std::max(staging, ExpertReader::staging_bytes(loc));
-  ExpertReader reader(staging, options_.direct_io);
+  // kIoUring was checked usable at open; should this thread's ring still
+  // fail, its reads fall back to pread rather than leave the cache without
+  // a reader.
+  std::unique_ptr<ExpertReader> made;
+  try {
+    made = std::make_unique<ExpertReader>(staging, options_.direct_io, options_.io_engine);
+  } catch (const Error&) {
+    made = std::make_unique<ExpertReader>(staging, options_.direct_io, IoEngine::kPread);
+  }
+  ExpertReader& reader = *made;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     work_cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });

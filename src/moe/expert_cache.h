@@ -35,7 +35,8 @@ struct CacheOptions {
   size_t slot_bytes = 0;   // of the largest packed expert, whole cache lines
   EvictionPolicy policy = EvictionPolicy::kDecayedFrequency;
   double half_life = 0.0;  // in lookups; 0: 4x slots
-  int32_t readers = 4;     // reader threads (reads in flight)
+  int32_t readers = 4;     // reader threads (each with its own reads in flight)
+  IoEngine io_engine = IoEngine::kPread;
   bool direct_io = true;
   bool verify_checksums = true;  // manifest checksums, else the first read's
   bool huge_pages = true;
@@ -52,6 +53,7 @@ struct CacheStats {
   uint64_t read_failures = 0;
   uint64_t bytes_read = 0;
   uint64_t direct_reads = 0;      // of reads, O_DIRECT
+  uint64_t uring_reads = 0;       // of reads, through io_uring
   double read_seconds = 0.0;      // summed over readers, read + check + pack
   double checksum_seconds = 0.0;  // of which checksums
   double wait_seconds = 0.0;      // calls waiting for reads

@@ -541,7 +541,13 @@ void add_cache_flags(CLI::App* c, CacheFlags* f) {
                 "experts such as 25%; the rest stay on disk and are read on demand (docs/CACHE.md)");
   c->add_option("--eviction", f->eviction, "Under a budget: freq (decayed frequency, default) or lru")
       ->check(CLI::IsMember({"freq", "lru"}));
-  c->add_option("--io-threads", f->io_threads, "Under a budget: reads in flight (0 = 4)")->check(CLI::Range(0, 64));
+  c->add_option("--io-threads", f->io_threads,
+                "Under a budget: reader threads (0 = enough for about 128 MiB in flight, 2 to 8)")
+      ->check(CLI::Range(0, 64));
+  c->add_option("--io-engine", f->io_engine,
+                "Under a budget: pread (default; one expert in flight per reader) or io_uring (each expert's "
+                "reads in 2 MiB pieces, all in flight)")
+      ->check(CLI::IsMember({"pread", "io_uring"}));
   c->add_flag("--buffered-io", f->buffered_io, "Under a budget: read through the page cache, not O_DIRECT");
   c->add_flag("--no-speculate", f->no_speculate,
               "Under a budget: do not prefetch the next layer's experts its router predicts");

@@ -5,7 +5,7 @@
 namespace colibri_cli {
 
 struct CacheFlags;
-// --max-resident, --eviction, --io-threads, --buffered-io, --no-speculate
+// --max-resident, --eviction, --io-threads, --io-engine, --buffered-io, --no-speculate
 // (common.h's CacheFlags) on a command that opens a model.
 void add_cache_flags(CLI::App* command, CacheFlags* flags);
 

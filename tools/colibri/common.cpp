@@ -109,6 +109,13 @@ void apply_cache_flags(const CacheFlags& f, colibri_open_options_t* o) {
     throw CliError("--eviction: '" + f.eviction + "' is not freq or lru");
   }
   o->io_threads = f.io_threads;
+  if (f.io_engine == "pread") {
+    o->io_engine = COLIBRI_IO_PREAD;
+  } else if (f.io_engine == "io_uring") {
+    o->io_engine = COLIBRI_IO_URING;
+  } else {
+    throw CliError("--io-engine: '" + f.io_engine + "' is not pread or io_uring");
+  }
   o->direct_io = f.buffered_io ? 0 : 1;
   o->speculate = f.no_speculate ? 0 : 1;
 }
@@ -139,9 +146,10 @@ void print_cache_stats(const colibri_stats_t& c) {
               static_cast<unsigned long long>(c.cache_hits), static_cast<unsigned long long>(c.cache_misses),
               100.0 * static_cast<double>(c.cache_hits) / static_cast<double>(lookups),
               static_cast<unsigned long long>(c.cache_evictions));
-  std::printf("reads        %llu (%llu O_DIRECT, %llu failed), %s, %.3f s summed over readers (%.3f s checksums), "
+  std::printf("reads        %llu (%llu O_DIRECT, %llu io_uring, %llu failed), %s, %.3f s summed over readers (%.3f s checksums), "
               "%.0f MB/s per reader; calls waited %.3f s\n",
               static_cast<unsigned long long>(c.expert_reads), static_cast<unsigned long long>(c.direct_reads),
+              static_cast<unsigned long long>(c.uring_reads),
               static_cast<unsigned long long>(c.expert_read_failures), human_bytes(c.bytes_read).c_str(),
               c.read_seconds, c.checksum_seconds, c.read_seconds > 0 ? c.bytes_read / c.read_seconds / 1e6 : 0.0,
               c.wait_seconds);
@@ -158,7 +166,7 @@ std::string cache_stats_json(const colibri_stats_t& c) {
   char buf[1024];
   std::snprintf(buf, sizeof buf,
                 "{\"slots\": %d, \"resident_bytes\": %llu, \"experts_bytes\": %llu, \"hits\": %llu, "
-                "\"misses\": %llu, \"evictions\": %llu, \"reads\": %llu, \"direct_reads\": %llu, "
+                "\"misses\": %llu, \"evictions\": %llu, \"reads\": %llu, \"direct_reads\": %llu, \"uring_reads\": %llu, "
                 "\"read_failures\": %llu, \"bytes_read\": %llu, \"read_seconds\": %.6f, "
                 "\"checksum_seconds\": %.6f, \"wait_seconds\": %.6f, \"prefetch_reads\": %llu, "
                 "\"prefetch_used\": %llu, \"predicted\": %llu, \"predicted_used\": %llu}",
@@ -166,6 +174,7 @@ std::string cache_stats_json(const colibri_stats_t& c) {
                 static_cast<unsigned long long>(c.experts_bytes), static_cast<unsigned long long>(c.cache_hits),
                 static_cast<unsigned long long>(c.cache_misses), static_cast<unsigned long long>(c.cache_evictions),
                 static_cast<unsigned long long>(c.expert_reads), static_cast<unsigned long long>(c.direct_reads),
+                static_cast<unsigned long long>(c.uring_reads),
                 static_cast<unsigned long long>(c.expert_read_failures), static_cast<unsigned long long>(c.bytes_read),
                 c.read_seconds, c.checksum_seconds, c.wait_seconds, static_cast<unsigned long long>(c.prefetch_reads),
                 static_cast<unsigned long long>(c.prefetch_used), static_cast<unsigned long long>(c.predicted),

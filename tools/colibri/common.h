@@ -79,11 +79,13 @@ std::string dtype_label(colibri::WeightType dtype, colibri::WeightType down_dtyp
 
 // The memory-budget flags of every command that opens a model
 // (add_cache_flags in commands.h): --max-resident 2G / 512MiB / 25%, the
-// eviction policy, reader threads, O_DIRECT and router speculation.
+// eviction policy, reader threads and their I/O engine, O_DIRECT and router
+// speculation.
 struct CacheFlags {
   std::string max_resident;  // empty: no budget
   std::string eviction = "freq";
   int io_threads = 0;
+  std::string io_engine = "pread";
   bool buffered_io = false;
   bool no_speculate = false;
 };
