@@ -7,6 +7,7 @@
 // wrong weights. Each with both read engines (pread and io_uring). Also run
 // under ThreadSanitizer (scripts/test.sh).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -429,6 +430,53 @@ TEST_P(CacheF32, FilesChangedUnderARunningModel) {
     EXPECT_GT(stats_of(m).expert_read_failures, 0u);
     colibri_free(m);
     colibri_free(resident);
+  }
+}
+
+// Reads through the page cache (direct_io 0): the same bits, and no read
+// counted as O_DIRECT. Also a model on tmpfs (/dev/shm), which refuses
+// O_DIRECT on older kernels (the reader falls back to buffered reads) and
+// takes it on newer ones: the same bits either way.
+TEST_P(CacheF32, BufferedReadsGiveTheSameBits) {
+  colibri_model_t* resident = open_with(dir_.path(), options());
+  ASSERT_NE(resident, nullptr);
+  std::mt19937 rng(6);
+  std::vector<std::vector<float>> xs;
+  std::vector<Routing> rs;
+  std::vector<std::vector<float>> want;
+  for (int i = 0; i < 12; ++i) {
+    xs.push_back(random_input(i % 4 == 3 ? 6 : 1, rng));
+    rs.push_back(make_routing(i % 4 == 3 ? 6 : 1, 3, i % 2 == 0, rng));
+    want.emplace_back();
+    ASSERT_EQ(run(resident, i % kLayers, xs.back(), &rs.back(), &want.back()), COLIBRI_OK) << colibri_last_error();
+  }
+  colibri_free(resident);
+  auto check = [&](const std::string& dir, int direct_io, bool expect_buffered) {
+    SCOPED_TRACE(dir + " direct_io " + std::to_string(direct_io));
+    colibri_open_options_t o = options(slot_bytes_ * 4);
+    o.direct_io = direct_io;
+    colibri_model_t* m = open_with(dir, o);
+    ASSERT_NE(m, nullptr);
+    for (size_t i = 0; i < xs.size(); ++i) {
+      std::vector<float> y;
+      ASSERT_EQ(run(m, static_cast<int32_t>(i) % kLayers, xs[i], &rs[i], &y), COLIBRI_OK) << colibri_last_error();
+      ASSERT_TRUE(bit_equal(y, want[i])) << "call " << i;
+    }
+    const colibri_stats_t s = stats_of(m);
+    EXPECT_GT(s.expert_reads, 0u);
+    if (expect_buffered) {
+      EXPECT_EQ(s.direct_reads, 0u);
+    }
+    EXPECT_EQ(s.uring_reads, g_io_engine == COLIBRI_IO_URING ? s.expert_reads : 0u);
+    colibri_free(m);
+  };
+  check(dir_.path(), 0, true);
+  if (std::filesystem::is_directory("/dev/shm")) {
+    const std::string shm = "/dev/shm/colibri_cache_" + std::to_string(::getpid()) + "_" + engine_name(g_io_engine);
+    std::filesystem::remove_all(shm);
+    std::filesystem::copy(dir_.path(), shm, std::filesystem::copy_options::recursive);
+    check(shm, 1, false);
+    std::filesystem::remove_all(shm);
   }
 }
 
