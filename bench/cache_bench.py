@@ -212,7 +212,8 @@ class MemoryLimit:
     def run(self, cmd, limit_bytes):
         if self.v2:
             self._write("memory.max", limit_bytes)
-            self._write("memory.swap.max", 0) if os.path.exists(os.path.join(self.dir, "memory.swap.max")) else None
+            if os.path.exists(os.path.join(self.dir, "memory.swap.max")):
+                self._write("memory.swap.max", 0)
             try:
                 self._write("memory.peak", "0")  # newer kernels reset the peak so
             except OSError:

@@ -107,32 +107,24 @@ if [[ ! -f "$BUILD/.built" ]] || [[ "$(cat "$BUILD/.built")" != "$name openmp=$O
     say "ggml built in $((SECONDS - t0)) s"
 fi
 
-# ---------------------------------------------------------------- 4. harness
-HARNESS_SRC="$ROOT/bench/llamacpp_moe.cpp"
+# ---------------------------------------------------------------- 4. harnesses
+# compile SRC EXE [extra flags]: recompiled when the source or ggml is newer.
+compile() {
+    local src="$1" exe="$2"; shift 2
+    if [[ -x "$exe" && ! "$src" -nt "$exe" && ! "$BUILD/.built" -nt "$exe" ]]; then return; fi
+    say "compiling $src"
+    local omp=()
+    [[ "$OPENMP" == "ON" ]] && omp=(-fopenmp)
+    ${CXX:-g++} -O2 -std=c++17 -Wall -Wextra -DLLAMACPP_PEER_PACKAGE="\"$name\"" "$@" \
+        -I"$GGML/include" "$src" -o "$exe.tmp" \
+        -Wl,--start-group "${libs[@]}" -Wl,--end-group "${omp[@]}" -lpthread -ldl -lm \
+        || die "compilation of $src failed"
+    mv "$exe.tmp" "$exe"
+}
 EXE="$WORK/llamacpp_moe"
-if [[ ! -x "$EXE" || "$HARNESS_SRC" -nt "$EXE" || "$BUILD/.built" -nt "$EXE" ]]; then
-    say "compiling $HARNESS_SRC"
-    omp=()
-    [[ "$OPENMP" == "ON" ]] && omp=(-fopenmp)
-    ${CXX:-g++} -O2 -std=c++17 -Wall -Wextra \
-        -DLLAMACPP_PEER_PACKAGE="\"$name\"" -DLLAMACPP_PEER_GGML_VERSION="\"$ggml_version\"" \
-        -I"$GGML/include" "$HARNESS_SRC" -o "$EXE.tmp" \
-        -Wl,--start-group "${libs[@]}" -Wl,--end-group "${omp[@]}" -lpthread -ldl -lm \
-        || die "harness compilation failed"
-    mv "$EXE.tmp" "$EXE"
-fi
+compile "$ROOT/bench/llamacpp_moe.cpp" "$EXE" -DLLAMACPP_PEER_GGML_VERSION="\"$ggml_version\""
 # The page-cache peer of bench/cache_bench.py: a GGUF mmapped as llama.cpp maps it.
-MMAP_SRC="$ROOT/bench/llamacpp_mmap.cpp"
 MMAP_EXE="$WORK/llamacpp_mmap"
-if [[ ! -x "$MMAP_EXE" || "$MMAP_SRC" -nt "$MMAP_EXE" || "$BUILD/.built" -nt "$MMAP_EXE" ]]; then
-    say "compiling $MMAP_SRC"
-    omp=()
-    [[ "$OPENMP" == "ON" ]] && omp=(-fopenmp)
-    ${CXX:-g++} -O2 -std=c++17 -Wall -Wextra -DLLAMACPP_PEER_PACKAGE="\"$name\"" \
-        -I"$GGML/include" "$MMAP_SRC" -o "$MMAP_EXE.tmp" \
-        -Wl,--start-group "${libs[@]}" -Wl,--end-group "${omp[@]}" -lpthread -ldl -lm \
-        || die "compilation of $MMAP_SRC failed"
-    mv "$MMAP_EXE.tmp" "$MMAP_EXE"
-fi
+compile "$ROOT/bench/llamacpp_mmap.cpp" "$MMAP_EXE"
 say "ready: $EXE and $MMAP_EXE (package $name, ggml $ggml_version)"
 echo "$EXE"

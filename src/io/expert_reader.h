@@ -8,7 +8,8 @@
 // flight per reader. io_uring (liburing, where the build has it and the
 // kernel allows it): the parts cut into 2 MiB pieces, all in flight at once
 // on the reader's own ring, so a few readers keep many requests at the
-// device, which is what makes this machine's disk fast (docs/CACHE.md).
+// device. Measured equal within noise at the same experts in flight
+// (docs/CACHE.md), so pread is the default.
 #pragma once
 
 #include <cstdint>
@@ -72,8 +73,6 @@ class ExpertReader {
   ~ExpertReader();
   ExpertReader(const ExpertReader&) = delete;
   ExpertReader& operator=(const ExpertReader&) = delete;
-
-  bool uses_io_uring() const { return ring_ != nullptr; }
 
   // Reads loc's parts; parts[i] points into the staging buffer, valid until
   // the next read. Throws Error(kIo) when a file cannot be opened or read,

@@ -150,8 +150,8 @@ void Model::start_cache(const OpenOptions& o, CacheSource source, int32_t slots,
   co.slots = slots;
   co.slot_bytes = slot_bytes_;
   co.policy = o.eviction;
-  // The disks measured read fastest with about 100 MB of whole experts in
-  // flight (8 readers of 12.6 MB experts beat 4 by 1.3-1.5x, docs/CACHE.md);
+  // The disk measured read faster with about 100 MB of whole experts in
+  // flight (8 readers of 12.6 MB experts beat 4 by 1.08-1.5x, docs/CACHE.md);
   // each reader also stages one expert outside the budget, so large experts
   // get fewer readers.
   constexpr uint64_t kInFlightBytes = 128ull << 20;

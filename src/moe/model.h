@@ -33,7 +33,7 @@ struct OpenOptions {
   // budget the model fits in changes nothing.
   uint64_t max_resident_bytes = 0;
   double max_resident_percent = 0.0;
-  int32_t io_threads = 0;  // reader threads under a budget; 0: default_readers()
+  int32_t io_threads = 0;  // reader threads under a budget; 0: by the bytes in flight (Model::start_cache)
   EvictionPolicy eviction = EvictionPolicy::kDecayedFrequency;
   bool direct_io = true;
   IoEngine io_engine = IoEngine::kPread;
