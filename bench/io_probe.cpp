@@ -197,6 +197,16 @@ int main(int argc, char** argv) {
   for (int d : depths) {
     if (d < 1 || d > 256) die("depths are 1 .. 256");
   }
+  // Each read in flight has a buffer of the largest file (it reads whole
+  // files, one expert's each); a whole model given by mistake would take
+  // depth times its size in memory.
+  constexpr size_t kMaxFileBytes = size_t{1} << 30;
+  for (const File& f : files) {
+    if (f.size > kMaxFileBytes) {
+      die(f.path + " is " + std::to_string(f.size >> 20) +
+          " MiB; the probe reads whole files, one expert's each: give expert files of at most 1 GiB");
+    }
+  }
   for (int rep = 0; rep < repeat; ++rep) {
   for (int d : depths) {
     for (const char* engine : {"pread", "io_uring"}) {

@@ -154,9 +154,9 @@ typedef struct colibri_open_options_s {
    * model's files (a directory or a GGUF file; not colibri_open_memory)
    * and a pool of max(budget) / (one packed expert) slots holds those
    * calls use, read on demand; routers and shared experts stay resident.
-   * Any budget holding one expert works: a call needing more experts than
-   * the pool holds runs in waves. Outputs are bit-identical to the fully
-   * resident model's. */
+   * Any budget holding one expert works: a call computes its experts as
+   * they land and frees their slots for the rest. Outputs are
+   * bit-identical to the fully resident model's. */
   uint64_t max_resident_bytes;   /* 0 = no byte budget */
   float max_resident_percent;    /* of the packed experts' bytes, 0-100; 0 = none */
   int32_t io_threads;            /* reader threads under a budget; 0 = enough for about

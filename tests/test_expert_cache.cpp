@@ -2,7 +2,7 @@
 // demand into a pool of slots. Every output must be bit-identical to the
 // fully resident model's, for every budget from one expert up, with caller
 // routing and the built-in router, skewed routing, calls needing more
-// experts than the pool (waves), several caller threads and hot swaps;
+// experts than the pool (streamed through it), several caller threads and hot swaps;
 // files shortened or replaced under a running model give errors, never
 // wrong weights. Each with both read engines (pread and io_uring). Also run
 // under ThreadSanitizer (scripts/test.sh).

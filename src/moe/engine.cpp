@@ -43,10 +43,9 @@ Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, Th
   prepared_offset_.resize(static_cast<size_t>(n_experts));
   prepare_jobs_.reserve(static_cast<size_t>(n_experts) + 1);
   expert_base_.resize(static_cast<size_t>(n_experts));
-  wave_ids_.resize(static_cast<size_t>(n_experts));
-  wave_index_.resize(static_cast<size_t>(n_experts));
-  wave_bases_.resize(static_cast<size_t>(n_experts));
-  next_ids_.resize(static_cast<size_t>(n_experts));
+  cached_ids_.resize(static_cast<size_t>(n_experts));
+  cached_index_.resize(static_cast<size_t>(n_experts));
+  cached_bases_.resize(static_cast<size_t>(n_experts));
   speculated_.resize(static_cast<size_t>(n_experts));
   spec_mark_.resize(static_cast<size_t>(n_experts));
 }
@@ -334,48 +333,63 @@ void Engine::run_cached(const InferArgs& a, const RunExperts& run_experts) {
     run_experts(0, 0, true, true);
     return;
   }
-  // One wave when the call's experts fit the pool; else waves of half of
-  // it, the next wave's reads running while this one computes.
-  const size_t slots = static_cast<size_t>(cache_->slots());
-  const size_t wave = n_active <= slots ? n_active : std::max<size_t>(1, slots / 2);
-  // The experts of a range that the cache serves (swapped-in ones live in
-  // the store), into ids; their places in active_experts_ into where.
-  const auto cached_of = [&](size_t i0, size_t i1, int32_t* ids, int32_t* where) {
-    int32_t n = 0;
-    for (size_t i = i0; i < i1; ++i) {
-      const int32_t e = active_experts_[i];
-      if (const uint8_t* p = store_.packed_expert(a.layer, e)) {
-        expert_base_[i] = p;
-        continue;
-      }
-      if (where != nullptr) where[n] = static_cast<int32_t>(i);
-      ids[n++] = e;
+  // The experts the cache serves (swapped-in ones live in the store) into
+  // cached_ids_, their places in active_experts_ into cached_index_.
+  size_t n_cached = 0;
+  for (size_t i = 0; i < n_active; ++i) {
+    const int32_t e = active_experts_[i];
+    if (const uint8_t* p = store_.packed_expert(a.layer, e)) {
+      expert_base_[i] = p;
+      continue;
     }
-    return n;
-  };
-  for (size_t w0 = 0; w0 < n_active; w0 += wave) {
-    const size_t w1 = std::min(n_active, w0 + wave);
-    const int32_t n = cached_of(w0, w1, wave_ids_.data(), wave_index_.data());
-    cache_->begin(a.layer, wave_ids_.data(), n);
-    struct Unpin {
-      ExpertCache* cache;
-      int32_t layer;
-      const int32_t* ids;
-      int32_t n;
-      ~Unpin() { cache->release(layer, ids, n); }
-    } unpin{cache_, a.layer, wave_ids_.data(), n};
-    if (w1 < n_active) {
-      const int32_t next = cached_of(w1, std::min(n_active, w1 + wave), next_ids_.data(), nullptr);
-      cache_->prefetch(a.layer, next_ids_.data(), next, true);
-    } else if (w0 == 0 && n_speculated_ > 0) {
-      // One-wave call (decode): the next layer's predicted experts load
-      // while this one computes.
-      cache_->predict(a.layer + 1, speculated_.data(), n_speculated_);
-      cache_->prefetch(a.layer + 1, speculated_.data(), n_speculated_);
+    cached_index_[n_cached] = static_cast<int32_t>(i);
+    cached_ids_[n_cached++] = e;
+  }
+  // The call streams through the pool: up to a pool's worth of its experts
+  // pinned at once (reading or resident); each run of leading experts that
+  // has landed is computed, released, and its slots start the next ones'
+  // reads. So compute overlaps the reads that remain, and any budget of one
+  // expert and up serves any call. Passes go in ascending expert order, so
+  // the sums are those of one pass over all experts.
+  const size_t window = std::min(n_cached, static_cast<size_t>(cache_->slots()));
+  struct Pinned {  // [released, begun) of cached_ids_
+    ExpertCache* cache;
+    int32_t layer;
+    const int32_t* ids;
+    size_t released = 0;
+    size_t begun = 0;
+    ~Pinned() {
+      if (begun > released) cache->release(layer, ids + released, static_cast<int32_t>(begun - released));
     }
-    cache_->wait(a.layer, wave_ids_.data(), n, wave_bases_.data());
-    for (int32_t j = 0; j < n; ++j) expert_base_[static_cast<size_t>(wave_index_[static_cast<size_t>(j)])] = wave_bases_[static_cast<size_t>(j)];
-    run_experts(w0, w1, w0 == 0, w1 == n_active);
+  } pinned{cache_, a.layer, cached_ids_.data()};
+  cache_->begin(a.layer, cached_ids_.data(), static_cast<int32_t>(window));
+  pinned.begun = window;
+  if (window == n_cached && n_speculated_ > 0) {
+    // The whole call pinned (decode): the next layer's predicted experts
+    // load while this one computes.
+    cache_->predict(a.layer + 1, speculated_.data(), n_speculated_);
+    cache_->prefetch(a.layer + 1, speculated_.data(), n_speculated_);
+  }
+  size_t computed = 0;  // of active_experts_
+  while (computed < n_active) {
+    const size_t c0 = pinned.released;
+    size_t ready = 0;
+    if (c0 < n_cached) {
+      ready = static_cast<size_t>(cache_->wait_ready(a.layer, cached_ids_.data() + c0,
+                                                     static_cast<int32_t>(pinned.begun - c0), cached_bases_.data() + c0));
+      for (size_t j = c0; j < c0 + ready; ++j) expert_base_[static_cast<size_t>(cached_index_[j])] = cached_bases_[j];
+    }
+    const size_t end = c0 + ready < n_cached ? static_cast<size_t>(cached_index_[c0 + ready]) : n_active;
+    run_experts(computed, end, computed == 0, end == n_active);
+    computed = end;
+    if (ready == 0) continue;
+    cache_->release(a.layer, cached_ids_.data() + c0, static_cast<int32_t>(ready));
+    pinned.released += ready;
+    const size_t more = std::min(ready, n_cached - pinned.begun);
+    if (more > 0) {
+      cache_->begin(a.layer, cached_ids_.data() + pinned.begun, static_cast<int32_t>(more));
+      pinned.begun += more;
+    }
   }
 }
 
@@ -421,17 +435,17 @@ void Engine::run_locked(const InferArgs& a) {
   if (Fs > 0) max_tokens = std::max(max_tokens, a.n_tokens);
   const kernels::PrefillTiers& tiers = plans_[static_cast<size_t>(a.layer)].prefill;
   const bool coarse = tiers.count > 0 && max_tokens >= tiers.tier[0].min_tokens;
-  const int64_t active = static_cast<int64_t>(active_experts_.size());
 
   // Phase 1: (expert, block of d_ff rows), the shared expert's blocks first
-  // (it is the longest job when present).
-  const int64_t all_rows = active * F + Fs;
-  const int64_t jobs = active + (Fs > 0 ? 1 : 0);
-  int32_t f_rows = rows_per_item(all_rows, threads, std::max(F, Fs));
-  if (coarse) {
+  // (it is the longest job when present). Sized by the experts of each
+  // run_experts pass, so a pass of a few experts (a call streaming through
+  // the cache) still spreads over every thread.
+  const auto phase1_rows = [&](int64_t experts, int32_t f_shared) {
+    const int64_t jobs = experts + (f_shared > 0 ? 1 : 0);
+    if (!coarse) return rows_per_item(experts * F + f_shared, threads, std::max(F, f_shared));
     const int64_t splits = std::max<int64_t>(1, (8LL * threads + jobs - 1) / jobs);
-    f_rows = round_up(static_cast<int32_t>((std::max(F, Fs) + splits - 1) / splits), 16);
-  }
+    return round_up(static_cast<int32_t>((std::max(F, f_shared) + splits - 1) / splits), 16);
+  };
   const int32_t d_rows = coarse ? std::min(D, round_up((D + 2 * threads - 1) / (2 * threads), 16))
                                 : rows_per_item(D, threads, D);
   const bool several_blocks = d_rows < D;
@@ -442,6 +456,7 @@ void Engine::run_locked(const InferArgs& a) {
   // expert order, so the sums are the same as in one pass.
   const auto run_experts = [&](size_t i0, size_t i1, bool first, bool last) {
     const int32_t f_shared = first ? Fs : 0;
+    const int32_t f_rows = phase1_rows(static_cast<int64_t>(i1 - i0), f_shared);
     phase1_items_.clear();
     for (int32_t f = 0; f < f_shared; f += f_rows) phase1_items_.push_back({-1, f});
     for (size_t i = i0; i < i1; ++i) {

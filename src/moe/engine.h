@@ -103,7 +103,7 @@ class Engine {
   // With a cache: the next layer's router on this call's input, its
   // experts into speculated_ (prefetched by run_cached).
   void speculate_locked(int32_t layer, int32_t n_tokens, const float* input, int threads);
-  // The waves of a call whose experts come from the cache.
+  // A call whose experts come from the cache, streamed through its pool.
   template <class RunExperts>
   void run_cached(const InferArgs& a, const RunExperts& run_experts);
   void compute_shared_scale(const InferArgs& a);
@@ -155,13 +155,13 @@ class Engine {
   size_t shared_prepared_offset_ = kNotPrepared;
   AlignedVector<uint8_t> prepared_;
   AlignedVector<float> hidden_;          // [slots][ldh] silu(gate x) * up x; rows on cache lines
-  std::vector<const uint8_t*> expert_base_;  // [active index] packed expert of the wave running
-  // Under a budget (cache_): the wave's cached experts, their active
-  // indices and slots, the next wave's, and the router's guess for the next layer.
+  std::vector<const uint8_t*> expert_base_;  // [active index] packed expert
+  // Under a budget (cache_): the call's experts that the cache serves, their
+  // active indices and slots, and the router's guess for the next layer.
   ExpertCache* cache_ = nullptr;
   bool speculate_ = false;
-  std::vector<int32_t> wave_ids_, wave_index_, next_ids_;
-  std::vector<const uint8_t*> wave_bases_;
+  std::vector<int32_t> cached_ids_, cached_index_;
+  std::vector<const uint8_t*> cached_bases_;
   std::vector<int32_t> spec_ids_;
   std::vector<float> spec_weights_;
   std::vector<uint8_t> spec_mark_;

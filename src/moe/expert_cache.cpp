@@ -72,18 +72,16 @@ int32_t ExpertCache::take_slot_locked() {
   v.slot = -1;
   v.state = State::kAbsent;
   v.prefetched = false;
-  v.ahead = false;
   slot_key_[static_cast<size_t>(s)] = -1;
   ++stats_.evictions;
   return s;
 }
 
-void ExpertCache::start_read_locked(size_t k, int32_t slot, bool prefetch, bool ahead) {
+void ExpertCache::start_read_locked(size_t k, int32_t slot, bool prefetch) {
   Entry& e = entries_[k];
   e.slot = slot;
   e.state = State::kLoading;
   e.prefetched = prefetch;
-  e.ahead = ahead;
   slot_key_[static_cast<size_t>(slot)] = static_cast<int64_t>(k);
   jobs_.push_back({k, slot});
   if (prefetch) ++stats_.prefetch_reads;
@@ -98,10 +96,6 @@ void ExpertCache::begin(int32_t layer, const int32_t* experts, int32_t n) {
     const size_t k = key(layer, experts[i]);
     policy_.touch(k);
     Entry& e = entries_[k];
-    if (e.ahead) {  // the previous wave started its read: already a miss
-      e.ahead = false;
-      if (e.state == State::kResident || e.state == State::kLoading) continue;
-    }
     if (e.state == State::kResident || e.state == State::kLoading) {
       ++stats_.hits;
       if (e.prefetched) {
@@ -112,38 +106,40 @@ void ExpertCache::begin(int32_t layer, const int32_t* experts, int32_t n) {
     }
     ++stats_.misses;
     int32_t slot = take_slot_locked();
-    // Every slot loading or pinned: the wave fits (n <= slots), so a read
+    // Every slot loading or pinned: the pins fit (n <= slots), so a read
     // in flight (a prefetch's) frees one when it lands.
     while (slot < 0) {
       done_cv_.wait(lock);
       slot = take_slot_locked();
     }
-    start_read_locked(k, slot, false, false);
+    start_read_locked(k, slot, false);
   }
 }
 
-void ExpertCache::wait(int32_t layer, const int32_t* experts, int32_t n, const uint8_t** bases) {
+int32_t ExpertCache::wait_ready(int32_t layer, const int32_t* experts, int32_t n, const uint8_t** bases) {
   std::unique_lock<std::mutex> lock(mutex_);
-  const auto t0 = std::chrono::steady_clock::now();
-  bool waited = false;
-  for (int32_t i = 0; i < n; ++i) {
-    const size_t k = key(layer, experts[i]);
-    Entry& e = entries_[k];
-    while (e.state == State::kLoading) {
-      waited = true;
-      done_cv_.wait(lock);
-    }
-    if (e.state != State::kResident) {
-      // A failed read (kFailed), or gone in between (kAbsent cannot happen
-      // while pinned). The next call that needs it reads it again.
-      const std::string message = errors_[k];
-      e.state = State::kAbsent;
-      if (waited) stats_.wait_seconds += seconds_since(t0);
-      fail(failed_status_[k], message);
-    }
-    bases[i] = slot_data(e.slot);
+  Entry& first = entries_[key(layer, experts[0])];
+  if (first.state == State::kLoading) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (first.state == State::kLoading) done_cv_.wait(lock);
+    stats_.wait_seconds += seconds_since(t0);
   }
-  if (waited) stats_.wait_seconds += seconds_since(t0);
+  int32_t ready = 0;
+  for (; ready < n; ++ready) {
+    const size_t k = key(layer, experts[ready]);
+    Entry& e = entries_[k];
+    if (e.state == State::kResident) {
+      bases[ready] = slot_data(e.slot);
+      continue;
+    }
+    if (e.state == State::kLoading || ready > 0) break;  // a later wait_ready reports a failure
+    // A failed read (kFailed), or gone in between (kAbsent cannot happen
+    // while pinned). The next call that needs it reads it again.
+    const std::string message = errors_[k];
+    e.state = State::kAbsent;
+    fail(failed_status_[k], message);
+  }
+  return ready;
 }
 
 void ExpertCache::release(int32_t layer, const int32_t* experts, int32_t n) {
@@ -157,7 +153,7 @@ void ExpertCache::release(int32_t layer, const int32_t* experts, int32_t n) {
   done_cv_.notify_all();
 }
 
-int32_t ExpertCache::prefetch(int32_t layer, const int32_t* experts, int32_t n, bool ahead) {
+int32_t ExpertCache::prefetch(int32_t layer, const int32_t* experts, int32_t n) {
   std::lock_guard<std::mutex> lock(mutex_);
   int32_t started = 0;
   for (int32_t i = 0; i < n; ++i) {
@@ -166,8 +162,7 @@ int32_t ExpertCache::prefetch(int32_t layer, const int32_t* experts, int32_t n, 
     if (e.state == State::kResident || e.state == State::kLoading) continue;
     const int32_t slot = take_slot_locked();
     if (slot < 0) break;
-    if (ahead) ++stats_.misses;
-    start_read_locked(k, slot, !ahead, ahead);
+    start_read_locked(k, slot, true);
     ++started;
   }
   return started;
@@ -307,7 +302,6 @@ void ExpertCache::reader_main(int /*index*/) {
     } else {
       e.state = State::kFailed;
       e.prefetched = false;
-      e.ahead = false;
       errors_[job.key] = error;
       failed_status_[job.key] = status;
       slot_key_[static_cast<size_t>(job.slot)] = -1;

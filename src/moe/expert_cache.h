@@ -2,8 +2,9 @@
 // (OpenOptions::max_resident_bytes): a fixed pool of expert slots in one
 // huge-page, locked region, filled on demand from the model's files by a
 // pool of reader threads (io/expert_reader.h) and emptied by an eviction
-// policy (moe/cache_policy.h). The engine pins the experts of each wave of
-// a call (begin + wait ... release); colibri_prefetch and the engine's
+// policy (moe/cache_policy.h). The engine pins the experts of a call as
+// slots allow (begin), computes each run that has landed (wait_ready) and
+// releases it for the next experts' reads; colibri_prefetch and the engine's
 // router speculation start reads that nobody waits for.
 //
 // Thread safety: every method may be called from any thread; one mutex
@@ -88,18 +89,18 @@ class ExpertCache {
   // Pins experts[0..n) of `layer` (at most slots(), distinct) and starts
   // reads of those not resident; counts one lookup each for the policy.
   void begin(int32_t layer, const int32_t* experts, int32_t n);
-  // Waits until all of them are resident; bases[i] = packed expert i. On a
-  // failed read throws that read's Error; the experts stay pinned either
-  // way (release them).
-  void wait(int32_t layer, const int32_t* experts, int32_t n, const uint8_t** bases);
+  // Waits until experts[0] (pinned by begin) is resident, then returns how
+  // many leading experts are (>= 1), bases[i] = packed expert i. A call
+  // computes those while the rest load. On a failed read of experts[0]
+  // throws that read's Error; the experts stay pinned either way (release
+  // them).
+  int32_t wait_ready(int32_t layer, const int32_t* experts, int32_t n, const uint8_t** bases);
   void release(int32_t layer, const int32_t* experts, int32_t n);
 
   // Starts reads of experts not resident, evicting only unpinned experts;
   // never waits, never fails (a failed prefetch is retried by the call
   // that needs it). Returns the reads started.
-  // `ahead`: the engine reading a call's next wave early; those reads
-  // count as that call's misses, not as prefetches.
-  int32_t prefetch(int32_t layer, const int32_t* experts, int32_t n, bool ahead = false);
+  int32_t prefetch(int32_t layer, const int32_t* experts, int32_t n);
 
   // Router speculation bookkeeping: `experts` are what layer `layer` is
   // predicted to use next; score_prediction compares a call's actual set.
@@ -118,7 +119,6 @@ class ExpertCache {
     int32_t slot = -1;
     State state = State::kAbsent;
     bool prefetched = false;  // read by a prefetch, not used yet
-    bool ahead = false;       // read for a call's next wave (counted as a miss)
     bool seen = false;        // first_checksum is set
     uint32_t pins = 0;
     uint64_t first_checksum = 0;
@@ -134,7 +134,7 @@ class ExpertCache {
   uint8_t* slot_data(int32_t slot) const { return region_.data() + static_cast<size_t>(slot) * options_.slot_bytes; }
   // A free slot or an evicted one; -1 when every slot is pinned or loading.
   int32_t take_slot_locked();
-  void start_read_locked(size_t key, int32_t slot, bool prefetch, bool ahead);
+  void start_read_locked(size_t key, int32_t slot, bool prefetch);
   void reader_main(int index);
   // Reads, checks and packs one expert into its slot (no lock held).
   void fill(ExpertReader& reader, const Job& job, double* checksum_seconds);
