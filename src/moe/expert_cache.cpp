@@ -83,14 +83,21 @@ void ExpertCache::start_read_locked(size_t k, int32_t slot, bool prefetch) {
   e.state = State::kLoading;
   e.prefetched = prefetch;
   slot_key_[static_cast<size_t>(slot)] = static_cast<int64_t>(k);
-  jobs_.push_back({k, slot});
+  (prefetch ? prefetch_jobs_ : demand_jobs_).push_back({k, slot});
   if (prefetch) ++stats_.prefetch_reads;
   work_cv_.notify_one();
 }
 
+void ExpertCache::promote_locked(size_t k) {
+  const auto it = std::find_if(prefetch_jobs_.begin(), prefetch_jobs_.end(), [k](const Job& j) { return j.key == k; });
+  if (it == prefetch_jobs_.end()) return;  // a reader has it already
+  demand_jobs_.push_back(*it);
+  prefetch_jobs_.erase(it);
+}
+
 void ExpertCache::begin(int32_t layer, const int32_t* experts, int32_t n) {
   std::unique_lock<std::mutex> lock(mutex_);
-  // Pin first: none of this wave can be chosen as another's victim.
+  // Pin first: none of these can be chosen as another's victim.
   for (int32_t i = 0; i < n; ++i) ++entries_[key(layer, experts[i])].pins;
   for (int32_t i = 0; i < n; ++i) {
     const size_t k = key(layer, experts[i]);
@@ -98,6 +105,7 @@ void ExpertCache::begin(int32_t layer, const int32_t* experts, int32_t n) {
     Entry& e = entries_[k];
     if (e.state == State::kResident || e.state == State::kLoading) {
       ++stats_.hits;
+      if (e.state == State::kLoading && e.prefetched) promote_locked(k);
       if (e.prefetched) {
         ++stats_.prefetch_used;
         e.prefetched = false;
@@ -273,10 +281,11 @@ void ExpertCache::reader_main(int /*index*/) {
   ExpertReader& reader = *made;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    work_cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+    work_cv_.wait(lock, [this] { return stopping_ || !demand_jobs_.empty() || !prefetch_jobs_.empty(); });
     if (stopping_) return;
-    const Job job = jobs_.front();
-    jobs_.pop_front();
+    std::deque<Job>& queue = demand_jobs_.empty() ? prefetch_jobs_ : demand_jobs_;
+    const Job job = queue.front();
+    queue.pop_front();
     lock.unlock();
     const auto t0 = std::chrono::steady_clock::now();
     std::string error;

@@ -135,6 +135,8 @@ class ExpertCache {
   // A free slot or an evicted one; -1 when every slot is pinned or loading.
   int32_t take_slot_locked();
   void start_read_locked(size_t key, int32_t slot, bool prefetch);
+  // A queued prefetch of `key` that a call now waits for joins the call's reads.
+  void promote_locked(size_t key);
   void reader_main(int index);
   // Reads, checks and packs one expert into its slot (no lock held).
   void fill(ExpertReader& reader, const Job& job, double* checksum_seconds);
@@ -150,7 +152,10 @@ class ExpertCache {
   std::vector<uint8_t> predicted_;     // [key] speculation's last guess
   std::vector<uint8_t> has_prediction_;  // [layer]
   CachePolicy policy_;
-  std::deque<Job> jobs_;
+  // Reads a call waits for go before prefetches, which a wrong guess or a
+  // caller's large colibri_prefetch could otherwise queue ahead of them.
+  std::deque<Job> demand_jobs_;
+  std::deque<Job> prefetch_jobs_;
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;  // readers wait for jobs
   std::condition_variable done_cv_;  // calls wait for reads, take_slot for evictable slots
