@@ -10,7 +10,7 @@ opened cold under --max-resident, every expert of layer 1 prefetched, then
 one token timed on layer 0 with --top-k experts none of which is queued.
 Compare libraries built before and after a change with COLIBRI_LIBRARY.
 
-  COLIBRI_LIBRARY=build/libcolibri.so PYTHONPATH=python \\
+  COLIBRI_LIBRARY=build/libcolibri.so \\
     .venv/bin/python bench/prefetch_queue.py --model build/bench-work/cache-l8-e64-d2048-f1024-bf16
 """
 import argparse
@@ -22,13 +22,9 @@ import time
 
 import numpy as np
 
-import colibri
+from cache_bench import cpu_model, drop_page_cache  # also puts python/ on sys.path
 
-
-def drop_page_cache():
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+import colibri  # noqa: E402
 
 
 def main():
@@ -39,11 +35,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("prefetch_queue.py: dropping the page cache needs root")
     times = []
     for r in range(args.rounds):
-        drop_page_cache()
+        if not drop_page_cache():
+            sys.exit("prefetch_queue.py: dropping the page cache needs root")
         m = colibri.Model(args.model, threads=args.threads, verify=False, max_resident=args.max_resident)
         info = m.info
         if info.n_layers < 2 or info.n_experts < args.top_k:
@@ -60,7 +55,7 @@ def main():
         print("round %d: %d prefetches queued, call %.0f ms (%d reads done by then)"
               % (r, queued, times[-1], s.expert_reads), file=sys.stderr)
         del m
-    print(json.dumps({"library": os.environ.get("COLIBRI_LIBRARY", ""), "model": args.model,
+    print(json.dumps({"cpu": cpu_model(), "library": os.environ.get("COLIBRI_LIBRARY", ""), "model": args.model,
                       "max_resident": args.max_resident, "top_k": args.top_k,
                       "call_ms": times, "median_ms": statistics.median(times)}))
 

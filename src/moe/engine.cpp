@@ -451,8 +451,8 @@ void Engine::run_locked(const InferArgs& a) {
   const bool several_blocks = d_rows < D;
 
   // Experts [i0, i1) of active_experts_, their packed bytes in
-  // expert_base_[i]. The first wave also zeroes the output and runs the
-  // shared expert's phase 1, the last its phase 2; waves go in ascending
+  // expert_base_[i]. The first pass also zeroes the output and runs the
+  // shared expert's phase 1, the last its phase 2; passes go in ascending
   // expert order, so the sums are the same as in one pass.
   const auto run_experts = [&](size_t i0, size_t i1, bool first, bool last) {
     const int32_t f_shared = first ? Fs : 0;
