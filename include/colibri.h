@@ -489,6 +489,49 @@ COLIBRI_API int32_t colibri_model_first_block(const colibri_model_t* model);
  * sizes, independent of open. Thread-safe (reads files only). */
 COLIBRI_API colibri_status_t colibri_verify_dir(const char* path);
 
+/* --------------------------------------------------------- linear layers */
+
+/* A dense linear layer y = x W^T (+ b), W stored in any colibri_dtype_t
+ * (GGUF's block formats as the file holds them, or f32/f16/bf16), computed
+ * by the experts' kernels with their precision contract (docs/PRECISION.md):
+ * int8 activations against block formats by default, fp32 activations
+ * against the dequantised weights with `exact`. The attention projections,
+ * dense MLPs and LM head of a whole model. Layers and models asking for the
+ * same thread count share one pool of threads in the process. */
+typedef struct colibri_linear colibri_linear_t;
+
+typedef struct colibri_linear_desc_s {
+  colibri_dtype_t dtype;
+  int32_t out_features; /* rows of W */
+  int32_t in_features;  /* elements per row; a multiple of the block for block formats */
+  const void* weight;   /* out_features rows of colibri_dtype_row_bytes(dtype, in_features)
+                           bytes, as GGUF or nn.Linear.weight stores them; copied */
+  size_t weight_size;   /* bytes at weight (checked) */
+  const float* bias;    /* [out_features], or NULL; copied */
+  int32_t n_threads;    /* 0 = one per online core */
+  int32_t exact;        /* 1 = fp32 activations against the dequantised weights */
+  int32_t huge_pages;   /* 1 = huge pages for matrices of 4 MiB and more */
+  int32_t lock_memory;  /* 1 = mlock the packed rows (best effort; see colibri_last_warning) */
+  const char* name;     /* used in messages (e.g. the GGUF tensor name); NULL = "linear" */
+} colibri_linear_desc_t;
+
+/* Defaults: dtype F32, sizes 0, pointers NULL, n_threads 0, exact 0,
+ * huge_pages 1, lock_memory 0. */
+COLIBRI_API void colibri_linear_desc_default(colibri_linear_desc_t* desc);
+/* Copies and packs the rows. On failure *out is NULL and the message names
+ * desc->name. Thread-safe. */
+COLIBRI_API colibri_status_t colibri_linear_create(const colibri_linear_desc_t* desc, colibri_linear_t** out);
+/* y[T][out_features] = x[T][in_features] W^T + b, float32 row-major; y is
+ * overwritten and must not overlap x. Calls on one layer are serialised. */
+COLIBRI_API colibri_status_t colibri_linear_forward(colibri_linear_t* linear, int32_t n_tokens, const float* x,
+                                                    float* y);
+/* Which kernels run it, e.g. "decode int8-avx512, prefill amx-bf16-dequant
+ * from 10 tokens"; "" for NULL. Valid until colibri_linear_free. */
+COLIBRI_API const char* colibri_linear_kernels(const colibri_linear_t* linear);
+/* Bytes of packed weights it holds; 0 for NULL. */
+COLIBRI_API uint64_t colibri_linear_bytes(const colibri_linear_t* linear);
+COLIBRI_API void colibri_linear_free(colibri_linear_t* linear);
+
 /* --------------------------------------------------------------- routing */
 
 typedef enum colibri_route_weight_encoding {

@@ -14,6 +14,7 @@
 #include "io/mapped_file.h"
 #include "io/verify.h"
 #include "kernels/kernels.h"
+#include "moe/linear.h"
 #include "moe/model.h"
 #include "moe/routing.h"
 #include "runtime/memory.h"
@@ -26,6 +27,10 @@ struct colibri_model {
       : impl(dir, colibri::api::open_options(o), warnings) {}
   colibri_model(const colibri::api::MemoryModel& memory, const colibri_open_options_t& o, std::string* warnings)
       : impl(memory.manifest, memory.layers, colibri::api::open_options(o), warnings) {}
+};
+
+struct colibri_linear {
+  colibri::Linear impl;
 };
 
 struct colibri_routing {
@@ -704,5 +709,68 @@ const float* colibri_routing_expert_weights(const colibri_routing_t* r) {
   return r ? r->impl.weights.data() : nullptr;
 }
 void colibri_routing_free(colibri_routing_t* r) { delete r; }
+
+void colibri_linear_desc_default(colibri_linear_desc_t* desc) {
+  if (desc == nullptr) return;
+  *desc = colibri_linear_desc_t{};
+  desc->dtype = COLIBRI_DTYPE_F32;
+  desc->huge_pages = 1;
+}
+
+colibri_status_t colibri_linear_create(const colibri_linear_desc_t* desc, colibri_linear_t** out) {
+  if (out == nullptr) return null_argument("colibri_linear_create", "out");
+  *out = nullptr;
+  if (desc == nullptr) return null_argument("colibri_linear_create", "desc");
+  t_last_warning.clear();
+  return guarded("colibri_linear_create", [&] {
+    const std::string name = desc->name != nullptr ? desc->name : "linear";
+    if (!known_dtype(colibri::raw_enum(desc->dtype))) {
+      colibri::fail(colibri::Status::kInvalidArgument,
+                    name + ": unknown dtype " + std::to_string(colibri::raw_enum(desc->dtype)));
+    }
+    colibri::LinearOptions o;
+    o.threads = desc->n_threads;
+    o.exact = desc->exact != 0;
+    o.huge_pages = desc->huge_pages != 0;
+    o.lock_memory = desc->lock_memory != 0;
+    std::string warnings;
+    *out = new colibri_linear{colibri::Linear(to_weight_type(desc->dtype), desc->out_features, desc->in_features,
+                                              desc->weight, desc->weight_size, desc->bias, o, name, &warnings)};
+    if (!warnings.empty()) t_last_warning.set(warnings);
+    return COLIBRI_OK;
+  });
+}
+
+colibri_status_t colibri_linear_forward(colibri_linear_t* linear, int32_t n_tokens, const float* x, float* y) {
+  if (linear == nullptr) return null_argument("colibri_linear_forward", "linear");
+  if (n_tokens < 0) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {"colibri_linear_forward: n_tokens is negative"});
+  }
+  if (n_tokens == 0) return COLIBRI_OK;
+  if (x == nullptr) return null_argument("colibri_linear_forward", "x");
+  if (y == nullptr) return null_argument("colibri_linear_forward", "y");
+  colibri::Linear& l = linear->impl;
+  const size_t T = static_cast<size_t>(n_tokens);
+  const auto xb = reinterpret_cast<uintptr_t>(x);
+  const auto yb = reinterpret_cast<uintptr_t>(y);
+  if (xb < yb + T * static_cast<size_t>(l.out_features()) * sizeof(float) &&
+      yb < xb + T * static_cast<size_t>(l.in_features()) * sizeof(float)) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {"colibri_linear_forward: y overlaps x"});
+  }
+  return guarded("colibri_linear_forward", [&] {
+    l.forward(n_tokens, x, static_cast<size_t>(l.in_features()), y, static_cast<size_t>(l.out_features()));
+    return COLIBRI_OK;
+  });
+}
+
+const char* colibri_linear_kernels(const colibri_linear_t* linear) {
+  return linear != nullptr ? linear->impl.kernels_description().c_str() : "";
+}
+
+uint64_t colibri_linear_bytes(const colibri_linear_t* linear) {
+  return linear != nullptr ? linear->impl.weight_bytes() : 0;
+}
+
+void colibri_linear_free(colibri_linear_t* linear) { delete linear; }
 
 }  // extern "C"

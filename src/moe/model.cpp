@@ -15,11 +15,6 @@ namespace colibri {
 
 namespace {
 
-int online_cores() {
-  const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? static_cast<int>(n) : 1;
-}
-
 void check_threads(const OpenOptions& o) {
   if (o.threads < 0) {
     fail(Status::kInvalidArgument,
@@ -266,7 +261,7 @@ void Model::start(const OpenOptions& o) {
   const int cores = online_cores();
   int threads = o.threads == 0 ? cores : o.threads;
   if (threads > cores) threads = cores;
-  pool_ = std::make_unique<ThreadPool>(threads, o.pin_threads);
+  pool_ = shared_thread_pool(threads, o.pin_threads);
   if (o.bf16_compute && o.exact_prefill) {
     fail(Status::kInvalidArgument,
          "options.bf16_compute and options.exact_prefill are both set; they ask for opposite precisions");

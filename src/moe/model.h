@@ -92,7 +92,7 @@ class Model {
   std::unique_ptr<ExpertCache> cache_;  // destroyed before the store (its readers stop first)
   uint64_t experts_bytes_ = 0;
   size_t slot_bytes_ = 0;
-  std::unique_ptr<ThreadPool> pool_;
+  std::shared_ptr<ThreadPool> pool_;  // shared_thread_pool: one per thread count in the process
   std::unique_ptr<Engine> engine_;
   double load_seconds_ = 0.0;
   std::string kernels_description_;

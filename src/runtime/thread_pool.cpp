@@ -1,7 +1,11 @@
 #include "runtime/thread_pool.h"
 
+#include <map>
+#include <utility>
+
 #include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -116,6 +120,25 @@ void ThreadPool::run(int64_t n_items, int threads, ItemFn fn, void* context) {
     pending_workers_.wait(pending, std::memory_order_acquire);
     pending = pending_workers_.load(std::memory_order_acquire);
   }
+}
+
+int online_cores() {
+  const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+std::shared_ptr<ThreadPool> shared_thread_pool(int threads, bool pin) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, bool>, std::weak_ptr<ThreadPool>> pools;
+  if (threads < 1) threads = 1;
+  const std::lock_guard<std::mutex> lock(mutex);
+  std::weak_ptr<ThreadPool>& slot = pools[{threads, pin}];
+  std::shared_ptr<ThreadPool> pool = slot.lock();
+  if (pool == nullptr) {
+    pool = std::make_shared<ThreadPool>(threads, pin);
+    slot = pool;
+  }
+  return pool;
 }
 
 }  // namespace colibri

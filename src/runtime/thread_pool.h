@@ -1,4 +1,4 @@
-// Persistent worker pool, created once per model.
+// Persistent worker pool, one per thread count in a process (shared_thread_pool).
 //
 // One flat parallel-for: items are claimed from a shared atomic counter, so
 // a thread that finishes early takes more work instead of idling. The caller
@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -62,5 +63,15 @@ class ThreadPool {
   alignas(64) std::atomic<int> pending_workers_{0};
   alignas(64) std::atomic<bool> stop_{false};
 };
+
+// The process's pool of `threads` threads (pinned or not): every model and
+// linear layer asking for the same count shares one, created on first use
+// and destroyed with its last user. Jobs from different owners are
+// serialised by run(), so sharing never oversubscribes the cores, and
+// workers spinning for one model's next call serve the next linear layer's.
+std::shared_ptr<ThreadPool> shared_thread_pool(int threads, bool pin);
+
+// Online cores (sysconf), at least 1.
+int online_cores();
 
 }  // namespace colibri

@@ -1,0 +1,156 @@
+#include "moe/linear.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "util/error.h"
+
+namespace colibri {
+
+namespace {
+
+// Output rows per work item: about 8 items per thread so a thread that
+// finishes early takes more, in whole groups of 16 rows (the kernels'
+// micro-tiles), 16 to 512.
+int32_t linear_rows_per_item(int32_t rows, int threads) {
+  const int64_t want_items = 8LL * threads;
+  int64_t r = (rows + want_items - 1) / want_items;
+  r = std::clamp<int64_t>(r, 16, 512);
+  r = (r + 15) / 16 * 16;
+  return static_cast<int32_t>(std::min<int64_t>(r, rows));
+}
+
+// Below this many multiply-adds a call runs on the caller alone: waking the
+// workers costs more than they save.
+constexpr double kParallelMinMacs = 65536.0;
+
+std::string describe(const kernels::KernelPlan& p) {
+  std::string d = std::string("decode ") + p.decode->name;
+  for (int i = 0; i < p.prefill.count; ++i) {
+    d += std::string(i == 0 ? ", prefill " : ", ") + p.prefill.tier[i].table->name + " from " +
+         std::to_string(p.prefill.tier[i].min_tokens) + " tokens";
+  }
+  return d;
+}
+
+}  // namespace
+
+Linear::Linear(WeightType type, int32_t out_features, int32_t in_features, const void* rows, size_t size,
+               const float* bias, const LinearOptions& options, const std::string& name, std::string* warnings) {
+  if (static_cast<int>(type) >= kWeightTypeCount) {
+    fail(Status::kInvalidArgument, name + ": unknown weight type " + std::to_string(static_cast<int>(type)));
+  }
+  constexpr int32_t kMaxFeatures = int32_t{1} << 26;
+  if (out_features < 1 || in_features < 1 || out_features > kMaxFeatures || in_features > kMaxFeatures) {
+    fail(Status::kInvalidArgument, name + ": out_features and in_features must be 1.." +
+                                       std::to_string(kMaxFeatures) + ", got " + std::to_string(out_features) +
+                                       " x " + std::to_string(in_features));
+  }
+  const WeightFormat& format = weight_format(type);
+  if (format.quantized && in_features % static_cast<int32_t>(format.block_elements) != 0) {
+    fail(Status::kInvalidArgument, name + ": in_features " + std::to_string(in_features) + " is not a multiple of " +
+                                       format.name + "'s block of " + std::to_string(format.block_elements));
+  }
+  if (rows == nullptr) fail(Status::kInvalidArgument, name + ": the weight rows are NULL");
+  if (options.threads < 0) {
+    fail(Status::kInvalidArgument, name + ": threads must be >= 0 (0 = one per core), got " +
+                                       std::to_string(options.threads));
+  }
+  const size_t src_row = weight_row_bytes(type, static_cast<size_t>(in_features));
+  const size_t expected = src_row * static_cast<size_t>(out_features);
+  if (size != expected) {
+    fail(Status::kFormat, name + ": " + std::to_string(size) + " bytes of weights, a " + format.name + " matrix of " +
+                              std::to_string(out_features) + " x " + std::to_string(in_features) + " takes " +
+                              std::to_string(expected));
+  }
+
+  // W is the down block of an expert of d_model = out, d_ff = in.
+  shape_ = kernels::make_expert_shape(out_features, in_features, type, type);
+  const size_t packed_row = weight_row_bytes(type, shape_.down_stride);
+  weight_bytes_ = packed_row * static_cast<size_t>(out_features);
+  // Huge pages only where the matrix fills some: each region is rounded to
+  // whole 2 MiB pages, which small projections would mostly waste.
+  weights_ = WeightRegion(weight_bytes_, options.huge_pages && weight_bytes_ >= (size_t{4} << 20));
+  const auto* src = static_cast<const uint8_t*>(rows);
+  for (size_t r = 0; r < static_cast<size_t>(out_features); ++r) {
+    std::memcpy(weights_.data() + r * packed_row, src + r * src_row, src_row);
+  }
+  if (options.lock_memory) {
+    std::string why;
+    if (!weights_.lock(&why) && warnings != nullptr) *warnings = why;
+  }
+  if (bias != nullptr) bias_.assign(bias, bias + out_features);
+
+  kernels::Isa isa = kernels::default_isa();
+  if (options.isa >= 0) isa = std::min(isa, static_cast<kernels::Isa>(options.isa));
+  plan_ = kernels::plan_kernels(isa, shape_,
+                                options.exact ? kernels::PrefillPrecision::kExact : kernels::PrefillPrecision::kDefault);
+  kernels_ = describe(plan_);
+
+  const int cores = online_cores();
+  int threads = options.threads == 0 ? cores : std::min(options.threads, cores);
+  pool_ = shared_thread_pool(threads, false);
+  scratch_ = std::make_unique<kernels::KernelScratch[]>(static_cast<size_t>(pool_->size()));
+}
+
+void Linear::forward(int32_t n_tokens, const float* x, size_t ldx, float* y, size_t ldy) {
+  if (n_tokens <= 0) return;
+  const std::lock_guard<std::mutex> lock(mutex_);
+  const size_t T = static_cast<size_t>(n_tokens);
+  if (identity_.size() < T) {
+    const size_t old = identity_.size();
+    identity_.resize(T);
+    for (size_t t = old; t < T; ++t) identity_[t] = static_cast<int32_t>(t);
+    ones_.assign(T, 1.0f);
+  }
+  const int32_t D = shape_.d_model;
+  const kernels::KernelTable& table = plan_.pick(n_tokens);
+  int threads = pool_->size();
+  if (static_cast<double>(n_tokens) * D * shape_.d_ff < kParallelMinMacs) threads = 1;
+
+  // Tables that convert activations into a layout of their own (int8
+  // blocks, bf16 tiles) do it once here, not once per block of rows.
+  const size_t prepared = table.prepared_bytes != nullptr ? table.prepared_bytes(shape_, kernels::Phase::kDown, n_tokens) : 0;
+  if (prepared > 0) {
+    if (prepared_.size() < prepared) prepared_.resize(prepared);
+    const size_t per_token = table.prepared_bytes(shape_, kernels::Phase::kDown, 1);
+    if (per_token * T == prepared && threads > 1 && T > 1) {
+      // Token rows are independent in this layout: convert them in parallel.
+      const int64_t chunks = std::min<int64_t>(n_tokens, 4LL * threads);
+      const int64_t per = (n_tokens + chunks - 1) / chunks;
+      pool_->parallel_for(chunks, threads, [&](int64_t c, int /*thread*/) {
+        const int64_t t0 = c * per;
+        const int64_t tn = std::min<int64_t>(per, n_tokens - t0);
+        if (tn <= 0) return;
+        table.prepare(shape_, kernels::Phase::kDown, x + static_cast<size_t>(t0) * ldx, ldx, nullptr,
+                      static_cast<int32_t>(tn), prepared_.data() + static_cast<size_t>(t0) * per_token);
+      });
+    } else {
+      table.prepare(shape_, kernels::Phase::kDown, x, ldx, nullptr, n_tokens, prepared_.data());
+    }
+  }
+
+  const int32_t rows = linear_rows_per_item(D, threads);
+  const float* bias = bias_.empty() ? nullptr : bias_.data();
+  pool_->parallel_for((D + rows - 1) / rows, threads, [&](int64_t item, int thread) {
+    const int32_t d0 = static_cast<int32_t>(item) * rows;
+    const int32_t d1 = std::min(D, d0 + rows);
+    for (size_t t = 0; t < T; ++t) {
+      float* yt = y + t * ldy;
+      if (bias != nullptr) {
+        std::copy(bias + d0, bias + d1, yt + d0);
+      } else {
+        std::fill(yt + d0, yt + d1, 0.0f);
+      }
+    }
+    kernels::KernelScratch* scratch = &scratch_[static_cast<size_t>(thread)];
+    if (prepared > 0) {
+      table.down_prepared(shape_, weights_.data(), x, ldx, prepared_.data(), identity_.data(), ones_.data(), n_tokens,
+                          d0, d1, y, ldy, scratch);
+    } else {
+      table.down(shape_, weights_.data(), x, ldx, identity_.data(), ones_.data(), n_tokens, d0, d1, y, ldy, scratch);
+    }
+  });
+}
+
+}  // namespace colibri

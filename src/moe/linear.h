@@ -1,0 +1,73 @@
+// A dense linear layer, y = x W^T (+ b), with W in any format the experts
+// use (the float types and GGUF's block formats), through the same kernel
+// registry: W is the "down" block of an expert with d_model = out_features
+// rows and d_ff = in_features, so decode runs the int8 (or exact-dequant)
+// tables and many-token calls the prefill tiers plan_kernels picks for that
+// shape. The attention projections, dense MLPs, shared experts and LM head
+// of a whole model (python/colibri/model_loader.py) are these.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "runtime/memory.h"
+#include "runtime/thread_pool.h"
+#include "util/aligned_vector.h"
+#include "util/weight_format.h"
+
+namespace colibri {
+
+struct LinearOptions {
+  int32_t threads = 0;  // 0: one per online core; the pool is the process's shared one for that count
+  bool exact = false;   // fp32 activations against the dequantised weights (exact_prefill's contract)
+  bool huge_pages = true;
+  bool lock_memory = false;
+  // Kernels at this level or the highest supported below it; -1: the
+  // process default (COLIBRI_ISA). Tests force each level through it.
+  int isa = -1;
+};
+
+class Linear {
+ public:
+  // `rows` holds out_features rows of in_features elements as the format
+  // stores them (weight_row_bytes(type, in_features) bytes each, `size`
+  // bytes in all; checked); `bias` is out_features floats or null. Both
+  // are copied. `name` appears in errors. Throws colibri::Error.
+  Linear(WeightType type, int32_t out_features, int32_t in_features, const void* rows, size_t size,
+         const float* bias, const LinearOptions& options, const std::string& name, std::string* warnings);
+
+  // y[t][o] = sum_i x[t][i] W[o][i] + b[o] for t < n_tokens; x rows ldx
+  // floats apart (>= in_features), y rows ldy apart (>= out_features), y
+  // overwritten. Calls on one layer are serialised; different layers run
+  // one after another on their shared pool.
+  void forward(int32_t n_tokens, const float* x, size_t ldx, float* y, size_t ldy);
+
+  int32_t out_features() const { return shape_.d_model; }
+  int32_t in_features() const { return shape_.d_ff; }
+  WeightType type() const { return shape_.down_type; }
+  size_t weight_bytes() const { return weight_bytes_; }
+  int threads() const { return pool_->size(); }
+  // "decode int8-avx512, prefill amx-bf16-dequant from 10 tokens".
+  const std::string& kernels_description() const { return kernels_; }
+
+ private:
+  kernels::ExpertShape shape_;
+  WeightRegion weights_;
+  size_t weight_bytes_ = 0;
+  std::vector<float> bias_;
+  kernels::KernelPlan plan_;
+  std::string kernels_;
+  std::shared_ptr<ThreadPool> pool_;
+  std::unique_ptr<kernels::KernelScratch[]> scratch_;  // one per pool thread
+  std::mutex mutex_;  // guards the scratch below and scratch_
+  AlignedVector<uint8_t> prepared_;
+  std::vector<int32_t> identity_;
+  std::vector<float> ones_;
+};
+
+}  // namespace colibri

@@ -1,0 +1,194 @@
+// Linear layers (y = x W^T + b, moe/linear.h and the C ABI's colibri_linear_*)
+// against float64 on the weights as stored (dequantised by the format's
+// reference), for every weight format, every instruction-set level this CPU
+// has, token counts that reach every prefill tier, row counts off the
+// kernels' micro-tiles, with and without bias, outputs poisoned with NaN.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "colibri.h"
+#include "kernels/kernels.h"
+#include "moe/linear.h"
+#include "util/error.h"
+#include "util/weight_format.h"
+
+namespace {
+
+using colibri::WeightType;
+namespace kernels = colibri::kernels;
+
+struct Matrix {
+  std::vector<uint8_t> stored;  // rows as the format stores them
+  std::vector<float> values;    // what they dequantise to
+};
+
+Matrix random_matrix(WeightType t, int32_t rows, int32_t cols, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 0.05f);
+  std::vector<float> w(static_cast<size_t>(rows) * static_cast<size_t>(cols));
+  for (float& v : w) v = normal(rng);
+  Matrix m;
+  m.stored.resize(colibri::weight_row_bytes(t, static_cast<size_t>(cols)) * static_cast<size_t>(rows));
+  colibri::convert_rows_from_float(t, w.data(), static_cast<size_t>(rows), static_cast<size_t>(cols), m.stored.data());
+  m.values.resize(w.size());
+  colibri::convert_rows_to_float(t, m.stored.data(), static_cast<size_t>(rows), static_cast<size_t>(cols),
+                                 m.values.data());
+  return m;
+}
+
+double relative_l2(const std::vector<float>& got, const std::vector<double>& ref) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// The contract of docs/PRECISION.md for the table that runs.
+double tolerance(WeightType t, bool exact) {
+  if (colibri::weight_format(t).quantized) return exact ? 1e-5 : 2e-2;
+  return t == WeightType::kF32 ? 1e-5 : 5e-3;
+}
+
+std::vector<kernels::Isa> levels() {
+  std::vector<kernels::Isa> out;
+  for (kernels::Isa isa : {kernels::Isa::kScalar, kernels::Isa::kAvx2, kernels::Isa::kAvx512, kernels::Isa::kAmx}) {
+    if (kernels::isa_supported(isa)) out.push_back(isa);
+  }
+  return out;
+}
+
+constexpr WeightType kTypes[] = {WeightType::kF32,  WeightType::kF16,  WeightType::kBF16,
+                                 WeightType::kQ8_0, WeightType::kQ4_0, WeightType::kQ4_K,
+                                 WeightType::kQ5_K, WeightType::kQ6_K, WeightType::kMXFP4};
+
+TEST(Linear, EveryFormatLevelAndTokenCountAgainstFloat64) {
+  std::mt19937 rng(7);
+  // 200 rows: not a multiple of 16 or of a row block; 512 columns: two
+  // K-format blocks, large enough for the bf16-rounding tiers.
+  const int32_t out = 200, in = 512;
+  for (WeightType t : kTypes) {
+    const Matrix w = random_matrix(t, out, in, rng);
+    std::vector<float> bias(static_cast<size_t>(out));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (float& b : bias) b = normal(rng);
+    for (kernels::Isa isa : levels()) {
+      for (bool exact : {false, true}) {
+        for (bool with_bias : {false, true}) {
+          colibri::LinearOptions o;
+          o.exact = exact;
+          o.isa = static_cast<int>(isa);
+          o.threads = 2;
+          colibri::Linear lin(t, out, in, w.stored.data(), w.stored.size(), with_bias ? bias.data() : nullptr, o,
+                              "test", nullptr);
+          for (int32_t T : {1, 3, 17, 130}) {
+            std::vector<float> x(static_cast<size_t>(T) * in);
+            for (float& v : x) v = normal(rng);
+            std::vector<double> ref(static_cast<size_t>(T) * out);
+            for (int32_t i = 0; i < T; ++i) {
+              for (int32_t o2 = 0; o2 < out; ++o2) {
+                double acc = with_bias ? bias[static_cast<size_t>(o2)] : 0.0;
+                for (int32_t k = 0; k < in; ++k) {
+                  acc += static_cast<double>(x[static_cast<size_t>(i) * in + k]) *
+                         w.values[static_cast<size_t>(o2) * in + k];
+                }
+                ref[static_cast<size_t>(i) * out + o2] = acc;
+              }
+            }
+            std::vector<float> y(ref.size(), std::numeric_limits<float>::quiet_NaN());
+            lin.forward(T, x.data(), static_cast<size_t>(in), y.data(), static_cast<size_t>(out));
+            const double err = relative_l2(y, ref);
+            EXPECT_LE(err, tolerance(t, exact))
+                << colibri::weight_format(t).name << " at " << kernels::isa_name(isa) << (exact ? " exact" : "")
+                << (with_bias ? " with bias" : "") << ", T=" << T << " (" << lin.kernels_description() << ")";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Linear, RowsPaddedToTheStrideAndThreadCountsAgree) {
+  // in_features off the 64-byte row alignment (f32 rows of 100 elements
+  // pad to 112): the padding must not leak into the products, and results
+  // must not depend on the thread count.
+  std::mt19937 rng(11);
+  const Matrix w = random_matrix(WeightType::kF32, 37, 100, rng);
+  std::vector<float> x(5 * 100);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& v : x) v = normal(rng);
+  std::vector<float> y1(5 * 37, std::numeric_limits<float>::quiet_NaN()), y2 = y1;
+  colibri::LinearOptions o;
+  o.threads = 1;
+  colibri::Linear a(WeightType::kF32, 37, 100, w.stored.data(), w.stored.size(), nullptr, o, "a", nullptr);
+  o.threads = 2;
+  colibri::Linear b(WeightType::kF32, 37, 100, w.stored.data(), w.stored.size(), nullptr, o, "b", nullptr);
+  a.forward(5, x.data(), 100, y1.data(), 37);
+  b.forward(5, x.data(), 100, y2.data(), 37);
+  EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)));
+  for (int32_t i = 0; i < 5; ++i) {
+    for (int32_t r = 0; r < 37; ++r) {
+      double acc = 0.0;
+      for (int32_t k = 0; k < 100; ++k) acc += static_cast<double>(x[i * 100 + k]) * w.values[r * 100 + k];
+      EXPECT_NEAR(y1[i * 37 + r], acc, 1e-4 * (1.0 + std::fabs(acc)));
+    }
+  }
+}
+
+TEST(LinearAbi, CreateForwardAndErrors) {
+  std::mt19937 rng(3);
+  const Matrix w = random_matrix(WeightType::kQ8_0, 64, 256, rng);
+  colibri_linear_desc_t d;
+  colibri_linear_desc_default(&d);
+  d.dtype = COLIBRI_DTYPE_Q8_0;
+  d.out_features = 64;
+  d.in_features = 256;
+  d.weight = w.stored.data();
+  d.weight_size = w.stored.size();
+  d.name = "blk.0.attn_q.weight";
+  colibri_linear_t* lin = nullptr;
+  ASSERT_EQ(COLIBRI_OK, colibri_linear_create(&d, &lin)) << colibri_last_error();
+  EXPECT_NE(std::string(colibri_linear_kernels(lin)).find("decode int8"), std::string::npos);
+  EXPECT_GE(colibri_linear_bytes(lin), w.stored.size());
+  std::vector<float> x(2 * 256, 0.5f), y(2 * 64, std::numeric_limits<float>::quiet_NaN());
+  EXPECT_EQ(COLIBRI_OK, colibri_linear_forward(lin, 2, x.data(), y.data()));
+  for (float v : y) EXPECT_TRUE(std::isfinite(v));
+  // y over x is refused, and so is a NULL pointer or negative count.
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_linear_forward(lin, 1, x.data(), x.data() + 8));
+  EXPECT_NE(std::string(colibri_last_error()).find("overlaps"), std::string::npos);
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_linear_forward(lin, 1, nullptr, y.data()));
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_linear_forward(lin, -1, x.data(), y.data()));
+  EXPECT_EQ(COLIBRI_OK, colibri_linear_forward(lin, 0, nullptr, nullptr));
+  colibri_linear_free(lin);
+
+  // A size that does not match the shape names the tensor and both sizes.
+  d.weight_size -= 1;
+  lin = reinterpret_cast<colibri_linear_t*>(&d);
+  EXPECT_EQ(COLIBRI_ERR_FORMAT, colibri_linear_create(&d, &lin));
+  EXPECT_EQ(lin, nullptr);
+  EXPECT_NE(std::string(colibri_last_error()).find("blk.0.attn_q.weight"), std::string::npos) << colibri_last_error();
+  d.weight_size += 1;
+  // Columns off the block, an unknown dtype, a zero shape.
+  d.in_features = 250;
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_linear_create(&d, &lin));
+  EXPECT_NE(std::string(colibri_last_error()).find("multiple"), std::string::npos) << colibri_last_error();
+  d.in_features = 256;
+  d.dtype = static_cast<colibri_dtype_t>(99);
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_linear_create(&d, &lin));
+  d.dtype = COLIBRI_DTYPE_Q8_0;
+  d.out_features = 0;
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_linear_create(&d, &lin));
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_linear_create(nullptr, &lin));
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_linear_create(&d, nullptr));
+  colibri_linear_free(nullptr);
+  EXPECT_STREQ("", colibri_linear_kernels(nullptr));
+}
+
+}  // namespace
