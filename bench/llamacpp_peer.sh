@@ -6,6 +6,9 @@
 # everything lands in the work directory.
 #
 #   bench/llamacpp_peer.sh [WORK_DIR]      # default build/llamacpp-peer (git-ignored)
+#   bench/llamacpp_peer.sh --fetch-only [WORK_DIR]
+#                                          # steps 1-2 only; prints the extracted
+#                                          # sdist directory (bench/llamacpp_bench.sh)
 #
 # Re-runnable: a finished step (download, extraction, ggml build) is skipped;
 # the harness is recompiled when its source is newer than the binary.
@@ -20,6 +23,8 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+FETCH_ONLY=0
+[[ "${1:-}" == "--fetch-only" ]] && { FETCH_ONLY=1; shift; }
 WORK="${1:-$ROOT/build/llamacpp-peer}"
 VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
 JOBS="${JOBS:-2}"
@@ -75,6 +80,7 @@ fi
 # The sdist leaves out ggml/ggml.pc.in, which ggml's standalone configure
 # copies for `make install` only; an empty one lets the configure finish.
 [[ -f "$GGML/ggml.pc.in" ]] || : > "$GGML/ggml.pc.in"
+if [[ "$FETCH_ONLY" == 1 ]]; then echo "$SRC"; exit 0; fi
 ggml_version="$(sed -n 's/^set(GGML_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)).*/\2/p' "$GGML/CMakeLists.txt" | paste -sd. -)"
 
 # ---------------------------------------------------------------- 3. ggml (CPU backend only)

@@ -88,6 +88,20 @@ int main(void) {
   FIELD(colibri_model_desc_t, expert_bias);
   end();
 
+  BEGIN(colibri_linear_desc_t);
+  FIELD(colibri_linear_desc_t, dtype);
+  FIELD(colibri_linear_desc_t, out_features);
+  FIELD(colibri_linear_desc_t, in_features);
+  FIELD(colibri_linear_desc_t, weight);
+  FIELD(colibri_linear_desc_t, weight_size);
+  FIELD(colibri_linear_desc_t, bias);
+  FIELD(colibri_linear_desc_t, n_threads);
+  FIELD(colibri_linear_desc_t, exact);
+  FIELD(colibri_linear_desc_t, huge_pages);
+  FIELD(colibri_linear_desc_t, lock_memory);
+  FIELD(colibri_linear_desc_t, name);
+  end();
+
   BEGIN(colibri_infer_t);
   FIELD(colibri_infer_t, layer);
   FIELD(colibri_infer_t, n_tokens);

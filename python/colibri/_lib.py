@@ -232,6 +232,23 @@ class RouteCompileOptions(ctypes.Structure):
     ]
 
 
+class LinearDesc(ctypes.Structure):
+    _fields_ = [
+        ("dtype", ctypes.c_int),
+        ("out_features", c_int32),
+        ("in_features", c_int32),
+        ("weight", c_void_p),
+        ("weight_size", ctypes.c_size_t),
+        ("bias", c_void_p),
+        ("n_threads", c_int32),
+        ("exact", c_int32),
+        ("huge_pages", c_int32),
+        ("lock_memory", c_int32),
+        ("name", ctypes.c_char_p),
+        ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
+    ]
+
+
 class SwapSource(ctypes.Structure):
     _fields_ = [
         ("path", ctypes.c_char_p),
@@ -442,6 +459,12 @@ _PROTOTYPES = {
     "colibri_routing_expert_ids": (c_void_p, [c_void_p]),
     "colibri_routing_expert_weights": (c_void_p, [c_void_p]),
     "colibri_routing_free": (None, [c_void_p]),
+    "colibri_linear_desc_default": (None, [_P(LinearDesc)]),
+    "colibri_linear_create": (ctypes.c_int, [_P(LinearDesc), _P(c_void_p)]),
+    "colibri_linear_forward": (ctypes.c_int, [c_void_p, c_int32, c_void_p, c_void_p]),
+    "colibri_linear_kernels": (ctypes.c_char_p, [c_void_p]),
+    "colibri_linear_bytes": (ctypes.c_uint64, [c_void_p]),
+    "colibri_linear_free": (None, [c_void_p]),
 }
 
 

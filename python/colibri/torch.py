@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from . import _lib as L
 from .model import Model, RouterConfig
 
-__all__ = ["ColibriExperts", "accelerate", "restore", "AccelerateReport", "AcceleratedBlock", "recognise"]
+__all__ = ["ColibriExperts", "accelerate", "restore", "AccelerateReport", "AcceleratedBlock", "recognise", "from_pretrained"]
 
 _DTYPES = {
     "f32": "f32", "float32": "f32", "fp32": "f32", torch.float32: "f32",
@@ -1219,6 +1219,22 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     if verbose:
         print(report)
     return report
+
+
+def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
+                    bf16_compute=False):
+    """The transformers model of a GGUF file (or the first file of a split
+    set), built without materialising its large weights: attention
+    projections, dense MLPs and the LM head run as colibri.nn.Linear on the
+    file's rows as stored, the token embedding dequantises the rows it
+    looks up, and the MoE blocks run the file's experts in Colibri
+    (accelerate(gguf=)). Returns the model in eval mode; forward and
+    generate work as usual. Options as accelerate()'s. Bad files raise
+    ValueError naming the file and the tensor or key. docs/PYTORCH.md."""
+    from .loader import from_pretrained as load
+
+    return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,
+                huge_pages=huge_pages, bf16_compute=bf16_compute)
 
 
 def restore(model):

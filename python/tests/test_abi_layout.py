@@ -21,6 +21,7 @@ MIRRORS = {
     "colibri_layer_weights_t": _lib.LayerWeights,
     "colibri_model_desc_t": _lib.ModelDesc,
     "colibri_infer_t": _lib.InferArgs,
+    "colibri_linear_desc_t": _lib.LinearDesc,
     "colibri_swap_source_t": _lib.SwapSource,
     "colibri_model_info_t": _lib.ModelInfo,
     "colibri_stats_t": _lib.Stats,

@@ -1,0 +1,406 @@
+"""colibri.torch.from_pretrained: a GGUF file to a running transformers
+model, every large weight computed by Colibri in the format the file
+stores it in.
+
+The model is the real transformers class of the file's architecture, built
+on the meta device, so nothing is allocated for what Colibri computes; then
+
+  - the small tensors (norms, routers, the shared expert's gate, biases)
+    are read from the file and given to PyTorch;
+  - every 2-D projection (attention q/k/v/o, dense MLPs, the LM head)
+    becomes a colibri.nn.Linear holding the file's rows as stored, and the
+    token embedding a colibri.nn.Embedding that dequantises the rows a
+    batch looks up;
+  - the MoE blocks run the file's experts (and shared experts) in one
+    Colibri model, opened from the file by colibri.torch.accelerate(gguf=),
+    so max_resident= works as there.
+
+Tensor bytes are read with pread, one tensor at a time, never mapped: the
+process grows by what Colibri packs plus the largest tensor in flight.
+
+Each GGUF architecture is one entry of _FAMILIES: how its metadata becomes
+the transformers config (with the routing rule llama.cpp computes for it),
+and whether its q/k rows were permuted by llama.cpp's converter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import nn as cnn
+
+__all__ = ["from_pretrained"]
+
+# GGUF tensor types Colibri computes, by the gguf package's type id.
+_GGUF_DTYPES = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0", 2: "q4_0", 12: "q4_k", 13: "q5_k", 14: "q6_k",
+                39: "mxfp4"}
+
+
+@dataclasses.dataclass
+class _Family:
+    model_type: str          # transformers' model_type (AutoConfig.for_model)
+    config: callable         # (meta: _Meta) -> dict of config fields
+    permuted_qk: bool = False  # llama.cpp's converter permuted q/k rows for its rope layout
+
+
+class _Meta:
+    """The GGUF key/value metadata of one architecture, with errors naming the file and key."""
+
+    def __init__(self, path, reader, arch):
+        self.path, self.reader, self.arch = path, reader, arch
+
+    def get(self, key, default=None, arch_key=True):
+        full = "%s.%s" % (self.arch, key) if arch_key else key
+        field = self.reader.fields.get(full)
+        if field is None:
+            return default
+        value = field.contents()
+        return value
+
+    def need(self, key, arch_key=True):
+        v = self.get(key, None, arch_key)
+        if v is None:
+            raise ValueError("%s: GGUF metadata key %s is missing"
+                             % (self.path, "%s.%s" % (self.arch, key) if arch_key else key))
+        return v
+
+
+def _common_config(m, vocab):
+    heads = int(m.need("attention.head_count"))
+    d_model = int(m.need("embedding_length"))
+    head_dim = int(m.get("attention.key_length", d_model // heads))
+    cfg = dict(
+        vocab_size=vocab,
+        hidden_size=d_model,
+        num_hidden_layers=int(m.need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(m.get("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(m.get("context_length", 4096)),
+        rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(m.get("rope.freq_base", 10000.0)),
+        num_experts_per_tok=int(m.need("expert_used_count")),
+        hidden_act="silu",
+    )
+    bos = m.get("tokenizer.ggml.bos_token_id", arch_key=False)
+    eos = m.get("tokenizer.ggml.eos_token_id", arch_key=False)
+    if bos is not None:
+        cfg["bos_token_id"] = int(bos)
+    if eos is not None:
+        cfg["eos_token_id"] = int(eos)
+    return cfg
+
+
+def _qwen3moe(m, vocab):
+    cfg = _common_config(m, vocab)
+    cfg.update(num_experts=int(m.need("expert_count")),
+               moe_intermediate_size=int(m.need("expert_feed_forward_length")),
+               intermediate_size=int(m.get("feed_forward_length", m.need("expert_feed_forward_length"))),
+               norm_topk_prob=True,  # llama.cpp renormalises qwen3moe's top-k weights
+               decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
+    return cfg
+
+
+def _qwen2moe(m, vocab):
+    cfg = _common_config(m, vocab)
+    cfg.update(num_experts=int(m.need("expert_count")),
+               moe_intermediate_size=int(m.need("expert_feed_forward_length")),
+               shared_expert_intermediate_size=int(m.need("expert_shared_feed_forward_length")),
+               intermediate_size=int(m.get("feed_forward_length", m.need("expert_feed_forward_length"))),
+               norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+    return cfg
+
+
+def _olmoe(m, vocab):
+    cfg = _common_config(m, vocab)
+    cfg.pop("head_dim")
+    cfg.update(num_experts=int(m.need("expert_count")),
+               intermediate_size=int(m.need("expert_feed_forward_length", )
+                                     if m.get("expert_feed_forward_length") is not None
+                                     else m.need("feed_forward_length")),
+               norm_topk_prob=False, clip_qkv=None, attention_bias=False)
+    return cfg
+
+
+def _mixtral(m, vocab):
+    cfg = _common_config(m, vocab)
+    cfg.update(num_local_experts=int(m.need("expert_count")),
+               intermediate_size=int(m.get("expert_feed_forward_length", m.need("feed_forward_length"))),
+               sliding_window=None)
+    return cfg
+
+
+_FAMILIES = {
+    "qwen3moe": _Family("qwen3_moe", _qwen3moe),
+    "qwen2moe": _Family("qwen2_moe", _qwen2moe),
+    "olmoe": _Family("olmoe", _olmoe),
+    "llama": _Family("mixtral", _mixtral, permuted_qk=True),
+    "mixtral": _Family("mixtral", _mixtral, permuted_qk=True),
+}
+
+
+class _File:
+    """A GGUF file (or split set): its metadata and where each tensor's bytes are."""
+
+    def __init__(self, path):
+        import gguf
+
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise ValueError("%s: no such file" % self.path)
+        paths = [self.path]
+        m = re.match(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", self.path)
+        if m:
+            n = int(m.group(3))
+            paths = ["%s-%05d-of-%05d.gguf" % (m.group(1), i, n) for i in range(1, n + 1)]
+            missing = [p for p in paths if not os.path.isfile(p)]
+            if missing:
+                raise ValueError("%s: split set of %d files, %s is missing" % (self.path, n, missing[0]))
+        self.tensors = {}  # name -> (file path, offset, n_bytes, gguf type id, shape as numpy sees it)
+        self.reader = None
+        for p in paths:
+            try:
+                r = gguf.GGUFReader(p, "r")
+            except Exception as e:  # the gguf package raises ValueError, struct.error, ...
+                raise ValueError("%s: not a readable GGUF file (%s: %s)" % (p, type(e).__name__, e)) from None
+            if self.reader is None:
+                self.reader = r
+            size = os.path.getsize(p)
+            for t in r.tensors:
+                end = int(t.data_offset) + int(t.n_bytes)
+                if end > size:
+                    raise ValueError("%s: tensor %s ends at byte %d, past the file's end (%d): truncated file"
+                                     % (p, t.name, end, size))
+                shape = tuple(int(d) for d in reversed(list(t.shape)))
+                self.tensors[t.name] = (p, int(t.data_offset), int(t.n_bytes), int(t.tensor_type), shape)
+        arch = self.reader.fields.get("general.architecture")
+        if arch is None:
+            raise ValueError("%s: GGUF metadata key general.architecture is missing" % self.path)
+        self.arch = arch.contents()
+
+    def has(self, name):
+        return name in self.tensors
+
+    def shape(self, name):
+        return self.tensors[name][4]
+
+    def dtype(self, name):
+        t = self.tensors[name][3]
+        if t not in _GGUF_DTYPES:
+            import gguf
+
+            raise ValueError("%s: tensor %s is stored as %s, which Colibri does not compute yet"
+                             % (self.path, name, gguf.GGMLQuantizationType(t).name))
+        return _GGUF_DTYPES[t]
+
+    def raw(self, name):
+        """uint8 numpy [rows, row bytes] of a tensor, as stored."""
+        p, off, n, _, shape = self.tensors[name]
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            buf = bytearray(n)
+            view = memoryview(buf)
+            got = 0
+            while got < n:
+                k = os.preadv(fd, [view[got:]], off + got)
+                if k <= 0:
+                    raise ValueError("%s: tensor %s: read %d of %d bytes (truncated file?)" % (p, name, got, n))
+                got += k
+        finally:
+            os.close(fd)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        return np.frombuffer(buf, dtype=np.uint8).reshape(rows, -1)
+
+    def floats(self, name):
+        """A small tensor as float32 in numpy's shape of it."""
+        import gguf
+
+        self.dtype(name)
+        raw = self.raw(name)
+        t = self.tensors[name][3]
+        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t)).astype(np.float32)
+        return values.reshape(self.shape(name))
+
+
+def _unpermute_rows(rows, n_head):
+    """Undoes llama.cpp's converter's q/k row permutation (its rope pairs
+    adjacent elements; transformers' pairs the two halves of each head)."""
+    r = rows.shape[0]
+    half = r // n_head // 2
+    return np.ascontiguousarray(rows.reshape(n_head, half, 2, -1).swapaxes(1, 2).reshape(r, -1))
+
+
+def _set_module(root, path, module):
+    parent, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def _placeholder_weights(module):
+    """Gives the meta parameters of `module` (experts Colibri reads from the
+    file) CPU stand-ins of their shape that own no memory (one element,
+    broadcast), so accelerate() recognises the block; it releases them."""
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            if p.is_meta:
+                stand_in = torch.zeros((), dtype=torch.float32).expand(p.shape)
+                setattr(sub, name, nn.Parameter(stand_in, requires_grad=False))
+
+
+def _moe_block(layer):
+    for name, child in layer.named_children():
+        if hasattr(child, "experts"):
+            return name, child
+    return None, None
+
+
+def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
+                    bf16_compute=False):
+    """A transformers model (eval mode) for the GGUF file `path` (or the
+    first file of a split set), its large weights computed by Colibri in the
+    file's formats. See colibri.torch.from_pretrained."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from . import torch as ctorch
+
+    f = _File(path)
+    family = _FAMILIES.get(f.arch)
+    if family is None:
+        raise ValueError("%s: GGUF architecture %r is not one from_pretrained maps (it maps %s)"
+                         % (f.path, f.arch, ", ".join(sorted(_FAMILIES))))
+    meta = _Meta(f.path, f.reader, f.arch)
+    if meta.get("expert_count") in (None, 0):
+        raise ValueError("%s: %s file without experts (%s.expert_count missing or 0): not a MoE model"
+                         % (f.path, f.arch, f.arch))
+    if not f.has("token_embd.weight"):
+        raise ValueError("%s: tensor token_embd.weight is missing" % f.path)
+    vocab = f.shape("token_embd.weight")[0]
+    fields = family.config(meta, vocab)
+    fields["tie_word_embeddings"] = not f.has("output.weight")
+    config = AutoConfig.for_model(family.model_type, **fields)
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.eval()
+
+    linear_opts = dict(threads=threads, exact=exact_prefill, huge_pages=huge_pages, lock=lock)
+    n_heads = config.num_attention_heads
+    n_kv = config.num_key_value_heads
+    small = {}
+    used = set()
+
+    def linear(name, module_path, permute_heads=None):
+        if not f.has(name):
+            raise ValueError("%s: tensor %s is missing" % (f.path, name))
+        target = model.get_submodule(module_path)
+        shape = f.shape(name)
+        want = (target.out_features, target.in_features)
+        if tuple(shape) != want:
+            raise ValueError("%s: tensor %s has shape %s, the model's %s needs %s"
+                             % (f.path, name, shape, module_path, want))
+        rows = f.raw(name)
+        if permute_heads is not None:
+            rows = _unpermute_rows(rows, permute_heads)
+        bias = None
+        bias_name = name[:-len(".weight")] + ".bias"
+        if f.has(bias_name):
+            bias = f.floats(bias_name).reshape(-1)
+            if permute_heads is not None:
+                bias = _unpermute_rows(bias.reshape(-1, 1), permute_heads).reshape(-1)
+            used.add(bias_name)
+        elif getattr(target, "bias", None) is not None:
+            raise ValueError("%s: tensor %s is missing (the model's %s has a bias)" % (f.path, bias_name, module_path))
+        _set_module(model, module_path, cnn.Linear(rows, f.dtype(name), want[0], want[1], bias, name=name,
+                                                   **linear_opts))
+        used.add(name)
+
+    def tensor(name, param_path, reshape=None):
+        if not f.has(name):
+            raise ValueError("%s: tensor %s is missing" % (f.path, name))
+        p = model.get_parameter(param_path)
+        v = torch.from_numpy(f.floats(name).copy())
+        if reshape is not None or tuple(v.shape) != tuple(p.shape):
+            if v.numel() != p.numel():
+                raise ValueError("%s: tensor %s has shape %s, the model's %s needs %s"
+                                 % (f.path, name, tuple(v.shape), param_path, tuple(p.shape)))
+            v = v.reshape(p.shape)
+        small[param_path] = v
+        used.add(name)
+
+    base = model.model
+    prefix = "model."
+    for i, layer in enumerate(base.layers):
+        blk, lp = "blk.%d." % i, "%slayers.%d." % (prefix, i)
+        tensor(blk + "attn_norm.weight", lp + "input_layernorm.weight")
+        tensor(blk + "ffn_norm.weight", lp + "post_attention_layernorm.weight")
+        attn = lp + "self_attn."
+        linear(blk + "attn_q.weight", attn + "q_proj", n_heads if family.permuted_qk else None)
+        linear(blk + "attn_k.weight", attn + "k_proj", n_kv if family.permuted_qk else None)
+        linear(blk + "attn_v.weight", attn + "v_proj")
+        linear(blk + "attn_output.weight", attn + "o_proj")
+        for g, h in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+            if hasattr(layer.self_attn, h):
+                tensor(blk + g + ".weight", attn + h + ".weight")
+        block_name, block = _moe_block(layer)
+        if block is None:
+            raise ValueError("%s: block %d: the %s model has no MoE block there" % (f.path, i, family.model_type))
+        bp = lp + block_name + "."
+        tensor(blk + "ffn_gate_inp.weight", bp + "gate.weight")
+        if hasattr(block, "shared_expert_gate"):
+            tensor(blk + "ffn_gate_inp_shexp.weight", bp + "shared_expert_gate.weight", reshape=True)
+        _placeholder_weights(block.experts)
+        if getattr(block, "shared_expert", None) is not None:
+            _placeholder_weights(block.shared_expert)
+        for part in ("gate", "up", "down"):
+            for kind in ("exps", "shexp"):
+                if f.has(blk + "ffn_%s_%s.weight" % (part, kind)):
+                    used.add(blk + "ffn_%s_%s.weight" % (part, kind))
+    tensor("output_norm.weight", prefix + "norm.weight")
+    emb_shape = f.shape("token_embd.weight")
+    if emb_shape != (config.vocab_size, config.hidden_size):
+        raise ValueError("%s: tensor token_embd.weight has shape %s, expected %s"
+                         % (f.path, emb_shape, (config.vocab_size, config.hidden_size)))
+    base.embed_tokens = cnn.Embedding(f.raw("token_embd.weight"), f.dtype("token_embd.weight"), *emb_shape,
+                                      name="token_embd.weight")
+    used.add("token_embd.weight")
+    head = "output.weight" if f.has("output.weight") else "token_embd.weight"
+    model.lm_head = nn.Identity()  # replaced below; keeps tie_weights() from touching it
+    model.lm_head = cnn.Linear(f.raw(head), f.dtype(head), config.vocab_size, config.hidden_size,
+                               name=head, **linear_opts)
+    used.add(head)
+
+    missing = model.load_state_dict(small, strict=False, assign=True)
+    del missing
+    # Buffers computed in __init__ (rotary inverse frequencies) were made on
+    # the meta device: make those modules again on the CPU.
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            try:
+                fresh = type(module)(config=model.config)
+            except TypeError:
+                raise ValueError("%s: cannot materialise %s (%s) of the %s model"
+                                 % (f.path, name, type(module).__name__, family.model_type)) from None
+            _set_module(model, name, fresh)
+
+    report = ctorch.accelerate(model, gguf=f.path, threads=threads, exact_prefill=exact_prefill,
+                               max_resident=max_resident, lock=lock, huge_pages=huge_pages,
+                               bf16_compute=bf16_compute)
+    if len(report.accelerated) != config.num_hidden_layers:
+        raise ValueError("%s: Colibri took %d of the %d MoE blocks (skipped: %s)"
+                         % (f.path, len(report.accelerated), config.num_hidden_layers, report.skipped))
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    left += [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise ValueError("%s: no weights in the file for %s" % (f.path, ", ".join(left[:5])))
+    unused = sorted(set(f.tensors) - used)
+    if unused:
+        raise ValueError("%s: tensors the %s model has no place for: %s"
+                         % (f.path, family.model_type, ", ".join(unused[:5])))
+    model._colibri_report = report
+    model.eval()
+    return model

@@ -1,0 +1,195 @@
+"""PyTorch modules over Colibri's dense kernels: a linear layer and an
+embedding table whose weights stay in the format a file stores them in
+(GGUF's block formats, MXFP4, f16/bf16/f32).
+
+    lin = colibri.nn.Linear(rows, "q8_0", out_features, in_features, bias=None, threads=2)
+    y = lin(x)                       # float tensor [..., in_features] -> [..., out_features]
+
+`rows` are the weight's bytes as stored (uint8 [out_features, row_bytes], a
+GGUF tensor's data), or a float tensor [out_features, in_features] with
+`quantize=` naming the format to store it in. colibri.torch.from_pretrained
+builds its attention projections, dense MLPs and LM head from these.
+
+Both modules are inference-only: their weights are not PyTorch parameters
+(they live in Colibri's packed memory), autograd does not flow through
+them, and they run on CPU tensors. Under torch.compile they are the custom
+operators colibri::linear and colibri::embedding (with fake
+implementations), so a compiled model keeps them in one graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _lib as L
+from .quant import dequantize, dtype_code, quantize, row_bytes
+
+__all__ = ["Linear", "Embedding"]
+
+# Live layers by handle, for the custom operators (which take the handle as
+# an int) and their fake implementations (which need the output width).
+_LINEARS: "weakref.WeakValueDictionary[int, Linear]" = weakref.WeakValueDictionary()
+_EMBEDDINGS: "weakref.WeakValueDictionary[int, Embedding]" = weakref.WeakValueDictionary()
+
+
+def _stored_rows(rows, dtype, out_features, in_features, quantize_to, name):
+    """(uint8 numpy [out, row_bytes], its dtype) from bytes or floats."""
+    if isinstance(rows, torch.Tensor):
+        if rows.dtype == torch.uint8:
+            rows = rows.detach().cpu().numpy()
+        else:
+            floats = rows.detach().to(torch.float32).cpu().numpy()
+            if quantize_to is None:
+                raise ValueError("%s: a float weight needs quantize= (the format to store it in, e.g. 'q8_0' or "
+                                 "'bf16')" % name)
+            if floats.shape != (out_features, in_features):
+                raise ValueError("%s: weight of shape %s, expected (%d, %d)"
+                                 % (name, tuple(floats.shape), out_features, in_features))
+            return quantize(floats, quantize_to), quantize_to
+    b = np.asarray(rows)
+    if b.dtype != np.uint8:
+        b = np.ascontiguousarray(b).view(np.uint8)
+    need = row_bytes(dtype, in_features)
+    b = np.ascontiguousarray(b).reshape(-1)
+    if b.size != need * out_features:
+        raise ValueError("%s: %d bytes of %s weights, a (%d, %d) matrix of it takes %d"
+                         % (name, b.size, dtype, out_features, in_features, need * out_features))
+    return b.reshape(out_features, need), dtype
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with W in a stored format (colibri_linear_* in the C ABI).
+
+    dtype: the format of `rows` ('q8_0', 'q4_k', 'mxfp4', 'bf16', ...).
+    threads: Colibri threads (0 = one per core); layers and MoE models
+    asking for the same count share one pool. exact: fp32 activations
+    against the dequantised weights (else int8 activations for block
+    formats; docs/PRECISION.md). Inputs of any float dtype are computed in
+    float32 and returned in the input's dtype."""
+
+    def __init__(self, rows, dtype, out_features, in_features, bias=None, *, threads=0, exact=False,
+                 huge_pages=True, lock=False, name="linear", quantize=None):
+        super().__init__()
+        stored, dtype = _stored_rows(rows, dtype, int(out_features), int(in_features), quantize, name)
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.dtype_name = dtype
+        self.name = name
+        b = None
+        if bias is not None:
+            b = np.ascontiguousarray(torch.as_tensor(bias).detach().to(torch.float32).cpu().numpy()).reshape(-1)
+            if b.size != self.out_features:
+                raise ValueError("%s: bias of %d values for %d outputs" % (name, b.size, self.out_features))
+        desc = L.LinearDesc()
+        L.fn("colibri_linear_desc_default")(ctypes.byref(desc))
+        desc.dtype = dtype_code(dtype)
+        desc.out_features = self.out_features
+        desc.in_features = self.in_features
+        desc.weight = stored.ctypes.data
+        desc.weight_size = stored.nbytes
+        desc.bias = b.ctypes.data if b is not None else None
+        desc.n_threads = int(threads)
+        desc.exact = 1 if exact else 0
+        desc.huge_pages = 1 if huge_pages else 0
+        desc.lock_memory = 1 if lock else 0
+        name_bytes = name.encode()
+        desc.name = name_bytes
+        handle = ctypes.c_void_p()
+        L.check(L.fn("colibri_linear_create")(ctypes.byref(desc), ctypes.byref(handle)), "colibri_linear_create")
+        self._handle = handle.value
+        self._finalizer = weakref.finalize(self, L.fn("colibri_linear_free"), self._handle)
+        self._forward_fn = L.fn("colibri_linear_forward")
+        self.kernels = L.fn("colibri_linear_kernels")(self._handle).decode()
+        self.nbytes = int(L.fn("colibri_linear_bytes")(self._handle))
+        _LINEARS[self._handle] = self
+
+    def extra_repr(self):
+        return "in_features=%d, out_features=%d, dtype=%s, name=%s" % (
+            self.in_features, self.out_features, self.dtype_name, self.name)
+
+    def run(self, x):
+        """The C call on a float32 CPU tensor [..., in_features]."""
+        lead = x.shape[:-1]
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        n = x.numel() // self.in_features if self.in_features else 0
+        if x.shape[-1] != self.in_features:
+            raise ValueError("%s: input of width %d, the layer takes %d" % (self.name, x.shape[-1], self.in_features))
+        y = torch.empty(lead + (self.out_features,), dtype=torch.float32)
+        status = self._forward_fn(self._handle, n, x.data_ptr(), y.data_ptr())
+        if status:
+            L.check(status, "colibri_linear_forward")
+        return y
+
+    def forward(self, x):
+        if x.device.type != "cpu":
+            raise RuntimeError("%s: Colibri computes on the CPU; got a %s tensor" % (self.name, x.device))
+        if torch.compiler.is_compiling():
+            y = torch.ops.colibri.linear(x, self._handle)
+        else:
+            y = self.run(x)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def close(self):
+        self._finalizer()
+
+
+class Embedding(nn.Module):
+    """Rows of a table stored in a block format, dequantised on lookup
+    (colibri_dequantize): the table costs its stored bytes, not 4 per
+    weight. `rows`: uint8 [num_embeddings, row_bytes] as stored."""
+
+    def __init__(self, rows, dtype, num_embeddings, embedding_dim, name="embedding"):
+        super().__init__()
+        stored, dtype = _stored_rows(rows, dtype, int(num_embeddings), int(embedding_dim), None, name)
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self.dtype_name = dtype
+        self.name = name
+        self._rows = torch.from_numpy(stored)
+        self._key = id(self)
+        _EMBEDDINGS[self._key] = self
+
+    def extra_repr(self):
+        return "%d, %d, dtype=%s" % (self.num_embeddings, self.embedding_dim, self.dtype_name)
+
+    def run(self, ids):
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError("%s: token id out of range [0, %d)" % (self.name, self.num_embeddings))
+        picked = self._rows.index_select(0, flat.to(torch.long)).numpy()
+        out = dequantize(picked, self.dtype_name, self.embedding_dim)
+        return torch.from_numpy(out).reshape(tuple(ids.shape) + (self.embedding_dim,))
+
+    def forward(self, ids):
+        if torch.compiler.is_compiling():
+            return torch.ops.colibri.embedding(ids, self._key)
+        return self.run(ids)
+
+
+@torch.library.custom_op("colibri::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return _LINEARS[handle].run(x)
+
+
+@_linear_op.register_fake
+def _(x, handle):
+    return x.new_empty(tuple(x.shape[:-1]) + (_LINEARS[handle].out_features,), dtype=torch.float32)
+
+
+@torch.library.custom_op("colibri::embedding", mutates_args=())
+def _embedding_op(ids: torch.Tensor, key: int) -> torch.Tensor:
+    return _EMBEDDINGS[key].run(ids)
+
+
+@_embedding_op.register_fake
+def _(ids, key):
+    return torch.empty(tuple(ids.shape) + (_EMBEDDINGS[key].embedding_dim,), dtype=torch.float32,
+                       device=ids.device)
