@@ -232,6 +232,9 @@ class ColibriExperts(nn.Module):
         self.colibri_model.close()
 
     def forward(self, x, ids=None, weights=None):
+        out = self._forward_fast(x, ids, weights)
+        if out is not None:
+            return out
         if not isinstance(x, torch.Tensor):
             raise TypeError("x must be a torch.Tensor, got %s" % type(x).__name__)
         if torch.is_grad_enabled() and x.requires_grad:
@@ -264,6 +267,35 @@ class ColibriExperts(nn.Module):
         if x.dtype != torch.float32:
             out = out.to(x.dtype)
         return out.view(shape)
+
+    def _forward_fast(self, x, ids, weights):
+        """The common call inside a model (float32 CPU x [N, D], ids [N, k]
+        int64 or int32, float32 weights, contiguous, no autograd) with
+        attribute tests for checks and one C call; None for anything else,
+        which forward() then checks and converts in full."""
+        if (ids is None or weights is None or type(x) is not torch.Tensor or type(ids) is not torch.Tensor
+                or type(weights) is not torch.Tensor or x.dtype is not torch.float32
+                or weights.dtype is not torch.float32 or x.device.type != "cpu" or ids.device.type != "cpu"
+                or weights.device.type != "cpu" or x.dim() != 2 or ids.dim() != 2
+                or x.shape[1] != self.d_model or (x.requires_grad and torch.is_grad_enabled())
+                or not x.is_contiguous()):
+            return None
+        n, k = ids.shape
+        if n != x.shape[0] or tuple(weights.shape) != (n, k) or not 1 <= k <= self.n_experts:
+            return None
+        if ids.dtype is torch.int64:
+            ids = ids.to(torch.int32)
+        elif ids.dtype is not torch.int32:
+            return None
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        if not weights.is_contiguous():
+            weights = weights.contiguous()
+        out = torch.empty_like(x)
+        if n:
+            self.colibri_model._infer_pointers(self.layer, n, k, x.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+                                               out.data_ptr())
+        return out
 
     def route(self, x):
         """The built-in router's choice for x [N, D]: (ids int32 [N, k],

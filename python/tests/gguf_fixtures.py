@@ -245,3 +245,261 @@ def gguf_from_torch(model, path, family, dtype, down_dtype=None):
     w.write_tensors_to_file()
     w.close()
     return ref
+
+
+# ---------------------------------------------------------------- whole models
+# What each architecture's llama.cpp loader (src/models/<arch>.cpp) requires,
+# beyond the attention + MoE skeleton they share:
+#   ff_key     the key holding the expert width: "expert" (expert_feed_forward_length)
+#              or "ff" (feed_forward_length: llama, olmoe)
+#   qk_norm    RMS norms on q and k: per head ("head", [head_dim]) or over the
+#              whole projection ("full", [n_heads * head_dim] / [n_kv * head_dim])
+#   qkv_bias, o_bias, sinks, router_bias, expert_bias, shexp: tensors it has
+#   ffn_norm   the pre-MoE norm's tensor (gpt-oss calls it post_attention_norm)
+#   q_is_d     attn_q/attn_output must be [d_model, d_model] (n_heads*head_dim == d_model)
+#   kv_full    n_kv_heads must equal n_heads (olmoe's k_norm is [d_model])
+#   tie_ok     output.weight may be left out (tied to token_embd)
+#   norm_topk  whether llama.cpp renormalises the top-k softmax weights
+#   gating     "softmax" (softmax over all experts, then top-k) or
+#              "softmax_weight" (top-k of the logits, softmax over those k)
+#   rope       "neox" (rotate halves) or "norm" (rotate adjacent pairs)
+#   swa        sliding window on even layers (layer i is SWA when i % 2 == 0)
+#   pre        tokenizer.ggml.pre; theta, eps: rope base and RMS eps defaults
+_ARCH = {
+    "qwen3moe": dict(ff_key="expert", qk_norm="head", ffn_norm="ffn_norm", tie_ok=True, norm_topk=True,
+                     rope="neox", pre="qwen2", theta=1e6, eps=1e-6),
+    "qwen2moe": dict(ff_key="expert", qkv_bias=True, shexp=True, q_is_d=True, ffn_norm="ffn_norm",
+                     norm_topk=False, rope="neox", pre="qwen2", theta=1e6, eps=1e-6),
+    "olmoe": dict(ff_key="ff", qk_norm="full", q_is_d=True, kv_full=True, ffn_norm="ffn_norm",
+                  norm_topk=False, rope="neox", pre="olmo", theta=1e4, eps=1e-5),
+    "llama": dict(ff_key="ff", ffn_norm="ffn_norm", tie_ok=True, norm_topk=True, rope="norm", pre="default",
+                  theta=1e6, eps=1e-5),
+    "gpt-oss": dict(ff_key="expert", qkv_bias=True, o_bias=True, sinks=True, router_bias=True, expert_bias=True,
+                    ffn_norm="post_attention_norm", norm_topk=True, gating="softmax_weight", rope="neox", swa=True,
+                    pre="gpt-4o", theta=150000.0, eps=1e-5, experts=("mxfp4", "mxfp4", "mxfp4")),
+}
+
+# A K-format row must be a whole number of 256-value super-blocks, the others
+# of 32-value blocks; a tensor whose rows are not is stored in the fallback
+# (llama.cpp's quantiser falls back likewise, Q6_K -> Q8_0).
+_BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "q4_0": 32, "mxfp4": 32}
+
+_FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+              "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K",
+              "mxfp4": "MOSTLY_MXFP4_MOE"}
+
+
+def _byte_level_vocab(n: int, specials=("<|endoftext|>", "<|startoftext|>")):
+    """A byte-level BPE vocabulary of n tokens as GPT-2 writes it: the 256
+    byte characters, merges of "Ġ"/letter prefixes with letters (each merge
+    joins two tokens already in the vocabulary) and `specials` last.
+    Returns (tokens, token types, merges)."""
+    if n < 256 + len(specials):
+        raise ValueError(f"vocab must be at least {256 + len(specials)}")
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    extra = iter(range(256, 512))
+    chars = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+    tokens = [chars[b] for b in range(256)]
+    have, merges = set(tokens), []
+    letters = "etaoinsrhldcumfpgwybvkxjqz"
+    lefts = [chars[ord(" ")]] + list(letters)
+    i = 0
+    while len(tokens) < n - len(specials):
+        left = lefts[i]
+        i += 1
+        for right in letters:
+            if len(tokens) == n - len(specials):
+                break
+            if left + right not in have:
+                have.add(left + right)
+                tokens.append(left + right)
+                lefts.append(left + right)
+                merges.append(f"{left} {right}")
+    types = [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * len(specials)
+    return tokens + list(specials), types, merges
+
+
+def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n_heads, n_kv_heads, head_dim, vocab,
+                     expert_types=None, attn_type="q8_0", embd_type="q8_0", head_type="q8_0", router_type="f32",
+                     seed=0, tie_embeddings=False, n_dense_blocks=0, dense_d_ff=None, shared_d_ff=0,
+                     rope_theta=None, rms_eps=None, context_length=4096, sliding_window=128,
+                     reference=True, extra_kv=None, omit=(), shapes=None):
+    """Writes a complete model GGUF of `arch` (qwen3moe, qwen2moe, olmoe,
+    llama with experts = Mixtral, gpt-oss): embeddings, every block's
+    attention and MoE, output norm and head, hyperparameters and a small
+    byte-level BPE tokenizer, named as llama.cpp's converter names them, so
+    llama.cpp loads and runs it.
+
+    expert_types: (gate, up, down) of the experts (and shared expert / dense
+    FFN); default Q4_K, Q4_K, Q6_K (llama.cpp's Q4_K_M), MXFP4 for gpt-oss.
+    Norms, biases, sinks and the router (`router_type`) are F32. Rows a type
+    cannot hold (a 128-wide Q6_K row) fall back to Q8_0. qwen2moe's shared
+    expert is 4 * d_ff wide unless `shared_d_ff`. The first `n_dense_blocks`
+    blocks get a dense SwiGLU FFN (ffn_gate/up/down, `dense_d_ff`, default
+    4 * d_ff) instead of experts, and leading_dense_block_count says so;
+    none of these five architectures has such blocks in llama.cpp, which
+    will then refuse the file.
+
+    Weights are random (seeded): projections, embeddings, router N(0, 0.02),
+    norms 1 + N(0, 0.02), biases N(0, 0.02), sinks N(0, 1).
+
+    Returns {tensor name: float32 array it dequantises to (gguf.quants),
+    numpy shape of the stored tensor: [rows, cols] as nn.Linear.weight,
+    [E, rows, cols] for expert stacks, [E, n] for expert biases}, plus
+    "__meta__": the configuration and the semantics llama.cpp applies
+    (see _ARCH). Without `reference` only "__meta__" (large files).
+    `omit` (tensor names left out) and `shapes` (name: shape written
+    instead) make broken files for the error tests."""
+    spec = _ARCH[arch]
+    expert_types = tuple(expert_types or spec.get("experts", ("q4_k", "q4_k", "q6_k")))
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    if spec.get("q_is_d") and q_dim != d_model:
+        raise ValueError(f"{arch}: llama.cpp needs n_heads * head_dim == d_model")
+    if spec.get("kv_full") and n_kv_heads != n_heads:
+        raise ValueError(f"{arch}: llama.cpp needs n_kv_heads == n_heads")
+    if tie_embeddings and not spec.get("tie_ok"):
+        raise ValueError(f"{arch}: llama.cpp needs output.weight")
+    if spec.get("shexp"):
+        shared_d_ff = shared_d_ff or 4 * d_ff
+    dense_d_ff = dense_d_ff or 4 * d_ff
+    rope_theta = spec["theta"] if rope_theta is None else rope_theta
+    rms_eps = spec["eps"] if rms_eps is None else rms_eps
+
+    tokens, token_types, merges = _byte_level_vocab(vocab)
+    eos, bos = vocab - 2, vocab - 1
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"colibri-test-{arch}")
+    w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPE[expert_types[0]]))
+    w.add_context_length(context_length)
+    w.add_block_count(n_blocks)
+    w.add_embedding_length(d_model)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_expert_count(n_experts)
+    w.add_expert_used_count(top_k)
+    if spec["ff_key"] == "ff":
+        w.add_feed_forward_length(d_ff)
+    else:
+        w.add_expert_feed_forward_length(d_ff)
+        w.add_feed_forward_length(dense_d_ff if n_dense_blocks else d_ff)
+    if shared_d_ff:
+        w.add_expert_shared_feed_forward_length(shared_d_ff)
+    if n_dense_blocks:
+        w.add_leading_dense_block_count(n_dense_blocks)
+    if spec.get("swa"):
+        w.add_sliding_window(sliding_window)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(spec["pre"])
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+    for key, value in (extra_kv or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_float32(key, float(value))
+
+    # (name, numpy shape, type, kind): kind "norm" ~ 1, "sink" ~ N(0, 1), else N(0, 0.02)
+    T = gguf.TENSOR_NAMES
+    M = gguf.MODEL_TENSOR
+    gate_t, up_t, down_t = expert_types
+    table = [(T[M.TOKEN_EMBD] + ".weight", (vocab, d_model), embd_type, "w"),
+             (T[M.OUTPUT_NORM] + ".weight", (d_model,), "f32", "norm")]
+    if not tie_embeddings:
+        table.append((T[M.OUTPUT] + ".weight", (vocab, d_model), head_type, "w"))
+    qk_norm = {"head": (head_dim, head_dim), "full": (q_dim, kv_dim)}.get(spec.get("qk_norm"))
+    ffn_norm = M.ATTN_POST_NORM if spec["ffn_norm"] == "post_attention_norm" else M.FFN_NORM
+    for b in range(n_blocks):
+        def n(t, suffix="weight"):
+            return T[t].format(bid=b) + "." + suffix
+        table += [(n(M.ATTN_NORM), (d_model,), "f32", "norm"),
+                  (n(M.ATTN_Q), (q_dim, d_model), attn_type, "w"),
+                  (n(M.ATTN_K), (kv_dim, d_model), attn_type, "w"),
+                  (n(M.ATTN_V), (kv_dim, d_model), attn_type, "w"),
+                  (n(M.ATTN_OUT), (d_model, q_dim), attn_type, "w")]
+        if spec.get("qkv_bias"):
+            table += [(n(M.ATTN_Q, "bias"), (q_dim,), "f32", "w"), (n(M.ATTN_K, "bias"), (kv_dim,), "f32", "w"),
+                      (n(M.ATTN_V, "bias"), (kv_dim,), "f32", "w")]
+        if spec.get("o_bias"):
+            table.append((n(M.ATTN_OUT, "bias"), (d_model,), "f32", "w"))
+        if qk_norm:
+            table += [(n(M.ATTN_Q_NORM), (qk_norm[0],), "f32", "norm"),
+                      (n(M.ATTN_K_NORM), (qk_norm[1],), "f32", "norm")]
+        if spec.get("sinks"):
+            table.append((n(M.ATTN_SINKS), (n_heads,), "f32", "sink"))
+        table.append((n(ffn_norm), (d_model,), "f32", "norm"))
+        if b < n_dense_blocks:
+            table += [(n(M.FFN_GATE), (dense_d_ff, d_model), gate_t, "w"),
+                      (n(M.FFN_UP), (dense_d_ff, d_model), up_t, "w"),
+                      (n(M.FFN_DOWN), (d_model, dense_d_ff), down_t, "w")]
+            continue
+        table += [(n(M.FFN_GATE_INP), (n_experts, d_model), router_type, "w"),
+                  (n(M.FFN_GATE_EXP), (n_experts, d_ff, d_model), gate_t, "w"),
+                  (n(M.FFN_UP_EXP), (n_experts, d_ff, d_model), up_t, "w"),
+                  (n(M.FFN_DOWN_EXP), (n_experts, d_model, d_ff), down_t, "w")]
+        if spec.get("router_bias"):
+            table.append((n(M.FFN_GATE_INP, "bias"), (n_experts,), "f32", "w"))
+        if spec.get("expert_bias"):
+            table += [(n(M.FFN_GATE_EXP, "bias"), (n_experts, d_ff), "f32", "w"),
+                      (n(M.FFN_UP_EXP, "bias"), (n_experts, d_ff), "f32", "w"),
+                      (n(M.FFN_DOWN_EXP, "bias"), (n_experts, d_model), "f32", "w")]
+        if spec.get("shexp"):
+            table += [(n(M.FFN_GATE_INP_SHEXP), (d_model,), "f32", "w"),
+                      (n(M.FFN_GATE_SHEXP), (shared_d_ff, d_model), gate_t, "w"),
+                      (n(M.FFN_UP_SHEXP), (shared_d_ff, d_model), up_t, "w"),
+                      (n(M.FFN_DOWN_SHEXP), (d_model, shared_d_ff), down_t, "w")]
+
+    rng = np.random.default_rng(seed)
+    out, types = {}, {}
+    for name, shape, dtype, kind in table:
+        if name in omit:
+            continue
+        shape = tuple((shapes or {}).get(name, shape))
+        if dtype in _BLOCK and shape[-1] % _BLOCK[dtype]:
+            dtype = "q8_0" if shape[-1] % 32 == 0 else "f16"
+        types[name] = dtype
+        # Generated and encoded a slice of the leading axis at a time (a
+        # 128-expert stack is 0.8 GB as float32).
+        step = max(1, (1 << 24) // max(1, int(np.prod(shape[1:])))) if len(shape) > 1 else shape[0]
+        raws, refs = [], []
+        for i in range(0, shape[0], step):
+            part = rng.standard_normal((min(step, shape[0] - i),) + shape[1:], dtype=np.float32)
+            if kind == "norm":
+                part = 1.0 + 0.02 * part
+            elif kind == "w":
+                part *= 0.02
+            raw, ref = encode(part, dtype, reference)
+            raws.append(raw)
+            refs.append(ref)
+        raw = np.concatenate(raws) if len(raws) > 1 else raws[0]
+        w.add_tensor(name, raw, raw_dtype=GGUF_TYPE[dtype] if raw.dtype == np.uint8 else None)
+        if reference:
+            out[name] = np.concatenate(refs) if len(refs) > 1 else refs[0]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out["__meta__"] = dict(
+        arch=arch, n_blocks=n_blocks, d_model=d_model, n_experts=n_experts, top_k=top_k, d_ff=d_ff,
+        n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab, shared_d_ff=shared_d_ff,
+        n_dense_blocks=n_dense_blocks, dense_d_ff=dense_d_ff if n_dense_blocks else 0,
+        tie_embeddings=tie_embeddings, rope_theta=rope_theta, rope=spec["rope"], rms_eps=rms_eps,
+        context_length=context_length, qk_norm=spec.get("qk_norm"), norm_topk_prob=spec["norm_topk"],
+        gating=spec.get("gating", "softmax"),
+        # gpt-oss: llama.cpp's swiglu_oai (alpha 1.702, clamp 7, (up + 1) * glu)
+        activation="swiglu_oai" if arch == "gpt-oss" else "silu",
+        sliding_window=sliding_window if spec.get("swa") else 0,
+        swa_layers=[i for i in range(n_blocks) if i % 2 == 0] if spec.get("swa") else [],
+        bos_id=bos, eos_id=eos, types=types)
+    return out

@@ -1,0 +1,240 @@
+"""colibri.torch.from_pretrained on whole-model GGUF files (written by
+gguf_fixtures.write_model_gguf in each architecture's llama.cpp layout)
+against the plain transformers model of the same config holding the
+weights the file dequantises to (gguf.quants): logits within 3e-2 relative
+L2 by default (int8 activations), within 1e-4 with exact_prefill, greedy
+generate() equal in exact mode; the memory of opening a large file; bad
+files refused with the file and the tensor or key named."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import colibri.torch as ct  # noqa: E402
+from gguf_fixtures import write_model_gguf  # noqa: E402
+
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+# Small shapes each architecture's llama.cpp loader accepts (qwen2moe and
+# olmoe need n_heads * head_dim == d_model, olmoe as many KV heads as heads).
+SHAPES = {
+    "qwen3moe": dict(n_heads=4, n_kv_heads=2, head_dim=64),
+    "qwen2moe": dict(n_heads=4, n_kv_heads=2, head_dim=64, shared_d_ff=256),
+    "olmoe": dict(n_heads=4, n_kv_heads=4, head_dim=64),
+    "llama": dict(n_heads=4, n_kv_heads=2, head_dim=64),
+}
+
+
+def write(tmp_path, arch, **kw):
+    path = str(tmp_path / ("%s.gguf" % arch))
+    args = dict(n_blocks=2, d_model=256, n_experts=8, top_k=2, d_ff=256, vocab=320, seed=1)
+    args.update(SHAPES[arch])
+    args.update(kw)
+    ref = write_model_gguf(path, arch, **args)
+    return path, ref
+
+
+def unpermute(w, n_head):
+    """llama.cpp's converter stores llama q/k rows with each head's two
+    rotary halves interleaved; transformers' layout has them as halves."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def reference_state(plain, ref, arch):
+    """The plain model's state dict from the file's dequantised tensors,
+    by an independent name map (transformers 5 fused and 4.57 per-expert
+    layouts)."""
+    meta = ref["__meta__"]
+    H, KV = meta["n_heads"], meta["n_kv_heads"]
+    out = {}
+    for key, param in plain.state_dict().items():
+        parts = key.split(".")
+        if key == "model.embed_tokens.weight":
+            v = ref["token_embd.weight"]
+        elif key == "lm_head.weight":
+            v = ref.get("output.weight", ref["token_embd.weight"])
+        elif key == "model.norm.weight":
+            v = ref["output_norm.weight"]
+        elif parts[:2] == ["model", "layers"]:
+            b = "blk.%s." % parts[2]
+            rest = ".".join(parts[3:])
+            simple = {
+                "input_layernorm.weight": "attn_norm.weight",
+                "post_attention_layernorm.weight": "ffn_norm.weight",
+                "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+                "self_attn.o_proj.weight": "attn_output.weight",
+                "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+                "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+                "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+                "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+                "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+                "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+            }
+            if rest in simple:
+                v = ref[b + simple[rest]]
+            elif rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
+                g = "attn_q" if "q_proj" in rest else "attn_k"
+                v = ref[b + g + "." + parts[-1]]
+                if arch == "llama":
+                    v = unpermute(v, H if g == "attn_q" else KV)
+            elif rest.endswith("experts.gate_up_proj"):
+                v = np.concatenate([ref[b + "ffn_gate_exps.weight"], ref[b + "ffn_up_exps.weight"]], axis=1)
+            elif rest.endswith("experts.down_proj"):
+                v = ref[b + "ffn_down_exps.weight"]
+            elif ".experts." in rest:
+                e = int(parts[parts.index("experts") + 1])
+                which = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                         "down_proj": "down", "w2": "down"}[parts[-2]]
+                v = ref[b + "ffn_%s_exps.weight" % which][e]
+            else:
+                raise KeyError(key)
+        else:
+            raise KeyError(key)
+        out[key] = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).reshape(param.shape)
+    return out
+
+
+def plain_model(model, ref, arch):
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    plain.load_state_dict(reference_state(plain, ref, arch), strict=True)
+    return plain
+
+
+def rel_l2(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("arch", sorted(SHAPES))
+def test_logits_and_generate_match_plain_transformers(tmp_path, arch):
+    path, ref = write(tmp_path, arch)
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(3))
+    plain = None
+    for exact, tol in ((False, 3e-2), (True, 1e-4)):
+        model = ct.from_pretrained(path, threads=2, exact_prefill=exact)
+        assert type(model).__name__.endswith("ForCausalLM") and not model.training
+        if plain is None:
+            plain = plain_model(model, ref, arch)
+        with torch.inference_mode():
+            got, want = model(ids).logits, plain(ids).logits
+            assert rel_l2(got, want) <= tol, (arch, exact, rel_l2(got, want))
+            if exact:
+                a = model.generate(ids[:1, :6], max_new_tokens=10, do_sample=False, pad_token_id=0)
+                b = plain.generate(ids[:1, :6], max_new_tokens=10, do_sample=False, pad_token_id=0)
+                assert a.tolist() == b.tolist()
+        # Every large weight is Colibri's: no parameter holds a projection.
+        big = [n for n, p in model.named_parameters() if p.numel() >= 256 * 64]
+        assert big == [], big
+
+
+def test_tied_embeddings_and_generate_with_cache(tmp_path):
+    path, ref = write(tmp_path, "qwen3moe", tie_embeddings=True)
+    model = ct.from_pretrained(path, threads=2, exact_prefill=True)
+    plain = plain_model(model, ref, "qwen3moe")
+    ids = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        assert rel_l2(model(ids).logits, plain(ids).logits) <= 1e-4
+        # Decode step by step through the KV cache equals the full forward.
+        out = model(ids[:, :5], use_cache=True)
+        step = model(ids[:, 5:6], past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
+        full = plain(ids[:, :6]).logits[:, -1]
+        assert rel_l2(step, full) <= 1e-4
+
+
+def test_bad_files_are_refused_naming_file_and_tensor(tmp_path):
+    good, _ = write(tmp_path, "qwen3moe")
+    cases = []
+    p = str(tmp_path / "missing.gguf")
+    write_model_gguf(p, "qwen3moe", n_blocks=2, d_model=256, n_experts=8, top_k=2, d_ff=256, vocab=320,
+                     omit=("blk.1.attn_k.weight",), **SHAPES["qwen3moe"])
+    cases.append((p, "blk.1.attn_k.weight"))
+    p = str(tmp_path / "misshapen.gguf")
+    write_model_gguf(p, "qwen3moe", n_blocks=2, d_model=256, n_experts=8, top_k=2, d_ff=256, vocab=320,
+                     shapes={"blk.0.attn_output.weight": (256, 128)}, **SHAPES["qwen3moe"])
+    cases.append((p, "blk.0.attn_output.weight"))
+    p = str(tmp_path / "truncated.gguf")
+    with open(good, "rb") as f:
+        data = f.read()
+    with open(p, "wb") as f:
+        f.write(data[: len(data) * 2 // 3])
+    cases.append((p, "truncated"))
+    p = str(tmp_path / "garbage.gguf")
+    with open(p, "wb") as f:
+        f.write(b"not a gguf file at all" * 10)
+    cases.append((p, "GGUF"))
+    p = str(tmp_path / "unknown.gguf")
+    write_model_gguf(p, "qwen3moe", n_blocks=1, d_model=256, n_experts=8, top_k=2, d_ff=256, vocab=320,
+                     **SHAPES["qwen3moe"])
+    with open(p, "rb") as f:
+        data = f.read()
+    i = data.index(b"qwen3moe")  # general.architecture's value comes first
+    with open(p, "wb") as f:
+        f.write(data[:i] + b"qwen9moe" + data[i + 8:])
+    cases.append((p, "qwen9moe"))
+    cases.append((str(tmp_path / "absent.gguf"), "no such file"))
+    for path, what in cases:
+        with pytest.raises(ValueError) as e:
+            ct.from_pretrained(path, threads=1)
+        msg = str(e.value)
+        assert path in msg and what in msg, (path, msg)
+
+
+def test_custom_operators_compile_without_graph_breaks(tmp_path):
+    """torch.compile(fullgraph=True) over a Colibri linear and embedding:
+    they are custom operators with fake implementations."""
+    import colibri.nn as cnn
+
+    emb_rows = torch.randn(64, 32)
+    w = torch.randn(48, 32)
+    emb = cnn.Embedding(np.ascontiguousarray(emb_rows.numpy()).view(np.uint8), "f32", 64, 32)
+    lin = cnn.Linear(w, None, 48, 32, quantize="f32", threads=1, exact=True)
+
+    def f(ids):
+        return torch.nn.functional.silu(lin(emb(ids) * 2.0))
+
+    ids = torch.tensor([[1, 5, 7]])
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    want = torch.nn.functional.silu((emb_rows[ids] * 2.0) @ w.T)
+    assert torch.allclose(compiled(ids), want, atol=1e-4)
+
+
+MEMORY_CHILD = r"""
+import json, sys
+import colibri.torch as ct
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+import torch
+before = hwm()
+m = ct.from_pretrained(sys.argv[1], threads=2, lock=False)
+print(json.dumps({"before": before, "after": hwm()}))
+"""
+
+
+def test_opening_a_large_file_grows_the_process_by_about_its_size(tmp_path):
+    # About 520 MB: bf16 experts (no quantiser cost when writing) and
+    # attention, so the test is about the loader, not the writer.
+    path = str(tmp_path / "large.gguf")
+    write_model_gguf(path, "qwen3moe", n_blocks=4, d_model=1024, n_experts=32, top_k=4, d_ff=1024,
+                     n_heads=8, n_kv_heads=2, head_dim=128, vocab=4096, expert_types=("bf16", "bf16", "bf16"),
+                     attn_type="bf16", reference=False)
+    size = os.path.getsize(path)
+    assert size >= 500e6
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, path], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    growth = r["after"] - r["before"]
+    print("file %.0f MB, peak RSS growth %.0f MB (%.2fx)" % (size / 1e6, growth / 1e6, growth / size))
+    assert growth <= 1.1 * size + 300 * 2**20, (growth, size)
