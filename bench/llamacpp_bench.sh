@@ -12,6 +12,14 @@
 # Environment: LLAMACPP_PY_VERSION, PIP (as bench/llamacpp_peer.sh),
 #   JOBS         parallel build jobs (default 2)
 #   GGML_OPENMP  ON (default, as llama.cpp builds) or OFF
+#   GGML_AMX     OFF (default) or ON. ggml's AMX extra buffer type (compiled in
+#                by -march=native on a CPU with AMX) crashes this version's
+#                llama-bench on the dev machine (SIGSEGV/SIGILL at ldtilecfg in
+#                ggml_backend_amx_mul_mat, on the first prompt matmul of a Q8_0 or
+#                Q4_K weight; llama.cpp issue 20824). OFF builds with
+#                -mno-amx-tile -mno-amx-int8 -mno-amx-bf16, which keeps the
+#                CPU_REPACK AVX-512 kernels; ON needs `--repack 0` to run here
+#                (that turns repacking off too).
 #   TARGETS      build targets (default llama-bench; e.g. "llama-bench llama-simple",
 #                which turns on LLAMA_BUILD_EXAMPLES)
 set -euo pipefail
@@ -20,6 +28,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${1:-$ROOT/build/llamacpp-bench}"
 JOBS="${JOBS:-2}"
 OPENMP="${GGML_OPENMP:-ON}"
+AMX="${GGML_AMX:-OFF}"
 TARGETS="${TARGETS:-llama-bench}"
 
 die() { echo "llamacpp_bench.sh: error: $*" >&2; exit 1; }
@@ -35,7 +44,9 @@ examples=OFF
 [[ " $TARGETS " == *" llama-simple "* ]] && examples=ON
 mkdir -p "$WORK"
 BUILD="$(cd "$WORK" && pwd)/build"
-stamp="$name openmp=$OPENMP targets=$TARGETS"
+stamp="$name openmp=$OPENMP amx=$AMX targets=$TARGETS"
+noamx=""
+[[ "$AMX" == "OFF" ]] && noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 EXE="$BUILD/bin/llama-bench"
 if [[ ! -x "$EXE" ]] || [[ "$(cat "$BUILD/.built" 2>/dev/null)" != "$stamp" ]]; then
     say "configuring llama.cpp ($name) in $BUILD"
@@ -46,6 +57,7 @@ if [[ ! -x "$EXE" ]] || [[ "$(cat "$BUILD/.built" 2>/dev/null)" != "$stamp" ]]; 
         -DCMAKE_BUILD_TYPE=Release \
         -DBUILD_SHARED_LIBS=OFF \
         -DGGML_NATIVE=ON \
+        -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx" \
         -DGGML_CPU_REPACK=ON \
         -DGGML_OPENMP="$OPENMP" \
         -DGGML_BACKEND_DL=OFF \
