@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 
 import numpy as np
 import torch
@@ -259,14 +260,73 @@ def _moe_block(layer):
     return None, None
 
 
+def _hand_over_cores(threads, torch_threads):
+    """PyTorch's intra-op threads spin after each operator on the cores
+    Colibri's pool needs next (and the other way round): on 2 cores a
+    Qwen3-MoE decode step took 3.7x as long with both at 2 threads as with
+    PyTorch at 1 (bench/e2e_gguf.py --torch-threads). With every large
+    product in Colibri, what PyTorch has left (norms, rope, attention over
+    the cache) runs on the cores Colibri does not take."""
+    if torch_threads is None:
+        return
+    if torch_threads == "auto":
+        cores = os.cpu_count() or 1
+        mine = cores if threads == 0 else min(threads, cores)
+        torch_threads = max(1, cores - mine)
+    torch.set_num_threads(int(torch_threads))
+
+
+def _routed_block_forward(self, hidden_states):
+    """A transformers 5 MoE block's forward with the router in Colibri too:
+    the file's router, routing rule and shared expert in one C call (the
+    PyTorch router cost a Qwen3-MoE decode step about 0.1 ms per block).
+    transformers 5's blocks return the hidden states alone."""
+    model, layer, d_model, fallback = self.__dict__["_colibri_routed"]
+    if (self.training or hidden_states.device.type != "cpu"
+            or (torch.is_grad_enabled() and hidden_states.requires_grad)):
+        return fallback(hidden_states)
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, d_model)
+    if x.dtype != torch.float32:
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        model._infer_pointers(layer, x.shape[0], 0, x.data_ptr(), None, None, out.data_ptr())
+    return out.reshape(shape).to(hidden_states.dtype)
+
+
+def _route_in_colibri(model, report):
+    """Moves each accelerated block's router into its Colibri call, where
+    the blocks' forwards are transformers 5's (a tensor in, a tensor out)
+    and nothing asks for the router logits."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5 or getattr(model.config, "output_router_logits", False):
+        return
+    for b in report.accelerated:
+        block = model.get_submodule(b.path)
+        state = block.__dict__.get("_colibri_state") or block.experts.__dict__.get("_colibri_state")
+        cmodel = state.experts.colibri_model
+        if cmodel.info.router_family is None:
+            continue
+        fallback = block.forward
+        block.__dict__["_colibri_routed"] = (cmodel, b.colibri_layer, b.d_model, fallback)
+        block.__dict__["forward"] = types.MethodType(_routed_block_forward, block)
+
+
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
-                    bf16_compute=False):
+                    bf16_compute=False, torch_threads="auto"):
     """A transformers model (eval mode) for the GGUF file `path` (or the
     first file of a split set), its large weights computed by Colibri in the
     file's formats. See colibri.torch.from_pretrained."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from . import torch as ctorch
+
+    if torch_threads is not None and torch_threads != "auto" and int(torch_threads) < 1:
+        raise ValueError("torch_threads must be 'auto', None or >= 1, got %r" % (torch_threads,))
 
     f = _File(path)
     family = _FAMILIES.get(f.arch)
@@ -294,7 +354,9 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     small = {}
     used = set()
 
-    def linear(name, module_path, permute_heads=None):
+    def projection(name, module_path, permute_heads=None):
+        """(rows as stored, dtype, bias or None, (out, in)) of a 2-D tensor
+        checked against the model's module at module_path."""
         if not f.has(name):
             raise ValueError("%s: tensor %s is missing" % (f.path, name))
         target = model.get_submodule(module_path)
@@ -315,9 +377,12 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
             used.add(bias_name)
         elif getattr(target, "bias", None) is not None:
             raise ValueError("%s: tensor %s is missing (the model's %s has a bias)" % (f.path, bias_name, module_path))
-        _set_module(model, module_path, cnn.Linear(rows, f.dtype(name), want[0], want[1], bias, name=name,
-                                                   **linear_opts))
         used.add(name)
+        return rows, f.dtype(name), bias, want
+
+    def linear(name, module_path, permute_heads=None):
+        rows, dtype, bias, (out, inp) = projection(name, module_path, permute_heads)
+        _set_module(model, module_path, cnn.Linear(rows, dtype, out, inp, bias, name=name, **linear_opts))
 
     def tensor(name, param_path, reshape=None):
         if not f.has(name):
@@ -339,6 +404,8 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
         tensor(blk + "attn_norm.weight", lp + "input_layernorm.weight")
         tensor(blk + "ffn_norm.weight", lp + "post_attention_layernorm.weight")
         attn = lp + "self_attn."
+        # q, k and v stay three calls: one fused call over their stacked
+        # rows measured no faster (Qwen3-MoE decode, docs/PYTORCH.md).
         linear(blk + "attn_q.weight", attn + "q_proj", n_heads if family.permuted_qk else None)
         linear(blk + "attn_k.weight", attn + "k_proj", n_kv if family.permuted_qk else None)
         linear(blk + "attn_v.weight", attn + "v_proj")
@@ -393,6 +460,7 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     if len(report.accelerated) != config.num_hidden_layers:
         raise ValueError("%s: Colibri took %d of the %d MoE blocks (skipped: %s)"
                          % (f.path, len(report.accelerated), config.num_hidden_layers, report.skipped))
+    _route_in_colibri(model, report)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     left += [n for n, b in model.named_buffers() if b.is_meta]
     if left:
@@ -403,4 +471,5 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
                          % (f.path, family.model_type, ", ".join(unused[:5])))
     model._colibri_report = report
     model.eval()
+    _hand_over_cores(threads, torch_threads)
     return model

@@ -1254,7 +1254,7 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
-                    bf16_compute=False):
+                    bf16_compute=False, torch_threads="auto"):
     """The transformers model of a GGUF file (or the first file of a split
     set), built without materialising its large weights: attention
     projections, dense MLPs and the LM head run as colibri.nn.Linear on the
@@ -1262,11 +1262,16 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     looks up, and the MoE blocks run the file's experts in Colibri
     (accelerate(gguf=)). Returns the model in eval mode; forward and
     generate work as usual. Options as accelerate()'s. Bad files raise
-    ValueError naming the file and the tensor or key. docs/PYTORCH.md."""
+    ValueError naming the file and the tensor or key. docs/PYTORCH.md.
+
+    torch_threads: PyTorch's intra-op thread count, set (process-wide,
+    torch.set_num_threads) once the model is built: "auto" gives PyTorch
+    the cores Colibri's `threads` leave, at least 1, so the two pools do
+    not spin on each other's cores; None leaves PyTorch as it is."""
     from .loader import from_pretrained as load
 
     return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,
-                huge_pages=huge_pages, bf16_compute=bf16_compute)
+                huge_pages=huge_pages, bf16_compute=bf16_compute, torch_threads=torch_threads)
 
 
 def restore(model):

@@ -130,6 +130,9 @@ def test_logits_and_generate_match_plain_transformers(tmp_path, arch):
                 a = model.generate(ids[:1, :6], max_new_tokens=10, do_sample=False, pad_token_id=0)
                 b = plain.generate(ids[:1, :6], max_new_tokens=10, do_sample=False, pad_token_id=0)
                 assert a.tolist() == b.tolist()
+        if TRANSFORMERS_5:
+            # Routers run inside the Colibri call (loader._route_in_colibri).
+            assert all("_colibri_routed" in layer.mlp.__dict__ for layer in model.model.layers)
         # Every large weight is Colibri's: no parameter holds a projection.
         big = [n for n, p in model.named_parameters() if p.numel() >= 256 * 64]
         assert big == [], big

@@ -130,6 +130,8 @@ class GgufFile {
   // Drops a tensor's pages from memory once it has been copied (opened
   // files only; MappedFile::release).
   void release(const GgufTensor& t) const { file_.release(data(t), static_cast<size_t>(t.bytes)); }
+  // The same for any range; ranges outside this file are ignored.
+  void release(const void* p, size_t n) const { file_.release(p, n); }
 
   // Typed metadata: nullopt-style lookups that throw Error(kFormat) naming
   // the file and key when the key is present with a value of another kind.

@@ -201,7 +201,8 @@ void ExpertStore::finish(const StoreOptions& options, std::string* warnings) {
 }
 
 ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest& m, const StoreOptions& options,
-                         std::string* warnings, const std::function<void(int32_t layer)>& layer_packed) {
+                         std::string* warnings, const std::function<void(int32_t layer)>& layer_packed,
+                         const std::function<void(const void* data, size_t bytes)>& source_copied) {
   layout(m, options);
   for (int32_t l = 0; l < m.n_layers; ++l) {
     const LayerBuffers& lw = layers[static_cast<size_t>(l)];
@@ -215,6 +216,14 @@ ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest
       parts.down_bias = reinterpret_cast<const uint8_t*>(ew.down_bias);
       pack_expert_parts(parts, shape, mutable_at(base(l, e)));
       stats_.bytes_files += m.expert_file_bytes(l);
+      if (source_copied) {
+        const size_t gate_up = static_cast<size_t>(shape.d_ff) *
+                               weight_row_bytes(shape.weight_type, static_cast<size_t>(shape.d_model));
+        source_copied(parts.gate, gate_up);
+        source_copied(parts.up, gate_up);
+        source_copied(parts.down, static_cast<size_t>(shape.d_model) *
+                                      weight_row_bytes(shape.down_type, static_cast<size_t>(shape.d_ff)));
+      }
     }
     if (has_router_) {
       pack_router(reinterpret_cast<const uint8_t*>(lw.router), router_shape_, mutable_at(router(l)));

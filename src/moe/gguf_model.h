@@ -38,6 +38,10 @@ struct GgufModel {
   void release_layer(int32_t layer) const {
     for (const auto& [file, tensor] : layer_tensors[static_cast<size_t>(layer)]) file->release(*tensor);
   }
+  // Drops the pages of [p, p + n) (part of an expert tensor, copied).
+  void release_bytes(const void* p, size_t n) const {
+    for (const GgufFile& f : files) f.release(p, n);
+  }
   std::vector<std::vector<float>> converted;  // f16 / bf16 routers and gates widened to f32
 };
 

@@ -176,7 +176,8 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
     StoreOptions so = store_options(o, false);
     so.defer_experts = slots > 0;
     store_ = std::make_unique<ExpertStore>(g.layers, manifest_, so, warnings,
-                                           [&g](int32_t layer) { g.release_layer(layer); });
+                                           [&g](int32_t layer) { g.release_layer(layer); },
+                                           [&g](const void* p, size_t n) { g.release_bytes(p, n); });
     if (slots > 0) start_cache(o, gguf_source(g), slots, warnings);
     first_block_ = g.first_block;
     const int32_t last = g.first_block + manifest_.n_layers - 1;

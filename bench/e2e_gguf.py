@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""End to end on one GGUF file: llama.cpp's llama-bench against
+colibri.torch.from_pretrained + transformers' forward/generate, interleaved
+rounds, each engine in a fresh process (peak RSS is that process's own,
+from wait4).
+
+  .venv/bin/python bench/e2e_gguf.py --gguf FILE [--gguf FILE2 ...] \\
+      [--llama-bench build/llamacpp-bench/bin/llama-bench] [--threads 2] [--rounds 3] \\
+      [--prefill 128,512] [--decode 32] [--json OUT.json]
+
+Per round and file:
+  llama.cpp  llama-bench -m FILE -t THREADS -p P1,P2 -n DECODE -r 1 -o json
+             (pp: one batch of P tokens; tg: DECODE tokens generated one at
+             a time from an empty context)
+  Colibri    a child process: from_pretrained(FILE, threads=THREADS) (load
+             seconds, RSS), a warm-up, then each prefill size as one forward
+             of P tokens (median of --reps), and generate() of DECODE new
+             tokens from a 16-token prompt, greedy: decode tokens/s is one
+             over the median step (time between consecutive logits
+             processor calls). One more generate with forward hooks gives
+             where a decode step's time goes: Colibri linears (attention
+             projections, head), MoE blocks (router + experts), attention
+             outside its linears, norms, the rest (generate, cache, rope,
+             Python).
+PyTorch's threads: from_pretrained's torch_threads="auto" (the cores Colibri
+leaves, at least 1), or --torch-threads.
+
+Files: bench/make_e2e_gguf.py writes the project's synthetic ones (real
+widths, random weights, small vocabulary).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+
+def cpu_model():
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def run_child(cmd, env=None):
+    """(stdout, peak RSS bytes) of one child process."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd[:3]), p.returncode, err.decode()[-2000:]))
+    return out.decode()
+
+
+def measured(cmd):
+    """Runs cmd under this script's --measure wrapper: (stdout, peak RSS bytes)."""
+    out = run_child([sys.executable, os.path.abspath(__file__), "--measure", "--"] + cmd)
+    body, _, last = out.rstrip("\n").rpartition("\n")
+    return body, int(last)
+
+
+def measure_main(cmd):
+    pid = os.fork()
+    if pid == 0:
+        os.execvp(cmd[0], cmd)
+    _, status, usage = os.wait4(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        sys.exit(code)
+    print(usage.ru_maxrss * 1024)
+
+
+# ------------------------------------------------------------ Colibri child
+
+
+def colibri_child(a):
+    import torch
+
+    import colibri.nn as cnn
+    import colibri.torch as ct
+
+    res = {}
+    t0 = time.perf_counter()
+    model = ct.from_pretrained(a.gguf[0], threads=a.threads, torch_threads=a.torch_threads or "auto")
+    res["load_s"] = time.perf_counter() - t0
+    res["rss_after_load"] = rss()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for P in a.prefill_sizes:
+            ids = torch.randint(3, vocab, (1, P), generator=g)
+            model(ids, use_cache=False)  # warm-up
+            times = []
+            for _ in range(a.reps):
+                t = time.perf_counter()
+                model(ids, use_cache=False)
+                times.append(time.perf_counter() - t)
+            res["pp%d" % P] = P / statistics.median(times)
+        prompt = torch.randint(3, vocab, (1, 16), generator=g)
+        stamps = []
+
+        class Stamp:
+            def __call__(self, input_ids, scores):
+                stamps.append(time.perf_counter())
+                return scores
+
+        def generate():
+            stamps.clear()
+            model.generate(prompt, max_new_tokens=a.decode, min_new_tokens=a.decode, do_sample=False,
+                           logits_processor=[Stamp()], pad_token_id=0)
+            return [y - x for x, y in zip(stamps, stamps[1:])]
+
+        generate()  # warm-up
+        steps = []
+        for _ in range(a.reps):
+            steps += generate()
+        res["tg"] = 1.0 / statistics.median(steps)
+        res["decode_step_ms"] = statistics.median(steps) * 1e3
+        res["breakdown_ms"] = decode_breakdown(model, generate, cnn)
+    res["rss_end"] = rss()
+    print(json.dumps(res))
+
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def decode_breakdown(model, generate, cnn):
+    """ms per decode step in each kind of module, from forward hooks:
+    attention_linears (q/k/v/o), head, moe (router + experts), attention
+    (the rest of the attention modules: rope, cache, softmax), norms, and
+    rest (embedding, generate's own work, Python between modules)."""
+    import torch
+
+    spans = {"attention_linears": 0.0, "head": 0.0, "moe": 0.0, "attention_all": 0.0, "norms": 0.0}
+    kinds = []
+    for name, m in model.named_modules():
+        if isinstance(m, cnn.Linear):
+            kinds.append((m, "attention_linears" if ".self_attn." in name else "head"))
+        elif hasattr(m, "experts") and isinstance(getattr(m, "experts"), torch.nn.Module):
+            kinds.append((m, "moe"))
+        elif type(m).__name__.endswith("Attention"):
+            kinds.append((m, "attention_all"))
+        elif type(m).__name__.endswith("RMSNorm"):
+            kinds.append((m, "norms"))
+    handles = []
+    for m, kind in kinds:
+        def pre(mod, args):
+            mod.__dict__["_e2e_t0"] = time.perf_counter()
+
+        def post(mod, args, out, kind=kind):
+            spans[kind] += time.perf_counter() - mod.__dict__.pop("_e2e_t0")
+
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    try:
+        steps = generate()
+    finally:
+        for h in handles:
+            h.remove()
+    # The hooks saw the prompt's forward too; per-step figures divide by all
+    # forwards, which the decode steps dominate.
+    n = len(steps) + 1
+    out = {k: v / n * 1e3 for k, v in spans.items()}
+    out["attention"] = out.pop("attention_all") - out["attention_linears"]
+    out["step"] = statistics.median(steps) * 1e3
+    out["rest"] = out["step"] - sum(v for k, v in out.items() if k != "step")
+    return out
+
+
+# ------------------------------------------------------------------- parent
+
+
+def llama_bench(a, path):
+    cmd = [a.llama_bench, "-m", path, "-t", str(a.threads), "-p", ",".join(map(str, a.prefill_sizes)),
+           "-n", str(a.decode), "-r", "1", "-o", "json"]
+    out, peak = measured(cmd)
+    res = {"peak_rss": peak}
+    for row in json.loads(out):
+        tps = row.get("avg_ts")
+        if row.get("n_gen", 0) > 0:
+            res["tg"] = tps
+        else:
+            res["pp%d" % row["n_prompt"]] = tps
+    return res
+
+
+def colibri_run(a, path):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--gguf", path, "--threads", str(a.threads),
+           "--prefill", ",".join(map(str, a.prefill_sizes)), "--decode", str(a.decode), "--reps", str(a.reps),
+           "--torch-threads", str(a.torch_threads)]
+    out, peak = measured(cmd)
+    res = json.loads(out.strip().splitlines()[-1])
+    res["peak_rss"] = peak
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", action="append", required=True)
+    ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prefill", default="128,512")
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--torch-threads", type=int, default=0, help="PyTorch's intra-op threads (0: from_pretrained's 'auto')")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    a.prefill_sizes = [int(p) for p in a.prefill.split(",") if p]
+    if a.child:
+        colibri_child(a)
+        return
+    results = {"cpu": cpu_model(), "threads": a.threads, "date": time.strftime("%Y-%m-%d"), "files": {}}
+    for path in a.gguf:
+        results["files"][path] = {"llama.cpp": [], "colibri": [], "size": os.path.getsize(path)}
+    for r in range(a.rounds):
+        for path in a.gguf:
+            runs = results["files"][path]
+            engines = [("colibri", colibri_run)]
+            if a.llama_bench:
+                engines.insert(0, ("llama.cpp", llama_bench))
+            if r % 2:
+                engines.reverse()
+            for name, fn in engines:
+                res = fn(a, path)
+                runs[name].append(res)
+                print("round %d %s %s: %s" % (r, os.path.basename(path), name,
+                                              {k: (round(v, 2) if isinstance(v, float) else v)
+                                               for k, v in res.items() if k != "breakdown_ms"}),
+                      file=sys.stderr, flush=True)
+                if "breakdown_ms" in res:
+                    print("  decode step breakdown (ms): %s"
+                          % {k: round(v, 2) for k, v in res["breakdown_ms"].items()}, file=sys.stderr)
+    print(table(results, a))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def table(results, a):
+    keys = ["pp%d" % p for p in a.prefill_sizes] + ["tg"]
+    lines = ["%s, %d threads, %s; medians of %d interleaved rounds (min-max)"
+             % (results["cpu"], a.threads, results["date"], a.rounds), "",
+             "| file | engine | " + " | ".join(k + " tokens/s" for k in keys) + " | peak RSS | load s |",
+             "|---|---|" + "---|" * (len(keys) + 2)]
+    for path, runs in results["files"].items():
+        for name in ("llama.cpp", "colibri"):
+            rs = runs[name]
+            if not rs:
+                continue
+            cells = []
+            for k in keys:
+                v = [r[k] for r in rs if k in r]
+                cells.append("%.1f (%.1f-%.1f)" % (statistics.median(v), min(v), max(v)) if v else "-")
+            peak = statistics.median([r["peak_rss"] for r in rs]) / 2**30
+            load = statistics.median([r["load_s"] for r in rs]) if "load_s" in rs[0] else float("nan")
+            lines.append("| %s (%.2f GiB) | %s | %s | %.2f GiB | %.1f |"
+                         % (os.path.basename(path), runs["size"] / 2**30, name, " | ".join(cells), peak, load))
+        if runs["llama.cpp"] and runs["colibri"]:
+            ratios = []
+            for k in keys:
+                c = statistics.median([r[k] for r in runs["colibri"]])
+                l = statistics.median([r[k] for r in runs["llama.cpp"]])
+                ratios.append("%.2fx" % (c / l))
+            pc = statistics.median([r["peak_rss"] for r in runs["colibri"]])
+            pl = statistics.median([r["peak_rss"] for r in runs["llama.cpp"]])
+            lines.append("| | Colibri / llama.cpp | %s | %.2fx | |" % (" | ".join(ratios), pc / pl))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--measure":
+        measure_main(sys.argv[3:])
+    else:
+        main()
