@@ -280,8 +280,9 @@ def _routed_block_forward(self, hidden_states):
     """A transformers 5 MoE block's forward with the router in Colibri too:
     the file's router, routing rule and shared expert in one C call (the
     PyTorch router cost a Qwen3-MoE decode step about 0.1 ms per block).
-    transformers 5's blocks return the hidden states alone."""
-    model, layer, d_model, fallback = self.__dict__["_colibri_routed"]
+    transformers 5's blocks return the hidden states alone. Under
+    torch.compile it is the custom operator colibri::moe."""
+    model, key, layer, d_model, fallback = self.__dict__["_colibri_routed"]
     if (self.training or hidden_states.device.type != "cpu"
             or (torch.is_grad_enabled() and hidden_states.requires_grad)):
         return fallback(hidden_states)
@@ -289,11 +290,10 @@ def _routed_block_forward(self, hidden_states):
     x = hidden_states.reshape(-1, d_model)
     if x.dtype != torch.float32:
         x = x.float()
-    if not x.is_contiguous():
-        x = x.contiguous()
-    out = torch.empty_like(x)
-    if x.shape[0]:
-        model._infer_pointers(layer, x.shape[0], 0, x.data_ptr(), None, None, out.data_ptr())
+    if torch.compiler.is_compiling():
+        out = torch.ops.colibri.moe(x, key, layer)
+    else:
+        out = cnn.run_moe(model, layer, x.contiguous())
     return out.reshape(shape).to(hidden_states.dtype)
 
 
@@ -312,7 +312,7 @@ def _route_in_colibri(model, report):
         if cmodel.info.router_family is None:
             continue
         fallback = block.forward
-        block.__dict__["_colibri_routed"] = (cmodel, b.colibri_layer, b.d_model, fallback)
+        block.__dict__["_colibri_routed"] = (cmodel, cnn.moe_key(cmodel), b.colibri_layer, b.d_model, fallback)
         block.__dict__["forward"] = types.MethodType(_routed_block_forward, block)
 
 

@@ -35,6 +35,23 @@ __all__ = ["Linear", "Embedding"]
 # an int) and their fake implementations (which need the output width).
 _LINEARS: "weakref.WeakValueDictionary[int, Linear]" = weakref.WeakValueDictionary()
 _EMBEDDINGS: "weakref.WeakValueDictionary[int, Embedding]" = weakref.WeakValueDictionary()
+# MoE models (colibri.Model) by id(), for colibri::moe.
+_MOE_MODELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
+def moe_key(model):
+    """The int colibri::moe takes for a colibri.Model (kept while the model lives)."""
+    _MOE_MODELS[id(model)] = model
+    return id(model)
+
+
+def run_moe(model, layer, x):
+    """One MoE layer with the model's built-in router (and shared expert) on
+    a float32 CPU tensor [N, d_model], contiguous: one C call."""
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        model._infer_pointers(layer, x.shape[0], 0, x.data_ptr(), None, None, out.data_ptr())
+    return out
 
 
 def _stored_rows(rows, dtype, out_features, in_features, quantize_to, name):
@@ -182,6 +199,16 @@ def _linear_op(x: torch.Tensor, handle: int) -> torch.Tensor:
 @_linear_op.register_fake
 def _(x, handle):
     return x.new_empty(tuple(x.shape[:-1]) + (_LINEARS[handle].out_features,), dtype=torch.float32)
+
+
+@torch.library.custom_op("colibri::moe", mutates_args=())
+def _moe_op(x: torch.Tensor, key: int, layer: int) -> torch.Tensor:
+    return run_moe(_MOE_MODELS[key], layer, x.contiguous())
+
+
+@_moe_op.register_fake
+def _(x, key, layer):
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("colibri::embedding", mutates_args=())

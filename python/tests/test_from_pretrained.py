@@ -209,6 +209,19 @@ def test_custom_operators_compile_without_graph_breaks(tmp_path):
     assert torch.allclose(compiled(ids), want, atol=1e-4)
 
 
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.57's MoE blocks keep their Python routing loop")
+def test_whole_model_compiles_in_one_graph(tmp_path):
+    """torch.compile(model, fullgraph=True): the Colibri linears, embedding
+    and MoE blocks are custom operators, so nothing breaks the graph."""
+    path, _ = write(tmp_path, "qwen3moe")
+    model = ct.from_pretrained(path, threads=2)
+    ids = torch.randint(0, 320, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = model(ids).logits
+        got = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
+    assert torch.equal(got, want)
+
+
 MEMORY_CHILD = r"""
 import json, sys
 import colibri.torch as ct
