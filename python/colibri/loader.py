@@ -317,17 +317,56 @@ def _route_in_colibri(model, report):
 
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
-                    bf16_compute=False, torch_threads="auto"):
-    """A transformers model (eval mode) for the GGUF file `path` (or the
-    first file of a split set), its large weights computed by Colibri in the
-    file's formats. See colibri.torch.from_pretrained."""
+                    bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None):
+    """A transformers model (eval mode) for a GGUF file (or the first file of
+    a split set) or a Hugging Face checkpoint directory, its large weights
+    computed by Colibri. See colibri.torch.from_pretrained."""
+    if torch_threads is not None and torch_threads != "auto" and int(torch_threads) < 1:
+        raise ValueError("torch_threads must be 'auto', None or >= 1, got %r" % (torch_threads,))
+    options = dict(threads=threads, exact_prefill=exact_prefill, lock=lock, huge_pages=huge_pages,
+                   bf16_compute=bf16_compute)
+    if os.path.isdir(path):
+        if max_resident is not None:
+            raise ValueError("%s: max_resident needs a GGUF file (experts read on demand come from a file Colibri "
+                             "reads; convert the checkpoint with `colibri convert --hf`)" % path)
+        model = _from_checkpoint(os.fspath(path), dtype, dense_dtype, options)
+    else:
+        if dtype is not None or dense_dtype is not None:
+            raise ValueError("%s: dtype= quantises a 16/32-bit checkpoint as it is read; a GGUF file runs in the "
+                             "types it stores" % path)
+        model = _from_gguf(path, max_resident, options)
+    model.eval()
+    _hand_over_cores(threads, torch_threads)
+    return model
+
+
+def _materialise_buffers(model, path):
+    """Buffers computed in __init__ (rotary inverse frequencies) were made
+    on the meta device: those modules are made again on the CPU."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            try:
+                fresh = type(module)(config=model.config)
+            except TypeError:
+                raise ValueError("%s: cannot materialise %s (%s) of the %s model"
+                                 % (path, name, type(module).__name__, model.config.model_type)) from None
+            _set_module(model, name, fresh)
+
+
+def _check_complete(model, path):
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    left += [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise ValueError("%s: no weights in the file for %s" % (path, ", ".join(left[:5])))
+
+
+def _from_gguf(path, max_resident, options):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from . import torch as ctorch
 
-    if torch_threads is not None and torch_threads != "auto" and int(torch_threads) < 1:
-        raise ValueError("torch_threads must be 'auto', None or >= 1, got %r" % (torch_threads,))
-
+    threads, exact_prefill = options["threads"], options["exact_prefill"]
+    lock, huge_pages, bf16_compute = options["lock"], options["huge_pages"], options["bf16_compute"]
     f = _File(path)
     family = _FAMILIES.get(f.arch)
     if family is None:
@@ -441,19 +480,8 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
                                name=head, **linear_opts)
     used.add(head)
 
-    missing = model.load_state_dict(small, strict=False, assign=True)
-    del missing
-    # Buffers computed in __init__ (rotary inverse frequencies) were made on
-    # the meta device: make those modules again on the CPU.
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            try:
-                fresh = type(module)(config=model.config)
-            except TypeError:
-                raise ValueError("%s: cannot materialise %s (%s) of the %s model"
-                                 % (f.path, name, type(module).__name__, family.model_type)) from None
-            _set_module(model, name, fresh)
-
+    model.load_state_dict(small, strict=False, assign=True)
+    _materialise_buffers(model, f.path)
     report = ctorch.accelerate(model, gguf=f.path, threads=threads, exact_prefill=exact_prefill,
                                max_resident=max_resident, lock=lock, huge_pages=huge_pages,
                                bf16_compute=bf16_compute)
@@ -461,15 +489,234 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
         raise ValueError("%s: Colibri took %d of the %d MoE blocks (skipped: %s)"
                          % (f.path, len(report.accelerated), config.num_hidden_layers, report.skipped))
     _route_in_colibri(model, report)
-    left = [n for n, p in model.named_parameters() if p.is_meta]
-    left += [n for n, b in model.named_buffers() if b.is_meta]
-    if left:
-        raise ValueError("%s: no weights in the file for %s" % (f.path, ", ".join(left[:5])))
+    _check_complete(model, f.path)
     unused = sorted(set(f.tensors) - used)
     if unused:
         raise ValueError("%s: tensors the %s model has no place for: %s"
                          % (f.path, family.model_type, ", ".join(unused[:5])))
     model._colibri_report = report
-    model.eval()
-    _hand_over_cores(threads, torch_threads)
+    return model
+
+
+# ------------------------------------------------ Hugging Face checkpoints
+
+_TORCH_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+class _Checkpoint:
+    """A checkpoint directory's safetensors shards: tensor name -> shard,
+    read one tensor at a time (safetensors maps the shard; a tensor read is
+    copied out, so nothing of the file stays resident)."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        self.path = path
+        self._open = safe_open
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not files:
+            raise ValueError("%s: no .safetensors files (from_pretrained reads safetensors checkpoints)" % path)
+        self.where = {}
+        for name in files:
+            full = os.path.join(path, name)
+            try:
+                with safe_open(full, "pt") as f:
+                    for key in f.keys():
+                        self.where[key] = full
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise ValueError("%s: not a readable safetensors file (%s)" % (full, e)) from None
+
+    def has(self, key):
+        return key in self.where
+
+    def get(self, key):
+        if key not in self.where:
+            raise ValueError("%s: tensor %s is missing" % (self.path, key))
+        try:
+            with self._open(self.where[key], "pt") as f:
+                return f.get_tensor(key)
+        except Exception as e:
+            raise ValueError("%s: tensor %s cannot be read from %s (%s)"
+                             % (self.path, key, self.where[key], e)) from None
+
+    def find(self, *candidates):
+        """The first candidate name the checkpoint holds, else None."""
+        for c in candidates:
+            if c in self.where:
+                return c
+        return None
+
+
+# Hub names of an MoE block and its experts' matrices where transformers 5
+# renames them on load (Mixtral's block_sparse_moe and w1/w3/w2).
+_BLOCK_ALIASES = {"mlp": ("mlp", "block_sparse_moe")}
+_EXPERT_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+
+
+def _aliases(key):
+    out = [key]
+    if ".mlp." in key:
+        out.append(key.replace(".mlp.", ".block_sparse_moe.", 1))
+    return out
+
+
+def _expert_matrix(ck, block_path, e, which):
+    names = [block_path + ".experts.%d.%s.weight" % (e, n) for n in _EXPERT_NAMES[which]]
+    found = ck.find(*[a for n in names for a in _aliases(n)])
+    if found is None:
+        raise ValueError("%s: tensor %s is missing" % (ck.path, names[0]))
+    return ck.get(found)
+
+
+def _load_experts(ck, block_path, experts, n_experts):
+    """Fills an experts module's (meta) parameters from the checkpoint,
+    per-expert hub tensors stacked into transformers 5's fused layout where
+    the module has one."""
+    for name, p in list(experts.named_parameters()):
+        fused = ck.find(*_aliases(block_path + ".experts." + name))
+        if fused is not None:
+            value = ck.get(fused)
+        elif name == "gate_up_proj":
+            value = torch.stack([torch.cat([_expert_matrix(ck, block_path, e, "gate"),
+                                            _expert_matrix(ck, block_path, e, "up")]) for e in range(n_experts)])
+        elif name == "down_proj":
+            value = torch.stack([_expert_matrix(ck, block_path, e, "down") for e in range(n_experts)])
+        else:
+            parts = name.split(".")  # transformers 4.57: "<e>.<gate_proj|up_proj|down_proj>.weight"
+            if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in ("gate_proj", "up_proj", "down_proj",
+                                                                             "w1", "w2", "w3"):
+                raise ValueError("%s: experts parameter %s.experts.%s has no rule to read it"
+                                 % (ck.path, block_path, name))
+            which = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
+                     "w2": "down"}[parts[1]]
+            value = _expert_matrix(ck, block_path, int(parts[0]), which)
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError("%s: %s.experts.%s has shape %s in the checkpoint, the model needs %s"
+                             % (ck.path, block_path, name, tuple(value.shape), tuple(p.shape)))
+        owner = experts.get_submodule(name.rpartition(".")[0]) if "." in name else experts
+        setattr(owner, name.rpartition(".")[2], nn.Parameter(value, requires_grad=False))
+
+
+def _from_checkpoint(path, dtype, dense_dtype, options):
+    """A checkpoint directory: the model built on meta; projections and the
+    head read one at a time into colibri.nn.Linear (as stored, or quantised
+    to dense_dtype / dtype's type), the embedding as stored, each MoE
+    block's experts read, handed to Colibri (accelerate(), quantised to
+    `dtype` if given) and released before the next block's are read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from . import torch as ctorch
+    from .quant import QUANTIZED, split_dtype
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError("%s: no config.json (not a Hugging Face checkpoint directory)" % path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ValueError("%s: config.json cannot be read by transformers (%s)" % (path, e)) from None
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ValueError("%s: quantization_config.quant_method = %s: from_pretrained reads 16/32-bit checkpoints; "
+                         "convert this one with `colibri convert --hf`, or use a GGUF file" % (path, method))
+    if dtype is not None:
+        split_dtype(dtype)  # ValueError naming the known types
+    if dense_dtype is None and dtype is not None:
+        dense_dtype = split_dtype(dtype)[0]
+    ck = _Checkpoint(path)
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    blocks = {name: m for name, m in model.named_modules() if isinstance(getattr(m, "experts", None), nn.Module)}
+    if not blocks:
+        raise ValueError("%s: the %s model has no MoE blocks Colibri recognises" % (path, config.model_type))
+    in_blocks = [b + s for b in blocks for s in (".experts", ".shared_expert")]
+    linear_opts = dict(threads=options["threads"], exact=options["exact_prefill"], huge_pages=options["huge_pages"],
+                       lock=options["lock"])
+
+    def stored_dtype(weight, key):
+        stored = _TORCH_DTYPES.get(weight.dtype)
+        if stored is None:
+            raise ValueError("%s: tensor %s is %s; from_pretrained reads f32, f16 and bf16 checkpoints"
+                             % (path, key, weight.dtype))
+        return stored
+
+    def as_bytes(weight):
+        return weight.contiguous().view(torch.uint8).reshape(weight.shape[0], -1)
+
+    def checked(name, want_shape):
+        key = ck.find(*_aliases(name + ".weight"))
+        if key is None and name == "lm_head" and getattr(config, "tie_word_embeddings", False):
+            key = ck.find("model.embed_tokens.weight")
+        if key is None:
+            raise ValueError("%s: tensor %s.weight is missing" % (path, name))
+        w = ck.get(key)
+        if tuple(w.shape) != want_shape:
+            raise ValueError("%s: tensor %s has shape %s, the model's %s needs %s"
+                             % (path, key, tuple(w.shape), name, want_shape))
+        return key, w
+
+    for name, mod in list(model.named_modules()):
+        if any(name == p or name.startswith(p + ".") for p in in_blocks):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        if isinstance(mod, nn.Linear) and not (parent in blocks and leaf in ("gate", "shared_expert_gate")):
+            key, w = checked(name, (mod.out_features, mod.in_features))
+            bias = None
+            if mod.bias is not None:
+                bias = ck.get(ck.find(*_aliases(name + ".bias")) or name + ".bias").float()
+            stored = stored_dtype(w, key)
+            want = dense_dtype or stored
+            block = 256 if want.endswith("_k") else 32
+            if want in QUANTIZED and mod.in_features % block:
+                want = stored  # rows too short for the format's blocks
+            if want == stored:
+                lin = cnn.Linear(as_bytes(w), stored, mod.out_features, mod.in_features, bias, name=key,
+                                 **linear_opts)
+            else:
+                lin = cnn.Linear(w, None, mod.out_features, mod.in_features, bias, name=key, quantize=want,
+                                 **linear_opts)
+            del w
+            _set_module(model, name, lin)
+        elif isinstance(mod, nn.Embedding):
+            key, w = checked(name, (mod.num_embeddings, mod.embedding_dim))
+            _set_module(model, name, cnn.Embedding(as_bytes(w), stored_dtype(w, key), mod.num_embeddings,
+                                                   mod.embedding_dim, name=key))
+    small = {}
+    for key, p in model.state_dict(keep_vars=True).items():
+        if not p.is_meta or any(key.startswith(pre + ".") for pre in in_blocks):
+            continue
+        found = ck.find(*_aliases(key))
+        if found is None:
+            raise ValueError("%s: tensor %s is missing" % (path, key))
+        v = ck.get(found)
+        if tuple(v.shape) != tuple(p.shape):
+            if v.numel() != p.numel():
+                raise ValueError("%s: tensor %s has shape %s, the model needs %s"
+                                 % (path, found, tuple(v.shape), tuple(p.shape)))
+            v = v.reshape(p.shape)
+        small[key] = v.float()
+    model.load_state_dict(small, strict=False, assign=True)
+    _materialise_buffers(model, path)
+    n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    reports = []
+    for bpath, block in blocks.items():
+        _load_experts(ck, bpath, block.experts, n_experts)
+        shared = getattr(block, "shared_expert", None)
+        if shared is not None:
+            for pname, p in list(shared.named_parameters()):
+                key = bpath + ".shared_expert." + pname
+                found = ck.find(*_aliases(key))
+                if found is None:
+                    raise ValueError("%s: tensor %s is missing" % (path, key))
+                owner = shared.get_submodule(pname.rpartition(".")[0]) if "." in pname else shared
+                setattr(owner, pname.rpartition(".")[2], nn.Parameter(ck.get(found), requires_grad=False))
+        report = ctorch.accelerate(block, dtype=dtype, threads=options["threads"],
+                                   exact_prefill=options["exact_prefill"], lock=options["lock"],
+                                   huge_pages=options["huge_pages"], bf16_compute=options["bf16_compute"])
+        if not report.accelerated:
+            raise ValueError("%s: Colibri cannot run block %s: %s" % (path, bpath, report.skipped))
+        reports.append(report)
+    _check_complete(model, path)
+    model._colibri_report = reports
     return model

@@ -1254,15 +1254,25 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
-                    bf16_compute=False, torch_threads="auto"):
-    """The transformers model of a GGUF file (or the first file of a split
-    set), built without materialising its large weights: attention
-    projections, dense MLPs and the LM head run as colibri.nn.Linear on the
-    file's rows as stored, the token embedding dequantises the rows it
-    looks up, and the MoE blocks run the file's experts in Colibri
-    (accelerate(gguf=)). Returns the model in eval mode; forward and
+                    bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None):
+    """A transformers model whose large weights Colibri computes, from one
+    call, built without materialising those weights (docs/PYTORCH.md):
+
+    path: a GGUF file (or the first file of a split set; qwen3moe,
+    qwen2moe, olmoe, llama/mixtral), every weight computed in the type the
+    file stores: attention projections and the LM head as
+    colibri.nn.Linear, the token embedding dequantising the rows it looks
+    up, the MoE blocks (routers, experts, shared experts) in one Colibri
+    model opened from the file (max_resident= as in accelerate()); or a
+    Hugging Face checkpoint directory (config.json + safetensors, f32 / f16
+    / bf16; Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral), read one tensor and one
+    block of experts at a time, kept as stored or quantised as read: dtype
+    for the experts ("q4_k_m", "q8_0", ...), dense_dtype for the
+    projections and head (default: dtype's gate/up type).
+
+    Returns the architecture's transformers model in eval mode; forward and
     generate work as usual. Options as accelerate()'s. Bad files raise
-    ValueError naming the file and the tensor or key. docs/PYTORCH.md.
+    ValueError naming the file and the tensor or key.
 
     torch_threads: PyTorch's intra-op thread count, set (process-wide,
     torch.set_num_threads) once the model is built: "auto" gives PyTorch
@@ -1271,7 +1281,8 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     from .loader import from_pretrained as load
 
     return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,
-                huge_pages=huge_pages, bf16_compute=bf16_compute, torch_threads=torch_threads)
+                huge_pages=huge_pages, bf16_compute=bf16_compute, torch_threads=torch_threads, dtype=dtype,
+                dense_dtype=dense_dtype)
 
 
 def restore(model):

@@ -254,3 +254,93 @@ def test_opening_a_large_file_grows_the_process_by_about_its_size(tmp_path):
     growth = r["after"] - r["before"]
     print("file %.0f MB, peak RSS growth %.0f MB (%.2fx)" % (size / 1e6, growth / 1e6, growth / size))
     assert growth <= 1.1 * size + 300 * 2**20, (growth, size)
+
+
+# ------------------------------------------------ Hugging Face checkpoints
+
+def tiny_config(family):
+    common = dict(vocab_size=300, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_experts=8, moe_intermediate_size=64, head_dim=32,
+                                           norm_topk_prob=True, intermediate_size=256)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**common, num_experts=8, moe_intermediate_size=64,
+                                           shared_expert_intermediate_size=128, intermediate_size=256)
+    if family == "olmoe":
+        return transformers.OlmoeConfig(**common, num_experts=8, intermediate_size=64)
+    return transformers.MixtralConfig(**common, num_local_experts=8, intermediate_size=64)
+
+
+def saved_checkpoint(tmp_path, family, dtype=torch.float32, tie=False):
+    torch.manual_seed(4)
+    cfg = tiny_config(family)
+    cfg.tie_word_embeddings = tie
+    plain = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # larger than the initialiser's 0.02, so the layers matter
+        for name, p in plain.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    plain = plain.to(dtype)
+    d = tmp_path / family
+    plain.save_pretrained(d)
+    return str(d), plain.float()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"])
+def test_checkpoint_directory_matches_plain_transformers(tmp_path, family):
+    path, plain = saved_checkpoint(tmp_path, family)
+    model = ct.from_pretrained(path, threads=2, exact_prefill=True)
+    assert type(model) is type(plain)
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        assert rel_l2(model(ids).logits, plain(ids).logits) <= 1e-4
+        a = model.generate(ids[:1, :5], max_new_tokens=8, do_sample=False, pad_token_id=0)
+        b = plain.generate(ids[:1, :5], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert a.tolist() == b.tolist()
+    big = [n for n, p in model.named_parameters() if p.numel() >= 128 * 64]
+    assert big == [], big
+
+
+def test_checkpoint_quantised_as_it_is_read(tmp_path):
+    """dtype="q8_0": every projection and expert quantised on load; the
+    reference is the plain model holding the same q8_0-dequantised weights."""
+    import colibri
+
+    path, plain = saved_checkpoint(tmp_path, "qwen3_moe", tie=True)
+    model = ct.from_pretrained(path, threads=2, dtype="q8_0", exact_prefill=True)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if p.dim() >= 2 and "norm" not in name and not name.endswith(("embed_tokens.weight", "mlp.gate.weight")):
+                rows = p.reshape(-1, p.shape[-1]).numpy()
+                q = colibri.dequantize(colibri.quantize(rows, "q8_0"), "q8_0", rows.shape[1])
+                p.copy_(torch.from_numpy(q).reshape(p.shape))
+        if plain.config.tie_word_embeddings:
+            # The tied head is quantised, the embedding lookup stays as stored.
+            head = plain.lm_head.weight.detach().clone()
+            rows = head.numpy()
+            plain.lm_head.weight = torch.nn.Parameter(torch.from_numpy(
+                colibri.dequantize(colibri.quantize(rows, "q8_0"), "q8_0", rows.shape[1])))
+    ids = torch.randint(0, 300, (1, 13), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        assert rel_l2(model(ids).logits, plain(ids).logits) <= 1e-4
+    assert "q8_0" in repr(model.model.layers[0].self_attn.q_proj)
+
+
+def test_bad_checkpoints_are_refused(tmp_path):
+    path, _ = saved_checkpoint(tmp_path, "mixtral")
+    os.remove(os.path.join(path, "config.json"))
+    with pytest.raises(ValueError, match="config.json"):
+        ct.from_pretrained(path)
+    path, _ = saved_checkpoint(tmp_path, "qwen3_moe")
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(path, "model.safetensors")
+    state = load_file(f)
+    del state["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(state, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="experts.3.up_proj.weight") as e:
+        ct.from_pretrained(path)
+    assert path in str(e.value)
+    with pytest.raises(ValueError, match="max_resident"):
+        ct.from_pretrained(path, max_resident="50%")
