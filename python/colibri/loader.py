@@ -48,6 +48,8 @@ class _Family:
     model_type: str          # transformers' model_type (AutoConfig.for_model)
     config: callable         # (meta: _Meta) -> dict of config fields
     permuted_qk: bool = False  # llama.cpp's converter permuted q/k rows for its rope layout
+    ffn_norm: str = "ffn_norm"  # the GGUF name of the norm before the MoE block
+    router: str = "gate"        # the MoE block's router module
 
 
 class _Meta:
@@ -137,7 +139,36 @@ def _mixtral(m, vocab):
     return cfg
 
 
+def _gpt_oss(m, vocab):
+    import inspect
+
+    import transformers
+
+    cfg = _common_config(m, vocab)
+    n = cfg["num_hidden_layers"]
+    theta = cfg.pop("rope_theta")
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if m.get("rope.scaling.type") == "yarn":
+        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": float(m.need("rope.scaling.factor")),
+                "original_max_position_embeddings": int(m.need("rope.scaling.original_context_length")),
+                "beta_fast": 32.0, "beta_slow": 1.0}  # llama.cpp's yarn defaults, as gpt-oss was trained
+    cfg.update(num_local_experts=int(m.need("expert_count")),
+               intermediate_size=int(m.need("expert_feed_forward_length")),
+               sliding_window=int(m.need("attention.sliding_window")),
+               # llama.cpp: sliding-window attention on even layers
+               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+               attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
+    if "rope_parameters" in inspect.signature(transformers.GptOssConfig.__init__).parameters:
+        cfg["rope_parameters"] = rope
+    else:  # transformers 4.57
+        cfg["rope_theta"] = theta
+        cfg["rope_scaling"] = None if rope["rope_type"] == "default" else {
+            k: v for k, v in rope.items() if k != "rope_theta"}
+    return cfg
+
+
 _FAMILIES = {
+    "gpt-oss": _Family("gpt_oss", _gpt_oss, ffn_norm="post_attention_norm", router="router"),
     "qwen3moe": _Family("qwen3_moe", _qwen3moe),
     "qwen2moe": _Family("qwen2_moe", _qwen2moe),
     "olmoe": _Family("olmoe", _olmoe),
@@ -282,7 +313,7 @@ def _routed_block_forward(self, hidden_states):
     PyTorch router cost a Qwen3-MoE decode step about 0.1 ms per block).
     transformers 5's blocks return the hidden states alone. Under
     torch.compile it is the custom operator colibri::moe."""
-    model, key, layer, d_model, fallback = self.__dict__["_colibri_routed"]
+    model, key, layer, d_model, fallback, with_scores = self.__dict__["_colibri_routed"]
     if (self.training or hidden_states.device.type != "cpu"
             or (torch.is_grad_enabled() and hidden_states.requires_grad)):
         return fallback(hidden_states)
@@ -294,7 +325,9 @@ def _routed_block_forward(self, hidden_states):
         out = torch.ops.colibri.moe(x, key, layer)
     else:
         out = cnn.run_moe(model, layer, x.contiguous())
-    return out.reshape(shape).to(hidden_states.dtype)
+    out = out.reshape(shape).to(hidden_states.dtype)
+    # gpt-oss's block returns (hidden, router scores); its layer drops the scores.
+    return (out, None) if with_scores else out
 
 
 def _route_in_colibri(model, report):
@@ -312,7 +345,9 @@ def _route_in_colibri(model, report):
         if cmodel.info.router_family is None:
             continue
         fallback = block.forward
-        block.__dict__["_colibri_routed"] = (cmodel, cnn.moe_key(cmodel), b.colibri_layer, b.d_model, fallback)
+        with_scores = b.layout == "gpt_oss"
+        block.__dict__["_colibri_routed"] = (cmodel, cnn.moe_key(cmodel), b.colibri_layer, b.d_model, fallback,
+                                             with_scores)
         block.__dict__["forward"] = types.MethodType(_routed_block_forward, block)
 
 
@@ -441,7 +476,7 @@ def _from_gguf(path, max_resident, options):
     for i, layer in enumerate(base.layers):
         blk, lp = "blk.%d." % i, "%slayers.%d." % (prefix, i)
         tensor(blk + "attn_norm.weight", lp + "input_layernorm.weight")
-        tensor(blk + "ffn_norm.weight", lp + "post_attention_layernorm.weight")
+        tensor(blk + family.ffn_norm + ".weight", lp + "post_attention_layernorm.weight")
         attn = lp + "self_attn."
         # q, k and v stay three calls: one fused call over their stacked
         # rows measured no faster (Qwen3-MoE decode, docs/PYTORCH.md).
@@ -452,11 +487,16 @@ def _from_gguf(path, max_resident, options):
         for g, h in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
             if hasattr(layer.self_attn, h):
                 tensor(blk + g + ".weight", attn + h + ".weight")
+        if isinstance(getattr(layer.self_attn, "sinks", None), torch.Tensor):
+            tensor(blk + "attn_sinks.weight", attn + "sinks")
         block_name, block = _moe_block(layer)
         if block is None:
             raise ValueError("%s: block %d: the %s model has no MoE block there" % (f.path, i, family.model_type))
         bp = lp + block_name + "."
-        tensor(blk + "ffn_gate_inp.weight", bp + "gate.weight")
+        router = getattr(block, family.router)
+        tensor(blk + "ffn_gate_inp.weight", bp + family.router + ".weight")
+        if isinstance(getattr(router, "bias", None), torch.Tensor):
+            tensor(blk + "ffn_gate_inp.bias", bp + family.router + ".bias")
         if hasattr(block, "shared_expert_gate"):
             tensor(blk + "ffn_gate_inp_shexp.weight", bp + "shared_expert_gate.weight", reshape=True)
         _placeholder_weights(block.experts)
@@ -464,8 +504,9 @@ def _from_gguf(path, max_resident, options):
             _placeholder_weights(block.shared_expert)
         for part in ("gate", "up", "down"):
             for kind in ("exps", "shexp"):
-                if f.has(blk + "ffn_%s_%s.weight" % (part, kind)):
-                    used.add(blk + "ffn_%s_%s.weight" % (part, kind))
+                for what in ("weight", "bias"):
+                    if f.has(blk + "ffn_%s_%s.%s" % (part, kind, what)):
+                        used.add(blk + "ffn_%s_%s.%s" % (part, kind, what))
     tensor("output_norm.weight", prefix + "norm.weight")
     emb_shape = f.shape("token_embd.weight")
     if emb_shape != (config.vocab_size, config.hidden_size):

@@ -323,7 +323,7 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
                      expert_types=None, attn_type="q8_0", embd_type="q8_0", head_type="q8_0", router_type="f32",
                      seed=0, tie_embeddings=False, n_dense_blocks=0, dense_d_ff=None, shared_d_ff=0,
                      rope_theta=None, rms_eps=None, context_length=4096, sliding_window=128,
-                     reference=True, extra_kv=None, omit=(), shapes=None):
+                     reference=True, extra_kv=None, omit=(), shapes=None, router_scale=1.0):
     """Writes a complete model GGUF of `arch` (qwen3moe, qwen2moe, olmoe,
     llama with experts = Mixtral, gpt-oss): embeddings, every block's
     attention and MoE, output norm and head, hyperparameters and a small
@@ -349,7 +349,9 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
     "__meta__": the configuration and the semantics llama.cpp applies
     (see _ARCH). Without `reference` only "__meta__" (large files).
     `omit` (tensor names left out) and `shapes` (name: shape written
-    instead) make broken files for the error tests."""
+    instead) make broken files for the error tests. `router_scale` scales
+    the router weights: at N(0, 0.02) a small model's router logits lie so
+    close that rounding flips which experts a token takes."""
     spec = _ARCH[arch]
     expert_types = tuple(expert_types or spec.get("experts", ("q4_k", "q4_k", "q6_k")))
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
@@ -478,7 +480,7 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
             if kind == "norm":
                 part = 1.0 + 0.02 * part
             elif kind == "w":
-                part *= 0.02
+                part *= 0.02 * (router_scale if name.endswith(".ffn_gate_inp.weight") else 1.0)
             raw, ref = encode(part, dtype, reference)
             raws.append(raw)
             refs.append(ref)

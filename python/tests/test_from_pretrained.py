@@ -29,12 +29,20 @@ SHAPES = {
     "qwen2moe": dict(n_heads=4, n_kv_heads=2, head_dim=64, shared_d_ff=256),
     "olmoe": dict(n_heads=4, n_kv_heads=4, head_dim=64),
     "llama": dict(n_heads=4, n_kv_heads=2, head_dim=64),
+    "gpt-oss": dict(n_heads=4, n_kv_heads=2, head_dim=64, sliding_window=8),
 }
+
+
+# Routers at N(0, 0.5), as trained routers separate their experts: at the
+# writer's default N(0, 0.02) a tiny model's router logits are near ties, and
+# int8 rounding then flips which experts a token takes (gpt-oss: 8.8% logit
+# error by default, 6e-7 with exact_prefill).
+ROUTER_SCALE = 25.0
 
 
 def write(tmp_path, arch, **kw):
     path = str(tmp_path / ("%s.gguf" % arch))
-    args = dict(n_blocks=2, d_model=256, n_experts=8, top_k=2, d_ff=256, vocab=320, seed=1)
+    args = dict(n_blocks=2, d_model=256, n_experts=8, top_k=2, d_ff=256, vocab=320, seed=1, router_scale=ROUTER_SCALE)
     args.update(SHAPES[arch])
     args.update(kw)
     ref = write_model_gguf(path, arch, **args)
@@ -70,7 +78,9 @@ def reference_state(plain, ref, arch):
                 "input_layernorm.weight": "attn_norm.weight",
                 "post_attention_layernorm.weight": "ffn_norm.weight",
                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-                "self_attn.o_proj.weight": "attn_output.weight",
+                "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+                "self_attn.sinks": "attn_sinks.weight",
+                "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
                 "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
                 "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
                 "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
@@ -78,6 +88,8 @@ def reference_state(plain, ref, arch):
                 "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
                 "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
             }
+            if arch == "gpt-oss":
+                simple["post_attention_layernorm.weight"] = "post_attention_norm.weight"
             if rest in simple:
                 v = ref[b + simple[rest]]
             elif rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
@@ -85,6 +97,20 @@ def reference_state(plain, ref, arch):
                 v = ref[b + g + "." + parts[-1]]
                 if arch == "llama":
                     v = unpermute(v, H if g == "attn_q" else KV)
+            elif arch == "gpt-oss" and rest.startswith("mlp.experts."):
+                # GptOssExperts: gate_up_proj [E, D, 2F] with gate and up
+                # interleaved, down_proj [E, F, D]; biases likewise.
+                name = rest.split(".")[-1]
+                g, u = (ref[b + "ffn_%s_exps.%s" % (w, "bias" if name.endswith("bias") else "weight")]
+                        for w in ("gate", "up"))
+                if name == "gate_up_proj":
+                    v = np.stack([g.transpose(0, 2, 1), u.transpose(0, 2, 1)], axis=-1).reshape(param.shape)
+                elif name == "gate_up_proj_bias":
+                    v = np.stack([g, u], axis=-1).reshape(param.shape)
+                elif name == "down_proj":
+                    v = ref[b + "ffn_down_exps.weight"].transpose(0, 2, 1)
+                else:
+                    v = ref[b + "ffn_down_exps.bias"]
             elif rest.endswith("experts.gate_up_proj"):
                 v = np.concatenate([ref[b + "ffn_gate_exps.weight"], ref[b + "ffn_up_exps.weight"]], axis=1)
             elif rest.endswith("experts.down_proj"):
