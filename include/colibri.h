@@ -532,6 +532,12 @@ COLIBRI_API const char* colibri_linear_kernels(const colibri_linear_t* linear);
 COLIBRI_API uint64_t colibri_linear_bytes(const colibri_linear_t* linear);
 COLIBRI_API void colibri_linear_free(colibri_linear_t* linear);
 
+/* RMS norm of `rows` rows of `dim` floats: y = weight * x / sqrt(mean(x^2) + eps)
+ * (the mean summed in double), as the MoE families' RMSNorm computes it in
+ * float32; y may be x. Thread-safe. */
+COLIBRI_API colibri_status_t colibri_rms_norm(const float* x, const float* weight, int32_t rows, int32_t dim,
+                                              float eps, float* y);
+
 /* --------------------------------------------------------------- routing */
 
 typedef enum colibri_route_weight_encoding {

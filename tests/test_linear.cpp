@@ -192,3 +192,39 @@ TEST(LinearAbi, CreateForwardAndErrors) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(RmsNormAbi, MatchesFloat64InPlaceAndRefusesBadArguments) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (int32_t dim : {1, 7, 128, 2048}) {
+    const int32_t rows = 3;
+    std::vector<float> x(static_cast<size_t>(rows) * dim), w(static_cast<size_t>(dim));
+    for (float& v : x) v = normal(rng);
+    for (float& v : w) v = 1.0f + 0.1f * normal(rng);
+    std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
+    ASSERT_EQ(COLIBRI_OK, colibri_rms_norm(x.data(), w.data(), rows, dim, 1e-6f, y.data())) << colibri_last_error();
+    for (int32_t r = 0; r < rows; ++r) {
+      double ss = 0.0;
+      for (int32_t i = 0; i < dim; ++i) ss += static_cast<double>(x[r * dim + i]) * x[r * dim + i];
+      const double inv = 1.0 / std::sqrt(ss / dim + 1e-6);
+      for (int32_t i = 0; i < dim; ++i) {
+        const double want = w[i] * x[r * dim + i] * inv;
+        EXPECT_NEAR(y[r * dim + i], want, 1e-6 * (1.0 + std::fabs(want))) << dim;
+      }
+    }
+    std::vector<float> z = x;  // in place gives the same bits
+    ASSERT_EQ(COLIBRI_OK, colibri_rms_norm(z.data(), w.data(), rows, dim, 1e-6f, z.data()));
+    EXPECT_EQ(0, std::memcmp(z.data(), y.data(), y.size() * sizeof(float)));
+  }
+  std::vector<float> x(64, 1.0f), w(32, 1.0f);
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_rms_norm(x.data(), w.data(), 1, 32, 1e-6f, x.data() + 8));
+  EXPECT_NE(std::string(colibri_last_error()).find("overlaps"), std::string::npos);
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_rms_norm(x.data(), nullptr, 1, 32, 1e-6f, x.data()));
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_rms_norm(x.data(), w.data(), 1, 0, 1e-6f, x.data()));
+  EXPECT_EQ(COLIBRI_ERR_INVALID_ARGUMENT, colibri_rms_norm(x.data(), w.data(), 1, 32, -1.0f, x.data()));
+  EXPECT_EQ(COLIBRI_OK, colibri_rms_norm(nullptr, nullptr, 0, 32, 1e-6f, nullptr));
+}
+
+}  // namespace

@@ -465,6 +465,7 @@ _PROTOTYPES = {
     "colibri_linear_kernels": (ctypes.c_char_p, [c_void_p]),
     "colibri_linear_bytes": (ctypes.c_uint64, [c_void_p]),
     "colibri_linear_free": (None, [c_void_p]),
+    "colibri_rms_norm": (ctypes.c_int, [c_void_p, c_void_p, c_int32, c_int32, ctypes.c_float, c_void_p]),
 }
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from . import _lib as L
 from .quant import dequantize, dtype_code, quantize, row_bytes
 
-__all__ = ["Linear", "Embedding"]
+__all__ = ["Linear", "Embedding", "RMSNorm"]
 
 # Live layers by handle, for the custom operators (which take the handle as
 # an int) and their fake implementations (which need the output width).
@@ -189,6 +189,63 @@ class Embedding(nn.Module):
         if torch.compiler.is_compiling():
             return torch.ops.colibri.embedding(ids, self._key)
         return self.run(ids)
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps) over the last dimension in one
+    C call (colibri_rms_norm), what the MoE families' RMSNorm modules compute
+    in float32 with six PyTorch operators. `weight` stays a parameter, so
+    state_dict() is the original module's. Non-float32 or non-CPU inputs
+    fall back to the same formula in PyTorch."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.as_tensor(weight).detach().to(torch.float32).contiguous(),
+                                   requires_grad=False)
+        self.variance_epsilon = float(eps)
+        self._fn = L.fn("colibri_rms_norm")
+
+    @classmethod
+    def replacing(cls, module):
+        return cls(module.weight, module.variance_epsilon)
+
+    def extra_repr(self):
+        return "%s, eps=%s" % (tuple(self.weight.shape), self.variance_epsilon)
+
+    def run(self, x):
+        dim = self.weight.shape[0]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty_like(x)
+        status = self._fn(x.data_ptr(), self.weight.data_ptr(), x.numel() // dim, dim, self.variance_epsilon,
+                          y.data_ptr())
+        if status:
+            L.check(status, "colibri_rms_norm")
+        return y
+
+    def forward(self, x):
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.weight.shape[0] or (
+                x.requires_grad and torch.is_grad_enabled()):
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (self.weight * h).to(x.dtype)
+        if torch.compiler.is_compiling():
+            return torch.ops.colibri.rms_norm(x, self.weight, self.variance_epsilon)
+        return self.run(x)
+
+
+@torch.library.custom_op("colibri::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    L.check(L.fn("colibri_rms_norm")(x.data_ptr(), weight.data_ptr(), x.numel() // weight.shape[0], weight.shape[0],
+                                     eps, y.data_ptr()), "colibri_rms_norm")
+    return y
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("colibri::linear", mutates_args=())

@@ -162,6 +162,10 @@ def test_logits_and_generate_match_plain_transformers(tmp_path, arch):
         # Every large weight is Colibri's: no parameter holds a projection.
         big = [n for n, p in model.named_parameters() if p.numel() >= 256 * 64]
         assert big == [], big
+        import colibri.nn as cnn
+
+        norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+        assert norms and all(isinstance(model.get_submodule(n), cnn.RMSNorm) for n in norms)
 
 
 def test_tied_embeddings_and_generate_with_cache(tmp_path):

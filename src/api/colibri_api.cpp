@@ -16,6 +16,7 @@
 #include "kernels/kernels.h"
 #include "moe/linear.h"
 #include "moe/model.h"
+#include "moe/rms_norm.h"
 #include "moe/routing.h"
 #include "runtime/memory.h"
 #include "util/c_enum.h"
@@ -772,5 +773,27 @@ uint64_t colibri_linear_bytes(const colibri_linear_t* linear) {
 }
 
 void colibri_linear_free(colibri_linear_t* linear) { delete linear; }
+
+colibri_status_t colibri_rms_norm(const float* x, const float* weight, int32_t rows, int32_t dim, float eps,
+                                  float* y) {
+  if (rows < 0 || dim < 1) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {"colibri_rms_norm: rows must be >= 0 and dim >= 1"});
+  }
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {"colibri_rms_norm: eps must be finite and >= 0"});
+  }
+  if (rows == 0) return COLIBRI_OK;
+  if (x == nullptr) return null_argument("colibri_rms_norm", "x");
+  if (weight == nullptr) return null_argument("colibri_rms_norm", "weight");
+  if (y == nullptr) return null_argument("colibri_rms_norm", "y");
+  const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(dim);
+  const auto xb = reinterpret_cast<uintptr_t>(x);
+  const auto yb = reinterpret_cast<uintptr_t>(y);
+  if (xb != yb && xb < yb + n * sizeof(float) && yb < xb + n * sizeof(float)) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {"colibri_rms_norm: y overlaps x without being x"});
+  }
+  colibri::rms_norm_rows(x, static_cast<size_t>(dim), weight, rows, dim, eps, y);
+  return COLIBRI_OK;
+}
 
 }  // extern "C"
