@@ -374,3 +374,19 @@ def test_bad_checkpoints_are_refused(tmp_path):
     assert path in str(e.value)
     with pytest.raises(ValueError, match="max_resident"):
         ct.from_pretrained(path, max_resident="50%")
+
+
+def test_gguf_under_a_memory_budget_gives_the_same_logits(tmp_path):
+    """max_resident: the experts stay in the file and are read on demand;
+    the outputs are the resident model's bits (docs/CACHE.md)."""
+    path, _ = write(tmp_path, "qwen3moe")
+    ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        want = ct.from_pretrained(path, threads=2)(ids).logits
+        budget = ct.from_pretrained(path, threads=2, max_resident="25%")
+        got = budget(ids).logits
+    assert torch.equal(got, want)
+    stats = budget._colibri_report.models[0].stats
+    assert stats.expert_reads > 0
+    with pytest.raises(ValueError, match="dtype"):
+        ct.from_pretrained(path, dtype="q8_0")
