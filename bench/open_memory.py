@@ -10,7 +10,7 @@ pays it) against
               largest tensor read (goal: at most that).
 
   COLIBRI_LIBRARY=build/libcolibri.so .venv/bin/python bench/open_memory.py \\
-      [--work build/bench-work/open-memory] [--gb 4.2] [--dtype q8_0]
+      [--work build/bench-work/open-memory] [--gb 5.0] [--dtype q8_0]
 
 The files are written once (random weights; Qwen3-MoE shape, 2048 wide,
 128 experts of 768) and kept in --work.
@@ -142,7 +142,7 @@ def measure(path, kw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default=os.path.join(HERE, "..", "build", "bench-work", "open-memory"))
-    ap.add_argument("--gb", type=float, default=4.2)
+    ap.add_argument("--gb", type=float, default=5.0)
     ap.add_argument("--dtype", default="q8_0")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)

@@ -630,11 +630,20 @@ def _load_experts(ck, block_path, experts, n_experts):
         fused = ck.find(*_aliases(block_path + ".experts." + name))
         if fused is not None:
             value = ck.get(fused)
-        elif name == "gate_up_proj":
-            value = torch.stack([torch.cat([_expert_matrix(ck, block_path, e, "gate"),
-                                            _expert_matrix(ck, block_path, e, "up")]) for e in range(n_experts)])
-        elif name == "down_proj":
-            value = torch.stack([_expert_matrix(ck, block_path, e, "down") for e in range(n_experts)])
+        elif name in ("gate_up_proj", "down_proj"):
+            # Filled in place, an expert at a time: a stack of a list
+            # would hold the layer twice.
+            value = None
+            for e in range(n_experts):
+                parts = ([_expert_matrix(ck, block_path, e, "gate"), _expert_matrix(ck, block_path, e, "up")]
+                         if name == "gate_up_proj" else [_expert_matrix(ck, block_path, e, "down")])
+                rows = sum(t.shape[0] for t in parts)
+                if value is None:
+                    value = torch.empty((n_experts, rows) + tuple(parts[0].shape[1:]), dtype=parts[0].dtype)
+                if rows != value.shape[1]:
+                    raise ValueError("%s: %s.experts.%d has %d rows, expert 0 %d"
+                                     % (ck.path, block_path, e, rows, value.shape[1]))
+                torch.cat(parts, out=value[e])
         else:
             parts = name.split(".")  # transformers 4.57: "<e>.<gate_proj|up_proj|down_proj>.weight"
             if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in ("gate_proj", "up_proj", "down_proj",
