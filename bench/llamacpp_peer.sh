@@ -19,6 +19,15 @@
 #   PIP                  pip to use (default .venv/bin/pip, else pip3)
 #   JOBS                 parallel build jobs (default 2)
 #   GGML_OPENMP          ON (default, as llama.cpp builds) or OFF
+#   GGML_AMX             OFF (default) or ON, as bench/llamacpp_bench.sh: ggml's AMX
+#                        extra buffer type (compiled in by -march=native on a CPU
+#                        with AMX) takes q4_0/q8_0/q4_K/q6_K weights of a plain
+#                        MUL_MAT (llamacpp_linear), and its tile kernels crash this
+#                        version on the dev machine (SIGILL/SIGSEGV at tileloadd in
+#                        tinygemm_kernel_amx, on a T=128 mul_mat). OFF builds with
+#                        -mno-amx-tile -mno-amx-int8 -mno-amx-bf16, keeping the
+#                        CPU_REPACK AVX-512 kernels. MUL_MAT_ID (llamacpp_moe)
+#                        never uses the AMX buffer type, so OFF does not change it.
 # Needs network access for the first step only; fails clearly without it.
 set -euo pipefail
 
@@ -29,6 +38,7 @@ WORK="${1:-$ROOT/build/llamacpp-peer}"
 VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
 JOBS="${JOBS:-2}"
 OPENMP="${GGML_OPENMP:-ON}"
+AMX="${GGML_AMX:-OFF}"
 if [[ -z "${PIP:-}" ]]; then
     if [[ -x "$ROOT/.venv/bin/pip" ]]; then PIP="$ROOT/.venv/bin/pip"; else PIP="pip3"; fi
 fi
@@ -86,10 +96,18 @@ ggml_version="$(sed -n 's/^set(GGML_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)).
 # ---------------------------------------------------------------- 3. ggml (CPU backend only)
 BUILD="$WORK/ggml-build"
 libs=("$BUILD/src/libggml.a" "$BUILD/src/libggml-cpu.a" "$BUILD/src/libggml-base.a")
-if [[ ! -f "$BUILD/.built" ]] || [[ "$(cat "$BUILD/.built")" != "$name openmp=$OPENMP" ]]; then
+stamp="$name openmp=$OPENMP amx=$AMX llamafile=ON"
+noamx=""
+[[ "$AMX" == "OFF" ]] && noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if [[ ! -f "$BUILD/.built" ]] || [[ "$(cat "$BUILD/.built")" != "$stamp" ]]; then
     say "configuring ggml $ggml_version ($name) in $BUILD"
     t0=$SECONDS
-    # GGML_NATIVE: -march=native (AVX-512, VNNI, BF16, AMX where the CPU has them).
+    # GGML_NATIVE: -march=native (AVX-512, VNNI, BF16, AMX where the CPU has them;
+    # AMX unless GGML_AMX=ON is taken out again by -mno-amx-*, see above).
+    # GGML_LLAMAFILE: llamafile's tinyBLAS sgemm for MUL_MAT with more than one
+    # token (f32/f16/bf16/q8_0/q4_0 weights in the plain CPU buffer). ggml's own
+    # CMakeLists leaves it off; llama.cpp's top-level CMakeLists turns it on, so
+    # llama.cpp runs with it (llamacpp_linear's T=128 cases; MUL_MAT_ID does not use it).
     # GGML_CPU_REPACK: the "CPU_REPACK" extra buffer type, which repacks
     # q4_0/q4_K/iq4_nl/q8_0 weights into interleaved layouts for the AVX-512/AVX2
     # GEMV/GEMM kernels (on by default; spelled out here).
@@ -98,8 +116,10 @@ if [[ ! -f "$BUILD/.built" ]] || [[ "$(cat "$BUILD/.built")" != "$name openmp=$O
         -DCMAKE_BUILD_TYPE=Release \
         -DBUILD_SHARED_LIBS=OFF \
         -DGGML_NATIVE=ON \
+        -DCMAKE_C_FLAGS="$noamx" -DCMAKE_CXX_FLAGS="$noamx" \
         -DGGML_CPU=ON \
         -DGGML_CPU_REPACK=ON \
+        -DGGML_LLAMAFILE=ON \
         -DGGML_OPENMP="$OPENMP" \
         -DGGML_BACKEND_DL=OFF \
         -DGGML_BUILD_TESTS=OFF \
@@ -109,7 +129,7 @@ if [[ ! -f "$BUILD/.built" ]] || [[ "$(cat "$BUILD/.built")" != "$name openmp=$O
     say "building ggml (-j$JOBS)"
     cmake --build "$BUILD" -j"$JOBS" --target ggml ggml-cpu ggml-base >&2 || die "ggml build failed"
     for l in "${libs[@]}"; do [[ -f "$l" ]] || die "expected $l after the ggml build"; done
-    echo "$name openmp=$OPENMP" > "$BUILD/.built"
+    echo "$stamp" > "$BUILD/.built"
     say "ggml built in $((SECONDS - t0)) s"
 fi
 
@@ -132,5 +152,8 @@ compile "$ROOT/bench/llamacpp_moe.cpp" "$EXE" -DLLAMACPP_PEER_GGML_VERSION="\"$g
 # The page-cache peer of bench/cache_bench.py: a GGUF mmapped as llama.cpp maps it.
 MMAP_EXE="$WORK/llamacpp_mmap"
 compile "$ROOT/bench/llamacpp_mmap.cpp" "$MMAP_EXE"
-say "ready: $EXE and $MMAP_EXE (package $name, ggml $ggml_version)"
+# The dense-layer peer of bench/linear_bench.py: one ggml_mul_mat.
+LINEAR_EXE="$WORK/llamacpp_linear"
+compile "$ROOT/bench/llamacpp_linear.cpp" "$LINEAR_EXE"
+say "ready: $EXE, $MMAP_EXE and $LINEAR_EXE (package $name, ggml $ggml_version)"
 echo "$EXE"
