@@ -25,8 +25,18 @@ Per round and file:
 PyTorch's threads: from_pretrained's torch_threads="auto" (the cores Colibri
 leaves, at least 1), or --torch-threads.
 
-Files: bench/make_e2e_gguf.py writes the project's synthetic ones (real
-widths, random weights, small vocabulary).
+Files: `--make DIR` writes the project's synthetic ones (real widths,
+random weights, a 2000-token vocabulary; gguf_fixtures.write_model_gguf,
+about 5 minutes) and exits:
+  qwen3moe-4b.gguf  Qwen3-30B-A3B: 4 blocks, 2048 wide, 128 experts of 768, top-8,
+                    32 heads of 128, 4 KV heads; Q4_K gate/up, Q6_K down, Q8_0
+                    attention, embedding and head (1.55 GiB)
+  gpt-oss-2b.gguf   gpt-oss-20b: 2 blocks, 2880 wide, 32 experts of 2880, top-4,
+                    64 heads of 64, 8 KV heads; MXFP4 experts, Q8_0 attention (0.85 GiB)
+  mixtral-1b.gguf   Mixtral-8x7B: 1 block, 4096 wide, 8 experts of 14336, top-2,
+                    32 heads of 128, 8 KV heads; Q4_K/Q6_K experts, Q8_0 attention (0.91 GiB)
+Routers are written at N(0, 0.5) (router_scale=25), as trained routers
+separate their experts.
 """
 
 import argparse
@@ -203,9 +213,35 @@ def colibri_run(a, path):
     return res
 
 
+FILES = {
+    "qwen3moe-4b.gguf": dict(arch="qwen3moe", n_blocks=4, d_model=2048, n_experts=128, top_k=8, d_ff=768,
+                             n_heads=32, n_kv_heads=4, head_dim=128),
+    "gpt-oss-2b.gguf": dict(arch="gpt-oss", n_blocks=2, d_model=2880, n_experts=32, top_k=4, d_ff=2880,
+                            n_heads=64, n_kv_heads=8, head_dim=64),
+    "mixtral-1b.gguf": dict(arch="llama", n_blocks=1, d_model=4096, n_experts=8, top_k=2, d_ff=14336,
+                            n_heads=32, n_kv_heads=8, head_dim=128),
+}
+
+
+def make_files(folder):
+    sys.path.insert(0, os.path.join(HERE, "..", "python", "tests"))
+    from gguf_fixtures import write_model_gguf
+
+    os.makedirs(folder, exist_ok=True)
+    for name, spec in FILES.items():
+        spec = dict(spec)
+        arch = spec.pop("arch")
+        path = os.path.join(folder, name)
+        t = time.time()
+        write_model_gguf(path, arch, vocab=2000, reference=False, router_scale=25.0, **spec)
+        print("wrote %s (%.2f GiB) in %.0f s" % (path, os.path.getsize(path) / 2**30, time.time() - t),
+              file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", action="append", required=True)
+    ap.add_argument("--make", metavar="DIR", help="write the synthetic files into DIR and exit")
+    ap.add_argument("--gguf", action="append")
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -217,6 +253,11 @@ def main():
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.prefill_sizes = [int(p) for p in a.prefill.split(",") if p]
+    if a.make:
+        make_files(a.make)
+        return
+    if not a.gguf:
+        ap.error("--gguf FILE is required (or --make DIR)")
     if a.child:
         colibri_child(a)
         return
