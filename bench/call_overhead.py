@@ -33,6 +33,7 @@ import colibri  # noqa: E402
 import colibri.nn as cnn  # noqa: E402
 import colibri.torch as ct  # noqa: E402
 from colibri import _lib as L  # noqa: E402
+from cache_bench import cpu_model  # noqa: E402
 
 
 def per_call(fn, calls):
@@ -80,18 +81,11 @@ def main():
         ("Linear", lambda: lin(x)),
         ("colibri::linear op", lambda: torch.ops.colibri.linear(x, lin._handle)),
     ]
-    print("CPU: %s; colibri %s; %d calls x 5" % (cpu(), colibri.library_version(), a.calls))
+    print("CPU: %s; colibri %s; %d calls x 5" % (cpu_model(), colibri.library_version(), a.calls))
     print("| path | µs per call |\n|---|---|")
     with torch.inference_mode():
         for name, fn in rows:
             print("| %s | %.1f |" % (name, per_call(fn, a.calls)))
-
-
-def cpu():
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":
