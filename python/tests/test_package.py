@@ -176,15 +176,20 @@ def test_wheel_installs_and_finds_its_library(tmp_path):
     assert r.stdout.strip() == str(target / "colibri" / "libcolibri.so")
 
 
-def doc_examples():
+def section_example(number):
+    """The first python block of the section headed "## <number>. ..."."""
     text = open(DOC).read()
-    return re.findall(r"```python\n(.*?)```", text, re.S)
+    for section in text.split("\n## ")[1:]:
+        if section.startswith("%d. " % number):
+            blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+            assert blocks, "section %d of %s has no python example" % (number, DOC)
+            return blocks[0]
+    raise AssertionError("%s has no section %d" % (DOC, number))
 
 
 @pytest.mark.parametrize("which", ["cli", "experts", "accelerate"])
 def test_doc_examples_run(which, tmp_path):
-    blocks = doc_examples()
-    code = {"cli": blocks[1], "experts": blocks[2], "accelerate": blocks[3]}[which]
+    code = section_example({"cli": 1, "experts": 2, "accelerate": 3}[which])
     assert {"cli": "export_routing", "experts": "ColibriExperts(", "accelerate": "accelerate("}[which] in code
     if which == "cli":
         c = find_cli()
