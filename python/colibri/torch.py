@@ -1265,7 +1265,7 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     up, the MoE blocks (routers, experts, shared experts) in one Colibri
     model opened from the file (max_resident= as in accelerate()); or a
     Hugging Face checkpoint directory (config.json + safetensors, f32 / f16
-    / bf16; Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral), read one tensor and one
+    / bf16; Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss), read one tensor and one
     block of experts at a time, kept as stored or quantised as read: dtype
     for the experts ("q4_k_m", "q8_0", ...), dense_dtype for the
     projections and head (default: dtype's gate/up type).

@@ -299,6 +299,9 @@ def tiny_config(family):
                                            shared_expert_intermediate_size=128, intermediate_size=256)
     if family == "olmoe":
         return transformers.OlmoeConfig(**common, num_experts=8, intermediate_size=64)
+    if family == "gpt_oss":  # fused experts with biases, sinks, sliding window on even layers
+        return transformers.GptOssConfig(**common, num_local_experts=8, intermediate_size=64, head_dim=32,
+                                         sliding_window=8)
     return transformers.MixtralConfig(**common, num_local_experts=8, intermediate_size=64)
 
 
@@ -317,7 +320,7 @@ def saved_checkpoint(tmp_path, family, dtype=torch.float32, tie=False):
     return str(d), plain.float()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss"])
 def test_checkpoint_directory_matches_plain_transformers(tmp_path, family):
     path, plain = saved_checkpoint(tmp_path, family)
     model = ct.from_pretrained(path, threads=2, exact_prefill=True)
