@@ -1,6 +1,6 @@
-"""colibri.torch.from_pretrained: a GGUF file to a running transformers
-model, every large weight computed by Colibri in the format the file
-stores it in.
+"""colibri.torch.from_pretrained: a GGUF file (or a Hugging Face checkpoint
+directory, _from_checkpoint below) to a running transformers model, every
+large weight computed by Colibri in the format the file stores it in.
 
 The model is the real transformers class of the file's architecture, built
 on the meta device, so nothing is allocated for what Colibri computes; then
@@ -13,14 +13,19 @@ on the meta device, so nothing is allocated for what Colibri computes; then
     batch looks up;
   - the MoE blocks run the file's experts (and shared experts) in one
     Colibri model, opened from the file by colibri.torch.accelerate(gguf=),
-    so max_resident= works as there.
+    so max_resident= works as there; on transformers 5 the router runs
+    inside the same C call (_routed_block_forward);
+  - the RMS norms become colibri.nn.RMSNorm (one C call each).
 
-Tensor bytes are read with pread, one tensor at a time, never mapped: the
-process grows by what Colibri packs plus the largest tensor in flight.
+Projection and embedding bytes are read with pread, one tensor at a time,
+never mapped; the experts' pages are dropped from the mapping as they are
+packed, so the process grows by about what Colibri packs.
 
 Each GGUF architecture is one entry of _FAMILIES: how its metadata becomes
 the transformers config (with the routing rule llama.cpp computes for it),
-and whether its q/k rows were permuted by llama.cpp's converter.
+the names of its pre-MoE norm and router, and whether its q/k rows were
+permuted by llama.cpp's converter. Adding a family is an entry there (and
+its tensors' places, if they differ, in _from_gguf).
 """
 
 from __future__ import annotations
