@@ -191,6 +191,18 @@ class Embedding(nn.Module):
         return self.run(ids)
 
 
+def _rms_norm(fn, x, weight, eps):
+    """colibri_rms_norm (`fn`) over the last dimension of a float32 CPU tensor."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    dim = weight.shape[0]
+    y = torch.empty_like(x)
+    status = fn(x.data_ptr(), weight.data_ptr(), x.numel() // dim, dim, eps, y.data_ptr())
+    if status:
+        L.check(status, "colibri_rms_norm")
+    return y
+
+
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps) over the last dimension in one
     C call (colibri_rms_norm), what the MoE families' RMSNorm modules compute
@@ -213,15 +225,7 @@ class RMSNorm(nn.Module):
         return "%s, eps=%s" % (tuple(self.weight.shape), self.variance_epsilon)
 
     def run(self, x):
-        dim = self.weight.shape[0]
-        if not x.is_contiguous():
-            x = x.contiguous()
-        y = torch.empty_like(x)
-        status = self._fn(x.data_ptr(), self.weight.data_ptr(), x.numel() // dim, dim, self.variance_epsilon,
-                          y.data_ptr())
-        if status:
-            L.check(status, "colibri_rms_norm")
-        return y
+        return _rms_norm(self._fn, x, self.weight, self.variance_epsilon)
 
     def forward(self, x):
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.weight.shape[0] or (
@@ -236,11 +240,7 @@ class RMSNorm(nn.Module):
 
 @torch.library.custom_op("colibri::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    L.check(L.fn("colibri_rms_norm")(x.data_ptr(), weight.data_ptr(), x.numel() // weight.shape[0], weight.shape[0],
-                                     eps, y.data_ptr()), "colibri_rms_norm")
-    return y
+    return _rms_norm(L.fn("colibri_rms_norm"), x, weight, eps)
 
 
 @_rms_norm_op.register_fake
