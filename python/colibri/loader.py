@@ -24,8 +24,9 @@ packed, so the process grows by about what Colibri packs.
 Each GGUF architecture is one entry of _FAMILIES: how its metadata becomes
 the transformers config (with the routing rule llama.cpp computes for it),
 the names of its pre-MoE norm and router, and whether its q/k rows were
-permuted by llama.cpp's converter. Adding a family is an entry there (and
-its tensors' places, if they differ, in _from_gguf).
+permuted by llama.cpp's converter, whether its attention is DeepSeek's
+latent attention (_latent_attention). Adding a family is an entry there
+(and its tensors' places, if they differ, in _from_gguf).
 """
 
 from __future__ import annotations
@@ -50,18 +51,21 @@ _GGUF_DTYPES = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0", 2: "q4_0", 12: "q4_k"
 
 @dataclasses.dataclass
 class _Family:
-    model_type: str          # transformers' model_type (AutoConfig.for_model)
+    model_type: str          # transformers' model_type (AutoConfig.for_model), or a
+                             # callable (meta) -> model_type where one GGUF arch is several
     config: callable         # (meta: _Meta) -> dict of config fields
     permuted_qk: bool = False  # llama.cpp's converter permuted q/k rows for its rope layout
     ffn_norm: str = "ffn_norm"  # the GGUF name of the norm before the MoE block
     router: str = "gate"        # the MoE block's router module
+    mla: bool = False           # DeepSeek's multi-head latent attention
 
 
 class _Meta:
     """The GGUF key/value metadata of one architecture, with errors naming the file and key."""
 
-    def __init__(self, path, reader, arch):
+    def __init__(self, path, reader, arch, tensors=()):
         self.path, self.reader, self.arch = path, reader, arch
+        self.tensors = tensors  # names, for families whose config depends on which are present
 
     def get(self, key, default=None, arch_key=True):
         full = "%s.%s" % (self.arch, key) if arch_key else key
@@ -144,26 +148,21 @@ def _mixtral(m, vocab):
     return cfg
 
 
-def _gpt_oss(m, vocab):
+def _rope(cfg, model_type, m, extra=None):
+    """cfg's rope_theta as transformers 4.57 takes it or as 5.x's
+    rope_parameters, with yarn mapped when the file declares it."""
     import inspect
 
     import transformers
 
-    cfg = _common_config(m, vocab)
-    n = cfg["num_hidden_layers"]
     theta = cfg.pop("rope_theta")
     rope = {"rope_type": "default", "rope_theta": theta}
     if m.get("rope.scaling.type") == "yarn":
         rope = {"rope_type": "yarn", "rope_theta": theta, "factor": float(m.need("rope.scaling.factor")),
-                "original_max_position_embeddings": int(m.need("rope.scaling.original_context_length")),
-                "beta_fast": 32.0, "beta_slow": 1.0}  # llama.cpp's yarn defaults, as gpt-oss was trained
-    cfg.update(num_local_experts=int(m.need("expert_count")),
-               intermediate_size=int(m.need("expert_feed_forward_length")),
-               sliding_window=int(m.need("attention.sliding_window")),
-               # llama.cpp: sliding-window attention on even layers
-               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
-               attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
-    if "rope_parameters" in inspect.signature(transformers.GptOssConfig.__init__).parameters:
+                "original_max_position_embeddings": int(m.need("rope.scaling.original_context_length"))}
+    rope.update(extra or {})
+    config_class = type(transformers.AutoConfig.for_model(model_type))
+    if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
         cfg["rope_parameters"] = rope
     else:  # transformers 4.57
         cfg["rope_theta"] = theta
@@ -172,7 +171,91 @@ def _gpt_oss(m, vocab):
     return cfg
 
 
+def _gpt_oss(m, vocab):
+    cfg = _common_config(m, vocab)
+    n = cfg["num_hidden_layers"]
+    cfg.update(num_local_experts=int(m.need("expert_count")),
+               intermediate_size=int(m.need("expert_feed_forward_length")),
+               sliding_window=int(m.need("attention.sliding_window")),
+               # llama.cpp: sliding-window attention on even layers
+               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+               attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
+    # llama.cpp's yarn defaults, as gpt-oss was trained
+    yarn = {"beta_fast": 32.0, "beta_slow": 1.0} if m.get("rope.scaling.type") == "yarn" else None
+    return _rope(cfg, "gpt_oss", m, yarn)
+
+
+def _routing_keys(m):
+    """DeepSeek-style routing from llama.cpp's keys: expert_gating_func (1
+    softmax, 2 sigmoid; absent means softmax, as llama.cpp reads old
+    DeepSeek-V2 files), expert_weights_norm/scale, expert groups (llama.cpp
+    selects within groups only where the file declares them)."""
+    groups = int(m.get("expert_group_count", 1) or 1)
+    return dict(n_routed_experts=int(m.need("expert_count")),
+                moe_intermediate_size=int(m.need("expert_feed_forward_length")),
+                n_shared_experts=int(m.get("expert_shared_count", 0)),
+                first_k_dense_replace=int(m.get("leading_dense_block_count", 0)),
+                routed_scaling_factor=float(m.get("expert_weights_scale", 1.0) or 1.0),
+                norm_topk_prob=bool(m.get("expert_weights_norm", False)),
+                n_group=groups, topk_group=int(m.get("expert_group_used_count", 1) or 1) if groups > 1 else 1)
+
+
+def _dense_width(m, cfg):
+    # leading dense blocks' width; a file without them may leave it out
+    return int(m.get("feed_forward_length", cfg["moe_intermediate_size"]))
+
+
+def _glm4moe(m, vocab):
+    cfg = _common_config(m, vocab)
+    cfg.update(_routing_keys(m))
+    n = cfg["num_hidden_layers"] - int(m.get("nextn_predict_layers", 0))
+    head_dim = cfg["head_dim"]
+    rope_dim = int(m.get("rope.dimension_count", head_dim // 2))
+    cfg.update(num_hidden_layers=n, intermediate_size=_dense_width(m, cfg), attention_bias=True,
+               partial_rotary_factor=rope_dim / head_dim, use_qk_norm="blk.0.attn_q_norm.weight" in m.tensors,
+               num_mtp_layers=0)
+    return _rope(cfg, "glm4_moe", m, {"partial_rotary_factor": rope_dim / head_dim})
+
+
+def _deepseek_type(m):
+    return "deepseek_v3" if int(m.get("expert_gating_func", 1)) == 2 else "deepseek_v2"
+
+
+def _deepseek2(m, vocab):
+    cfg = _common_config(m, vocab)
+    cfg.pop("head_dim")
+    cfg.update(_routing_keys(m))
+    heads = cfg["num_attention_heads"]
+    rope_dim = int(m.need("rope.dimension_count"))
+    # Files converted since llama.cpp split kv_b hold the decompressed head
+    # sizes in the *_mla keys; older ones in key_length/value_length.
+    qk_head = int(m.get("attention.key_length_mla") or m.need("attention.key_length"))
+    v_head = int(m.get("attention.value_length_mla") or m.need("attention.value_length"))
+    q_lora = int(m.get("attention.q_lora_rank", 0) or 0)
+    model_type = _deepseek_type(m)
+    cfg.update(num_key_value_heads=heads, intermediate_size=_dense_width(m, cfg),
+               kv_lora_rank=int(m.need("attention.kv_lora_rank")), q_lora_rank=q_lora or None,
+               qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim, v_head_dim=v_head,
+               attention_bias=False, num_mtp_layers=0)
+    extra = {}
+    if m.get("rope.scaling.type") == "yarn":
+        # llama.cpp keeps 0.1 * mscale_all_dim; DeepSeek's mscale equals it
+        mscale = float(m.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        extra = {"mscale": mscale, "mscale_all_dim": mscale, "beta_fast": 32.0, "beta_slow": 1.0}
+    if model_type == "deepseek_v3":
+        cfg["rope_interleave"] = True  # llama.cpp's rope pairs adjacent elements, as V3's interleave
+    else:
+        cfg["topk_method"] = "group_limited_greedy" if cfg["n_group"] > 1 else "greedy"
+        if cfg["norm_topk_prob"] and cfg["routed_scaling_factor"] != 1.0:
+            raise ValueError("%s: deepseek2 with softmax gating, expert_weights_norm and expert_weights_scale %g: "
+                             "DeepSeek-V2's rule renormalises or scales, not both"
+                             % (m.path, cfg["routed_scaling_factor"]))
+    return _rope(cfg, model_type, m, extra)
+
+
 _FAMILIES = {
+    "deepseek2": _Family(_deepseek_type, _deepseek2, mla=True),
+    "glm4moe": _Family("glm4_moe", _glm4moe, ffn_norm="post_attention_norm"),
     "gpt-oss": _Family("gpt_oss", _gpt_oss, ffn_norm="post_attention_norm", router="router"),
     "qwen3moe": _Family("qwen3_moe", _qwen3moe),
     "qwen2moe": _Family("qwen2_moe", _qwen2moe),
@@ -263,6 +346,42 @@ class _File:
         t = self.tensors[name][3]
         values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t)).astype(np.float32)
         return values.reshape(self.shape(name))
+
+
+def _latent_attention(f, blk, attn, module, config, linear, tensor, linear_opts, used, model):
+    """DeepSeek's multi-head latent attention from a deepseek2 file. q (or
+    its low-rank pair), the latent kv projection and the output stay as
+    stored. kv_b, which transformers applies as one projection, is as stored
+    in files converted before llama.cpp split it; in today's files it is
+    attn_k_b (each head's nope rows transposed: blocks run along the wrong
+    axis for a row kernel) and attn_v_b, so it is rebuilt once, exactly, as
+    an f32 weight (DeepSeek-V3: 64 MiB a block, 1% of a Q4_K_M file)."""
+    if config.q_lora_rank:
+        linear(blk + "attn_q_a.weight", attn + "q_a_proj")
+        tensor(blk + "attn_q_a_norm.weight", attn + "q_a_layernorm.weight")
+        linear(blk + "attn_q_b.weight", attn + "q_b_proj")
+    else:
+        linear(blk + "attn_q.weight", attn + "q_proj")
+    linear(blk + "attn_kv_a_mqa.weight", attn + "kv_a_proj_with_mqa")
+    tensor(blk + "attn_kv_a_norm.weight", attn + "kv_a_layernorm.weight")
+    if f.has(blk + "attn_kv_b.weight"):
+        linear(blk + "attn_kv_b.weight", attn + "kv_b_proj")
+        return
+    heads, rank = config.num_attention_heads, config.kv_lora_rank
+    nope, v_head = config.qk_nope_head_dim, config.v_head_dim
+    for name, want in ((blk + "attn_k_b.weight", (heads, rank, nope)), (blk + "attn_v_b.weight", (heads, v_head, rank))):
+        if not f.has(name):
+            raise ValueError("%s: tensor %s is missing (and %sattn_kv_b.weight)" % (f.path, name, blk))
+        if f.shape(name) != want:
+            raise ValueError("%s: tensor %s has shape %s, the model's kv_b_proj needs %s"
+                             % (f.path, name, f.shape(name), want))
+    k_b = f.floats(blk + "attn_k_b.weight")  # [heads, rank, nope]
+    v_b = f.floats(blk + "attn_v_b.weight")  # [heads, v_head, rank]
+    kv_b = np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, rank))
+    used.update((blk + "attn_k_b.weight", blk + "attn_v_b.weight"))
+    _set_module(model, attn + "kv_b_proj",
+                cnn.Linear(kv_b.view(np.uint8), "f32", kv_b.shape[0], rank, None,
+                           name=blk + "attn_k_b.weight+attn_v_b.weight", **linear_opts))
 
 
 def _unpermute_rows(rows, n_head):
@@ -424,7 +543,7 @@ def _from_gguf(path, max_resident, options):
     if family is None:
         raise ValueError("%s: GGUF architecture %r is not one from_pretrained maps (it maps %s)"
                          % (f.path, f.arch, ", ".join(sorted(_FAMILIES))))
-    meta = _Meta(f.path, f.reader, f.arch)
+    meta = _Meta(f.path, f.reader, f.arch, f.tensors)
     if meta.get("expert_count") in (None, 0):
         raise ValueError("%s: %s file without experts (%s.expert_count missing or 0): not a MoE model"
                          % (f.path, f.arch, f.arch))
@@ -433,7 +552,8 @@ def _from_gguf(path, max_resident, options):
     vocab = f.shape("token_embd.weight")[0]
     fields = family.config(meta, vocab)
     fields["tie_word_embeddings"] = not f.has("output.weight")
-    config = AutoConfig.for_model(family.model_type, **fields)
+    model_type = family.model_type(meta) if callable(family.model_type) else family.model_type
+    config = AutoConfig.for_model(model_type, **fields)
     config.dtype = torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -478,7 +598,8 @@ def _from_gguf(path, max_resident, options):
     def tensor(name, param_path, reshape=None):
         if not f.has(name):
             raise ValueError("%s: tensor %s is missing" % (f.path, name))
-        p = model.get_parameter(param_path)
+        owner, _, leaf = param_path.rpartition(".")
+        p = getattr(model.get_submodule(owner), leaf)  # a parameter, or a buffer (a router's selection bias)
         v = torch.from_numpy(f.floats(name).copy())
         if reshape is not None or tuple(v.shape) != tuple(p.shape):
             if v.numel() != p.numel():
@@ -490,16 +611,20 @@ def _from_gguf(path, max_resident, options):
 
     base = model.model
     prefix = "model."
+    dense_blocks = 0
     for i, layer in enumerate(base.layers):
         blk, lp = "blk.%d." % i, "%slayers.%d." % (prefix, i)
         tensor(blk + "attn_norm.weight", lp + "input_layernorm.weight")
         tensor(blk + family.ffn_norm + ".weight", lp + "post_attention_layernorm.weight")
         attn = lp + "self_attn."
-        # q, k and v stay three calls: one fused call over their stacked
-        # rows measured no faster (Qwen3-MoE decode, docs/PYTORCH.md).
-        linear(blk + "attn_q.weight", attn + "q_proj", n_heads if family.permuted_qk else None)
-        linear(blk + "attn_k.weight", attn + "k_proj", n_kv if family.permuted_qk else None)
-        linear(blk + "attn_v.weight", attn + "v_proj")
+        if family.mla:
+            _latent_attention(f, blk, attn, layer.self_attn, config, linear, tensor, linear_opts, used, model)
+        else:
+            # q, k and v stay three calls: one fused call over their stacked
+            # rows measured no faster (Qwen3-MoE decode, docs/PYTORCH.md).
+            linear(blk + "attn_q.weight", attn + "q_proj", n_heads if family.permuted_qk else None)
+            linear(blk + "attn_k.weight", attn + "k_proj", n_kv if family.permuted_qk else None)
+            linear(blk + "attn_v.weight", attn + "v_proj")
         linear(blk + "attn_output.weight", attn + "o_proj")
         for g, h in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
             if hasattr(layer.self_attn, h):
@@ -508,17 +633,26 @@ def _from_gguf(path, max_resident, options):
             tensor(blk + "attn_sinks.weight", attn + "sinks")
         block_name, block = _moe_block(layer)
         if block is None:
-            raise ValueError("%s: block %d: the %s model has no MoE block there" % (f.path, i, family.model_type))
+            if f.has(blk + "ffn_gate_exps.weight") or not hasattr(getattr(layer, "mlp", None), "gate_proj"):
+                raise ValueError("%s: block %d: the %s model has no MoE block there (leading_dense_block_count?)"
+                                 % (f.path, i, model_type))
+            dense_blocks += 1  # a leading dense block (DeepSeek, GLM-4-MoE)
+            for part in ("gate", "up", "down"):
+                linear(blk + "ffn_%s.weight" % part, lp + "mlp.%s_proj" % part)
+            continue
         bp = lp + block_name + "."
         router = getattr(block, family.router)
         tensor(blk + "ffn_gate_inp.weight", bp + family.router + ".weight")
         if isinstance(getattr(router, "bias", None), torch.Tensor):
             tensor(blk + "ffn_gate_inp.bias", bp + family.router + ".bias")
+        if isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor):
+            tensor(blk + "exp_probs_b.bias", bp + family.router + ".e_score_correction_bias")
         if hasattr(block, "shared_expert_gate"):
             tensor(blk + "ffn_gate_inp_shexp.weight", bp + "shared_expert_gate.weight", reshape=True)
         _placeholder_weights(block.experts)
-        if getattr(block, "shared_expert", None) is not None:
-            _placeholder_weights(block.shared_expert)
+        for shared in ("shared_expert", "shared_experts"):
+            if getattr(block, shared, None) is not None:
+                _placeholder_weights(getattr(block, shared))
         for part in ("gate", "up", "down"):
             for kind in ("exps", "shexp"):
                 for what in ("weight", "bias"):
@@ -543,12 +677,18 @@ def _from_gguf(path, max_resident, options):
     report = ctorch.accelerate(model, gguf=f.path, threads=threads, exact_prefill=exact_prefill,
                                max_resident=max_resident, lock=lock, huge_pages=huge_pages,
                                bf16_compute=bf16_compute)
-    if len(report.accelerated) != config.num_hidden_layers:
+    if len(report.accelerated) != config.num_hidden_layers - dense_blocks:
         raise ValueError("%s: Colibri took %d of the %d MoE blocks (skipped: %s)"
-                         % (f.path, len(report.accelerated), config.num_hidden_layers, report.skipped))
+                         % (f.path, len(report.accelerated), config.num_hidden_layers - dense_blocks,
+                            report.skipped))
     _route_in_colibri(model, report)
     _colibri_norms(model)
     _check_complete(model, f.path)
+    # Multi-token-prediction blocks follow the model's (GLM-4-MoE's nextn):
+    # llama.cpp does not run them, nor does transformers' model.
+    mtp = re.compile(r"^blk\.(\d+)\.")
+    used.update(n for n in f.tensors if (b := mtp.match(n)) and int(b.group(1)) >= config.num_hidden_layers
+                and int(b.group(1)) < int(meta.get("block_count")))
     unused = sorted(set(f.tensors) - used)
     if unused:
         raise ValueError("%s: tensors the %s model has no place for: %s"
@@ -698,7 +838,7 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
     blocks = {name: m for name, m in model.named_modules() if isinstance(getattr(m, "experts", None), nn.Module)}
     if not blocks:
         raise ValueError("%s: the %s model has no MoE blocks Colibri recognises" % (path, config.model_type))
-    in_blocks = [b + s for b in blocks for s in (".experts", ".shared_expert")]
+    in_blocks = [b + s for b in blocks for s in (".experts", ".shared_expert", ".shared_experts")]
     linear_opts = dict(threads=options["threads"], exact=options["exact_prefill"], huge_pages=options["huge_pages"],
                        lock=options["lock"])
 
@@ -766,14 +906,17 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
         small[key] = v.float()
     model.load_state_dict(small, strict=False, assign=True)
     _materialise_buffers(model, path)
-    n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    n_experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+                 or getattr(config, "n_routed_experts", None))
     reports = []
     for bpath, block in blocks.items():
         _load_experts(ck, bpath, block.experts, n_experts)
-        shared = getattr(block, "shared_expert", None)
-        if shared is not None:
+        for attr in ("shared_expert", "shared_experts"):  # Qwen's one, DeepSeek's and GLM's merged ones
+            shared = getattr(block, attr, None)
+            if shared is None:
+                continue
             for pname, p in list(shared.named_parameters()):
-                key = bpath + ".shared_expert." + pname
+                key = bpath + "." + attr + "." + pname
                 found = ck.find(*_aliases(key))
                 if found is None:
                     raise ValueError("%s: tensor %s is missing" % (path, key))

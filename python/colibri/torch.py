@@ -1259,13 +1259,15 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     call, built without materialising those weights (docs/PYTORCH.md):
 
     path: a GGUF file (or the first file of a split set; qwen3moe,
-    qwen2moe, olmoe, llama/mixtral), every weight computed in the type the
+    qwen2moe, olmoe, llama/mixtral, gpt-oss, deepseek2, glm4moe), every
+    weight computed in the type the
     file stores: attention projections and the LM head as
     colibri.nn.Linear, the token embedding dequantising the rows it looks
     up, the MoE blocks (routers, experts, shared experts) in one Colibri
     model opened from the file (max_resident= as in accelerate()); or a
     Hugging Face checkpoint directory (config.json + safetensors, f32 / f16
-    / bf16; Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss), read one tensor and one
+    / bf16; Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss, DeepSeek-V2/V3,
+    GLM-4-MoE), read one tensor and one
     block of experts at a time, kept as stored or quantised as read: dtype
     for the experts ("q4_k_m", "q8_0", ...), dense_dtype for the
     projections and head (default: dtype's gate/up type).

@@ -277,6 +277,19 @@ _ARCH = {
     "gpt-oss": dict(ff_key="expert", qkv_bias=True, o_bias=True, sinks=True, router_bias=True, expert_bias=True,
                     ffn_norm="post_attention_norm", norm_topk=True, gating="softmax_weight", rope="neox", swa=True,
                     pre="gpt-4o", theta=150000.0, eps=1e-5, experts=("mxfp4", "mxfp4", "mxfp4")),
+    # GLM-4.5: q/k/v biases, partial NeoX rope (half of each head), DeepSeek-V3's
+    # router (sigmoid, selection bias exp_probs_b, renormalised, scaled), one
+    # shared expert, a leading dense block, trailing nextn (MTP) blocks.
+    "glm4moe": dict(ff_key="expert", qkv_bias=True, shexp_count=True, ffn_norm="post_attention_norm", norm_topk=True,
+                    gating="sigmoid", probs_bias=True, rope="neox", partial_rope=0.5, pre="glm4", theta=1e6,
+                    eps=1e-5),
+    # DeepSeek-V2/V3 (and Kimi K2): multi-head latent attention stored as
+    # llama.cpp's converter writes it today (kv_b split into attn_k_b, per
+    # head transposed, and attn_v_b; head_count_kv 1), adjacent-pair rope on
+    # the rope part. gating "sigmoid" with exp_probs_b is V3's router,
+    # "softmax" V2's.
+    "deepseek2": dict(ff_key="expert", mla=True, shexp_count=True, ffn_norm="ffn_norm", norm_topk=True,
+                      gating="sigmoid", probs_bias=True, rope="norm", pre="deepseek-v3", theta=1e4, eps=1e-6),
 }
 
 # A K-format row must be a whole number of 256-value super-blocks, the others
@@ -323,9 +336,10 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
                      expert_types=None, attn_type="q8_0", embd_type="q8_0", head_type="q8_0", router_type="f32",
                      seed=0, tie_embeddings=False, n_dense_blocks=0, dense_d_ff=None, shared_d_ff=0,
                      rope_theta=None, rms_eps=None, context_length=4096, sliding_window=128,
-                     reference=True, extra_kv=None, omit=(), shapes=None, router_scale=1.0):
+                     reference=True, extra_kv=None, omit=(), shapes=None, router_scale=1.0, mla=None,
+                     gating=None, weights_scale=1.0, nextn=0, kv_b_split=True):
     """Writes a complete model GGUF of `arch` (qwen3moe, qwen2moe, olmoe,
-    llama with experts = Mixtral, gpt-oss): embeddings, every block's
+    llama with experts = Mixtral, gpt-oss, glm4moe, deepseek2): embeddings, every block's
     attention and MoE, output norm and head, hyperparameters and a small
     byte-level BPE tokenizer, named as llama.cpp's converter names them, so
     llama.cpp loads and runs it.
@@ -337,8 +351,16 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
     expert is 4 * d_ff wide unless `shared_d_ff`. The first `n_dense_blocks`
     blocks get a dense SwiGLU FFN (ffn_gate/up/down, `dense_d_ff`, default
     4 * d_ff) instead of experts, and leading_dense_block_count says so;
-    none of these five architectures has such blocks in llama.cpp, which
-    will then refuse the file.
+    llama.cpp runs such blocks in glm4moe and deepseek2 files only.
+
+    deepseek2 takes `mla` = dict(q_lora_rank (0: one attn_q), kv_lora_rank,
+    qk_nope, qk_rope, v_head) and writes attn_k_b/attn_v_b, or attn_kv_b as
+    files converted before llama.cpp split it with `kv_b_split=False`;
+    `gating` "softmax" makes it DeepSeek-V2's router (no exp_probs_b).
+    deepseek2 and glm4moe write expert_shared_count (shared_d_ff // d_ff),
+    expert_weights_scale (`weights_scale`) and expert_weights_norm; glm4moe
+    `nextn` trailing multi-token-prediction blocks (a whole block plus its
+    nextn.* tensors, which from_pretrained skips as llama.cpp does).
 
     Weights are random (seeded): projections, embeddings, router N(0, 0.02),
     norms 1 + N(0, 0.02), biases N(0, 0.02), sinks N(0, 1).
@@ -352,7 +374,15 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
     instead) make broken files for the error tests. `router_scale` scales
     the router weights: at N(0, 0.02) a small model's router logits lie so
     close that rounding flips which experts a token takes."""
-    spec = _ARCH[arch]
+    spec = dict(_ARCH[arch])
+    if gating is not None:
+        spec["gating"] = gating
+        spec["probs_bias"] = gating == "sigmoid" and spec.get("probs_bias", False)
+        spec["norm_topk"] = gating == "sigmoid"  # DeepSeek-V2 does not renormalise
+    if spec.get("mla") and not mla:
+        raise ValueError(f"{arch}: needs mla=dict(q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head)")
+    if nextn and arch != "glm4moe":
+        raise ValueError("nextn blocks are written for glm4moe only")
     expert_types = tuple(expert_types or spec.get("experts", ("q4_k", "q4_k", "q6_k")))
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     if spec.get("q_is_d") and q_dim != d_model:
@@ -373,12 +403,42 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
     w.add_name(f"colibri-test-{arch}")
     w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPE[expert_types[0]]))
     w.add_context_length(context_length)
-    w.add_block_count(n_blocks)
+    w.add_block_count(n_blocks + nextn)
     w.add_embedding_length(d_model)
     w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if spec.get("mla"):
+        # llama.cpp's converter: MLA as multi-query attention over the latent
+        # (head_count_kv 1, keys kv_lora + rope wide), the decompressed
+        # head sizes in the *_mla keys.
+        q_lora, kv_lora = mla.get("q_lora_rank", 0), mla["kv_lora_rank"]
+        nope, rope_d, v_head = mla["qk_nope"], mla["qk_rope"], mla["v_head"]
+        w.add_head_count_kv(1)
+        w.add_key_length(kv_lora + rope_d)
+        w.add_value_length(kv_lora)
+        w.add_key_length_mla(nope + rope_d)
+        w.add_value_length_mla(v_head)
+        w.add_kv_lora_rank(kv_lora)
+        if q_lora:
+            w.add_q_lora_rank(q_lora)
+        w.add_rope_dimension_count(rope_d)
+        q_dim = n_heads * (nope + rope_d)
+    else:
+        w.add_head_count_kv(n_kv_heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        if spec.get("partial_rope"):
+            w.add_rope_dimension_count(int(head_dim * spec["partial_rope"]))
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
+    if spec.get("shexp_count"):
+        if shared_d_ff % d_ff:
+            raise ValueError(f"{arch}: the shared expert is expert_shared_count experts wide")
+        w.add_expert_shared_count(shared_d_ff // d_ff)
+        w.add_expert_weights_scale(weights_scale)
+        if spec["norm_topk"]:
+            w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if spec["gating"] == "sigmoid"
+                                 else gguf.ExpertGatingFuncType.SOFTMAX)
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_expert_count(n_experts)
@@ -422,14 +482,35 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
         table.append((T[M.OUTPUT] + ".weight", (vocab, d_model), head_type, "w"))
     qk_norm = {"head": (head_dim, head_dim), "full": (q_dim, kv_dim)}.get(spec.get("qk_norm"))
     ffn_norm = M.ATTN_POST_NORM if spec["ffn_norm"] == "post_attention_norm" else M.FFN_NORM
-    for b in range(n_blocks):
+    for b in range(n_blocks + nextn):
         def n(t, suffix="weight"):
             return T[t].format(bid=b) + "." + suffix
-        table += [(n(M.ATTN_NORM), (d_model,), "f32", "norm"),
-                  (n(M.ATTN_Q), (q_dim, d_model), attn_type, "w"),
-                  (n(M.ATTN_K), (kv_dim, d_model), attn_type, "w"),
-                  (n(M.ATTN_V), (kv_dim, d_model), attn_type, "w"),
-                  (n(M.ATTN_OUT), (d_model, q_dim), attn_type, "w")]
+        table.append((n(M.ATTN_NORM), (d_model,), "f32", "norm"))
+        if spec.get("mla"):
+            if q_lora:
+                table += [(n(M.ATTN_Q_A), (q_lora, d_model), attn_type, "w"),
+                          (n(M.ATTN_Q_A_NORM), (q_lora,), "f32", "norm"),
+                          (n(M.ATTN_Q_B), (q_dim, q_lora), attn_type, "w")]
+            else:
+                table.append((n(M.ATTN_Q), (q_dim, d_model), attn_type, "w"))
+            table += [(n(M.ATTN_KV_A_MQA), (kv_lora + rope_d, d_model), attn_type, "w"),
+                      (n(M.ATTN_KV_A_NORM), (kv_lora,), "f32", "norm")]
+            if kv_b_split:
+                table += [(n(M.ATTN_K_B), (n_heads, kv_lora, nope), attn_type, "w"),
+                          (n(M.ATTN_V_B), (n_heads, v_head, kv_lora), attn_type, "w")]
+            else:
+                table.append((n(M.ATTN_KV_B), (n_heads * (nope + v_head), kv_lora), attn_type, "w"))
+            table.append((n(M.ATTN_OUT), (d_model, n_heads * v_head), attn_type, "w"))
+        else:
+            table += [(n(M.ATTN_Q), (q_dim, d_model), attn_type, "w"),
+                      (n(M.ATTN_K), (kv_dim, d_model), attn_type, "w"),
+                      (n(M.ATTN_V), (kv_dim, d_model), attn_type, "w"),
+                      (n(M.ATTN_OUT), (d_model, q_dim), attn_type, "w")]
+        if b >= n_blocks:  # a multi-token-prediction block's own tensors
+            table += [(n(M.NEXTN_EH_PROJ), (d_model, 2 * d_model), attn_type, "w"),
+                      (n(M.NEXTN_ENORM), (d_model,), "f32", "norm"),
+                      (n(M.NEXTN_HNORM), (d_model,), "f32", "norm"),
+                      (n(M.NEXTN_SHARED_HEAD_NORM), (d_model,), "f32", "norm")]
         if spec.get("qkv_bias"):
             table += [(n(M.ATTN_Q, "bias"), (q_dim,), "f32", "w"), (n(M.ATTN_K, "bias"), (kv_dim,), "f32", "w"),
                       (n(M.ATTN_V, "bias"), (kv_dim,), "f32", "w")]
@@ -452,13 +533,16 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
                   (n(M.FFN_DOWN_EXP), (n_experts, d_model, d_ff), down_t, "w")]
         if spec.get("router_bias"):
             table.append((n(M.FFN_GATE_INP, "bias"), (n_experts,), "f32", "w"))
+        if spec.get("probs_bias"):
+            table.append((n(M.FFN_EXP_PROBS_B, "bias"), (n_experts,), "f32", "w"))
         if spec.get("expert_bias"):
             table += [(n(M.FFN_GATE_EXP, "bias"), (n_experts, d_ff), "f32", "w"),
                       (n(M.FFN_UP_EXP, "bias"), (n_experts, d_ff), "f32", "w"),
                       (n(M.FFN_DOWN_EXP, "bias"), (n_experts, d_model), "f32", "w")]
-        if spec.get("shexp"):
-            table += [(n(M.FFN_GATE_INP_SHEXP), (d_model,), "f32", "w"),
-                      (n(M.FFN_GATE_SHEXP), (shared_d_ff, d_model), gate_t, "w"),
+        if spec.get("shexp") or (spec.get("shexp_count") and shared_d_ff):
+            if spec.get("shexp"):
+                table.append((n(M.FFN_GATE_INP_SHEXP), (d_model,), "f32", "w"))
+            table += [(n(M.FFN_GATE_SHEXP), (shared_d_ff, d_model), gate_t, "w"),
                       (n(M.FFN_UP_SHEXP), (shared_d_ff, d_model), up_t, "w"),
                       (n(M.FFN_DOWN_SHEXP), (d_model, shared_d_ff), down_t, "w")]
 
@@ -498,7 +582,8 @@ def write_model_gguf(path, arch, *, n_blocks, d_model, n_experts, top_k, d_ff, n
         n_dense_blocks=n_dense_blocks, dense_d_ff=dense_d_ff if n_dense_blocks else 0,
         tie_embeddings=tie_embeddings, rope_theta=rope_theta, rope=spec["rope"], rms_eps=rms_eps,
         context_length=context_length, qk_norm=spec.get("qk_norm"), norm_topk_prob=spec["norm_topk"],
-        gating=spec.get("gating", "softmax"),
+        gating=spec.get("gating", "softmax"), mla=mla, nextn=nextn, weights_scale=weights_scale,
+        rope_dim=int(head_dim * spec["partial_rope"]) if spec.get("partial_rope") else None,
         # gpt-oss: llama.cpp's swiglu_oai (alpha 1.702, clamp 7, (up + 1) * glu)
         activation="swiglu_oai" if arch == "gpt-oss" else "silu",
         sliding_window=sliding_window if spec.get("swa") else 0,

@@ -30,6 +30,19 @@ SHAPES = {
     "olmoe": dict(n_heads=4, n_kv_heads=4, head_dim=64),
     "llama": dict(n_heads=4, n_kv_heads=2, head_dim=64),
     "gpt-oss": dict(n_heads=4, n_kv_heads=2, head_dim=64, sliding_window=8),
+    # A leading dense block, a shared expert, scaled sigmoid routing with a
+    # selection bias; GLM with a trailing multi-token-prediction block.
+    "glm4moe": dict(n_heads=4, n_kv_heads=2, head_dim=64, n_blocks=3, n_dense_blocks=1, dense_d_ff=512,
+                    shared_d_ff=256, nextn=1, weights_scale=1.8),
+    # DeepSeek-V3 as llama.cpp converts it today (q low-rank, kv_b split).
+    "deepseek2": dict(n_heads=4, n_kv_heads=4, head_dim=64, n_blocks=3, n_dense_blocks=1, dense_d_ff=512,
+                      shared_d_ff=256, weights_scale=2.5,
+                      mla=dict(q_lora_rank=128, kv_lora_rank=64, qk_nope=32, qk_rope=32, v_head=32)),
+    # DeepSeek-V2(-Lite) as converted before the split: one attn_q, attn_kv_b,
+    # softmax routing, scaled and not renormalised.
+    "deepseek2-v2": dict(arch="deepseek2", n_heads=4, n_kv_heads=4, head_dim=64, n_blocks=3, n_dense_blocks=1,
+                         dense_d_ff=512, shared_d_ff=512, weights_scale=1.5, gating="softmax", kv_b_split=False,
+                         mla=dict(q_lora_rank=0, kv_lora_rank=64, qk_nope=32, qk_rope=32, v_head=32)),
 }
 
 
@@ -40,11 +53,13 @@ SHAPES = {
 ROUTER_SCALE = 25.0
 
 
-def write(tmp_path, arch, **kw):
-    path = str(tmp_path / ("%s.gguf" % arch))
+def write(tmp_path, name, **kw):
+    """A model file of SHAPES[name] (its `arch`, else the name itself)."""
+    path = str(tmp_path / ("%s.gguf" % name))
     args = dict(n_blocks=2, d_model=256, n_experts=8, top_k=2, d_ff=256, vocab=320, seed=1, router_scale=ROUTER_SCALE)
-    args.update(SHAPES[arch])
+    args.update(SHAPES[name])
     args.update(kw)
+    arch = args.pop("arch", name)
     ref = write_model_gguf(path, arch, **args)
     return path, ref
 
@@ -87,11 +102,27 @@ def reference_state(plain, ref, arch):
                 "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
                 "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
                 "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+                "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+                "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+                "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+                "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+                "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                "mlp.down_proj.weight": "ffn_down.weight",
+                "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+                "self_attn.q_b_proj.weight": "attn_q_b.weight",
+                "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+                "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
             }
-            if arch == "gpt-oss":
+            if arch in ("gpt-oss", "glm4moe"):
                 simple["post_attention_layernorm.weight"] = "post_attention_norm.weight"
             if rest in simple:
                 v = ref[b + simple[rest]]
+            elif rest == "self_attn.kv_b_proj.weight":
+                if b + "attn_kv_b.weight" in ref:
+                    v = ref[b + "attn_kv_b.weight"]
+                else:  # per head: the nope rows (k_b transposed back), then the value rows
+                    k_b, v_b = ref[b + "attn_k_b.weight"], ref[b + "attn_v_b.weight"]
+                    v = np.concatenate([np.swapaxes(k_b, 1, 2), v_b], axis=1).reshape(-1, k_b.shape[1])
             elif rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
                 g = "attn_q" if "q_proj" in rest else "attn_k"
                 v = ref[b + g + "." + parts[-1]]
@@ -139,9 +170,25 @@ def rel_l2(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("arch", sorted(SHAPES))
-def test_logits_and_generate_match_plain_transformers(tmp_path, arch):
-    path, ref = write(tmp_path, arch)
+
+def rel_l2_but_worst(a, b, spare=2):
+    """rel_l2 over the tokens but the `spare` worst. With int8 activations a
+    token whose router logits sit within about 1% of a tie may take another
+    expert than PyTorch's (the rounding decides, and differs with the CPU's
+    kernels): that token's logits move by tens of percent and 2-7% of the
+    whole tensor's, whatever the seed (at 48 tokens, most seeds of every
+    family have one or two such tokens). Sparing two tokens keeps the test on
+    the int8 error of the others, which a wrong kernel or mapping breaks for
+    every token; exact_prefill's test takes every token at 1e-4."""
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    keep = ((a - b).norm(dim=-1) / b.norm(dim=-1)).argsort()[: a.shape[0] - spare]
+    return rel_l2(a[keep], b[keep])
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_logits_and_generate_match_plain_transformers(tmp_path, name):
+    path, ref = write(tmp_path, name)
+    arch = ref["__meta__"]["arch"]
     ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(3))
     plain = None
     for exact, tol in ((False, 3e-2), (True, 1e-4)):
@@ -151,14 +198,21 @@ def test_logits_and_generate_match_plain_transformers(tmp_path, arch):
             plain = plain_model(model, ref, arch)
         with torch.inference_mode():
             got, want = model(ids).logits, plain(ids).logits
-            assert rel_l2(got, want) <= tol, (arch, exact, rel_l2(got, want))
+            err = rel_l2(got, want) if exact else rel_l2_but_worst(got, want)
+            assert err <= tol, (name, exact, err, rel_l2(got, want))
             if exact:
                 a = model.generate(ids[:1, :6], max_new_tokens=10, do_sample=False, pad_token_id=0)
                 b = plain.generate(ids[:1, :6], max_new_tokens=10, do_sample=False, pad_token_id=0)
                 assert a.tolist() == b.tolist()
+        meta = ref["__meta__"]
+        # Colibri packs the MoE blocks only: not the leading dense ones, nor
+        # the trailing multi-token-prediction ones.
+        assert model._colibri_report.models[0].info.n_layers == meta["n_blocks"] - meta["n_dense_blocks"]
         if TRANSFORMERS_5:
             # Routers run inside the Colibri call (loader._route_in_colibri).
-            assert all("_colibri_routed" in layer.mlp.__dict__ for layer in model.model.layers)
+            moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+            assert len(moe) == meta["n_blocks"] - meta["n_dense_blocks"]
+            assert all("_colibri_routed" in mlp.__dict__ for mlp in moe)
         # Every large weight is Colibri's: no parameter holds a projection.
         big = [n for n, p in model.named_parameters() if p.numel() >= 256 * 64]
         assert big == [], big
@@ -213,6 +267,15 @@ def test_bad_files_are_refused_naming_file_and_tensor(tmp_path):
         f.write(data[:i] + b"qwen9moe" + data[i + 8:])
     cases.append((p, "qwen9moe"))
     cases.append((str(tmp_path / "absent.gguf"), "no such file"))
+    # DeepSeek's latent attention: half of the split kv_b, or a misshapen one
+    for sub, name, kw, what in (
+            ("mla-missing", "deepseek2", dict(omit=("blk.2.attn_v_b.weight",)), "blk.2.attn_v_b.weight"),
+            ("mla-misshapen", "deepseek2", dict(shapes={"blk.1.attn_k_b.weight": (4, 32, 64)}),
+             "blk.1.attn_k_b.weight"),
+            ("dense-missing", "glm4moe", dict(omit=("blk.0.ffn_up.weight",)), "blk.0.ffn_up.weight")):
+        (tmp_path / sub).mkdir()
+        p, _ = write(tmp_path / sub, name, **kw)
+        cases.append((p, what))
     for path, what in cases:
         with pytest.raises(ValueError) as e:
             ct.from_pretrained(path, threads=1)
@@ -299,6 +362,21 @@ def tiny_config(family):
                                            shared_expert_intermediate_size=128, intermediate_size=256)
     if family == "olmoe":
         return transformers.OlmoeConfig(**common, num_experts=8, intermediate_size=64)
+    # A leading dense block and a shared expert; DeepSeek's latent attention
+    # (V3 with q low-rank, V2 without), sigmoid routers with a selection bias.
+    moe3 = dict(common, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, moe_intermediate_size=64,
+                intermediate_size=256)
+    mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+    if family == "deepseek_v3":
+        return transformers.DeepseekV3Config(**dict(moe3, **mla), q_lora_rank=64, n_shared_experts=1, n_group=2,
+                                             topk_group=1, routed_scaling_factor=2.0, norm_topk_prob=True)
+    if family == "deepseek_v2":
+        return transformers.DeepseekV2Config(**dict(moe3, **mla), q_lora_rank=None, n_shared_experts=2,
+                                             topk_method="greedy", routed_scaling_factor=1.5, norm_topk_prob=False)
+    if family == "glm4_moe":
+        return transformers.Glm4MoeConfig(**moe3, head_dim=32, partial_rotary_factor=0.5, attention_bias=True,
+                                          n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.5,
+                                          norm_topk_prob=True)
     if family == "gpt_oss":  # fused experts with biases, sinks, sliding window on even layers
         return transformers.GptOssConfig(**common, num_local_experts=8, intermediate_size=64, head_dim=32,
                                          sliding_window=8)
@@ -314,13 +392,17 @@ def saved_checkpoint(tmp_path, family, dtype=torch.float32, tie=False):
         for name, p in plain.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+        for name, b in plain.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init would leave it untested
+                b.normal_(0.0, 0.05)
     plain = plain.to(dtype)
     d = tmp_path / family
     plain.save_pretrained(d)
     return str(d), plain.float()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3",
+                                    "deepseek_v2", "glm4_moe"])
 def test_checkpoint_directory_matches_plain_transformers(tmp_path, family):
     path, plain = saved_checkpoint(tmp_path, family)
     model = ct.from_pretrained(path, threads=2, exact_prefill=True)

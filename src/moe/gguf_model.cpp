@@ -170,8 +170,17 @@ class Loader {
     const int64_t top_k = required_count("expert_used_count", experts);
     if (top_k == 0) bad_key("expert_used_count", "is 0");
 
+    // Multi-token-prediction blocks (GLM-4-MoE's and DeepSeek's nextn
+    // layers) follow the model's own blocks; llama.cpp's graph does not run
+    // them, and packing their experts would cost a layer of memory for nothing.
+    uint64_t nextn = 0;
+    if (first_.get_uint(arch_ + ".nextn_predict_layers", &nextn) && nextn >= static_cast<uint64_t>(blocks)) {
+      bad_key("nextn_predict_layers", "is " + std::to_string(nextn) + " of " + std::to_string(blocks) + " blocks");
+    }
+    out_.mtp_blocks = static_cast<int32_t>(nextn);
+
     // Which blocks have experts.
-    for (int32_t b = 0; b < out_.block_count; ++b) {
+    for (int32_t b = 0; b < out_.block_count - out_.mtp_blocks; ++b) {
       const bool moe = index_.find(name(b, "ffn_gate_exps.weight")) != nullptr ||
                        index_.find(name(b, "ffn_gate_up_exps.weight")) != nullptr ||
                        index_.find(name(b, "ffn_down_exps.weight")) != nullptr;

@@ -26,6 +26,7 @@ struct GgufModel {
   int32_t block_count = 0;
   int32_t first_block = 0;           // the GGUF block of Colibri layer 0
   std::vector<int32_t> dense_blocks;  // blocks without experts, skipped
+  int32_t mtp_blocks = 0;             // trailing nextn_predict_layers blocks, skipped
   Manifest manifest;
   std::vector<LayerBuffers> layers;  // point into `files` and `converted`
   // ggml types of the routed experts' gate, up and down tensors, and of the

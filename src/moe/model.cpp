@@ -190,6 +190,10 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
                                    " have no experts and are skipped; layer l is block " +
                                    std::to_string(g.first_block) + " + l");
     }
+    if (g.mtp_blocks > 0) {
+      source_description_ += ", multi-token-prediction blocks skipped: " +
+                             std::to_string(g.block_count - g.mtp_blocks) + "-" + std::to_string(g.block_count - 1);
+    }
     start(o);
     load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return;
