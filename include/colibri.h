@@ -307,6 +307,16 @@ typedef struct colibri_model_desc_s {
   float swiglu_alpha;  /* CLAMPED_SWIGLU: default 1.702 */
   float swiglu_limit;  /* CLAMPED_SWIGLU: default 7 */
   int32_t expert_bias; /* 1 = the experts have biases (gpt-oss) */
+  /* Optional: the routed experts handed over one at a time, so a caller
+   * converting weights (reading a checkpoint, quantising) never holds more
+   * than one expert. With fetch_expert set, every layers[l].experts must be
+   * NULL; the library calls fetch_expert(fetch_user, l, e, &w) for each
+   * layer l and expert e, in that order, and copies what w points to
+   * (biases included) before the next call, so those buffers need live only
+   * until then. A non-zero return fails the open with
+   * COLIBRI_ERR_INVALID_ARGUMENT naming the layer and expert. */
+  int32_t (*fetch_expert)(void* fetch_user, int32_t layer, int32_t expert, colibri_expert_weights_t* out);
+  void* fetch_user;
 } colibri_model_desc_t;
 
 /* Zeroes *desc and sets the router's and the activation's defaults. */

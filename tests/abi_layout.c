@@ -86,6 +86,8 @@ int main(void) {
   FIELD(colibri_model_desc_t, swiglu_alpha);
   FIELD(colibri_model_desc_t, swiglu_limit);
   FIELD(colibri_model_desc_t, expert_bias);
+  FIELD(colibri_model_desc_t, fetch_expert);
+  FIELD(colibri_model_desc_t, fetch_user);
   end();
 
   BEGIN(colibri_linear_desc_t);

@@ -519,20 +519,44 @@ struct MemoryModel {
   }
 };
 
+// Both models (64 wide, built-in router) give bit-identical outputs for
+// `T` random tokens through `layer`.
+void expect_same_outputs(colibri_model_t* a_model, colibri_model_t* b_model, int32_t layer, int32_t T,
+                         uint32_t seed) {
+  const std::vector<float> x = random_input(static_cast<size_t>(T) * 64, seed);
+  std::vector<float> a(x.size(), std::nanf("")), b(x.size(), std::nanf(""));
+  colibri_infer_t in;
+  colibri_infer_default(&in);
+  in.layer = layer;
+  in.n_tokens = T;
+  in.input = x.data();
+  in.output = a.data();
+  ASSERT_EQ(colibri_infer(a_model, &in), COLIBRI_OK) << colibri_last_error();
+  in.output = b.data();
+  ASSERT_EQ(colibri_infer(b_model, &in), COLIBRI_OK) << colibri_last_error();
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+}
+
+// Two f16 layers of 16 experts (64 wide, d_ff 40) with the case's router
+// and shared expert.
+void write_family_model(const std::string& dir, const FamilyCase& fc, uint64_t seed) {
+  colibri::ModelWriteSpec spec;
+  spec.n_layers = 2;
+  spec.n_experts = 16;
+  spec.d_model = 64;
+  spec.d_ff = 40;
+  spec.dtype = colibri::WeightType::kF16;
+  spec.router = fc.router;
+  spec.shared_d_ff = fc.shared_d_ff;
+  spec.shared_gate = fc.shared_gate;
+  colibri::write_random_model(dir, spec, seed);
+}
+
 TEST(OpenMemory, SameResultsAsTheModelDirectory) {
   for (const FamilyCase& fc : family_cases()) {
     SCOPED_TRACE(fc.name);
     colibri_test::TempDir dir;
-    colibri::ModelWriteSpec spec;
-    spec.n_layers = 2;
-    spec.n_experts = 16;
-    spec.d_model = 64;
-    spec.d_ff = 40;
-    spec.dtype = colibri::WeightType::kF16;
-    spec.router = fc.router;
-    spec.shared_d_ff = fc.shared_d_ff;
-    spec.shared_gate = fc.shared_gate;
-    colibri::write_random_model(dir.path(), spec, 21);
+    write_family_model(dir.path(), fc, 21);
     colibri_model_t* from_dir = nullptr;
     ASSERT_EQ(colibri_open(dir.path().c_str(), nullptr, &from_dir), COLIBRI_OK) << colibri_last_error();
     colibri_model_t* from_mem = nullptr;
@@ -541,22 +565,95 @@ TEST(OpenMemory, SameResultsAsTheModelDirectory) {
       ASSERT_EQ(colibri_open_memory(&mm.desc, nullptr, &from_mem), COLIBRI_OK) << colibri_last_error();
       // The buffers go away here: the model must have copied them.
     }
-    const int32_t T = 33;
-    const std::vector<float> x = random_input(static_cast<size_t>(T) * 64, 77);
-    std::vector<float> a(x.size(), std::nanf("")), b(x.size(), std::nanf(""));
-    colibri_infer_t in;
-    colibri_infer_default(&in);
-    in.layer = 1;
-    in.n_tokens = T;
-    in.input = x.data();
-    in.output = a.data();
-    ASSERT_EQ(colibri_infer(from_dir, &in), COLIBRI_OK) << colibri_last_error();
-    in.output = b.data();
-    ASSERT_EQ(colibri_infer(from_mem, &in), COLIBRI_OK) << colibri_last_error();
-    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+    expect_same_outputs(from_dir, from_mem, 1, 33, 77);
     colibri_free(from_dir);
     colibri_free(from_mem);
   }
+}
+
+// fetch_expert: each expert is handed over in a buffer that is scribbled
+// over as soon as the next one is asked for, so a library that kept a
+// pointer instead of copying would compute garbage; the calls must come in
+// (layer, expert) order.
+struct Fetcher {
+  const MemoryModel* mm = nullptr;
+  std::vector<uint8_t> buffer;
+  std::vector<std::pair<int32_t, int32_t>> calls;
+  int32_t fail_at = -1;  // return an error on this call
+
+  static int32_t fetch(void* user, int32_t layer, int32_t expert, colibri_expert_weights_t* out) {
+    auto* self = static_cast<Fetcher*>(user);
+    if (static_cast<int32_t>(self->calls.size()) == self->fail_at) return 7;
+    self->calls.emplace_back(layer, expert);
+    const colibri::Manifest& m = self->mm->m;
+    const std::vector<uint8_t>& src = self->mm->experts[static_cast<size_t>(layer) * m.n_experts + expert];
+    std::fill(self->buffer.begin(), self->buffer.end(), uint8_t{0xA5});  // the previous expert is gone
+    self->buffer.assign(src.begin(), src.end());
+    const size_t FD = colibri::Manifest::matrix_bytes(m.weight_type(), m.d_ff, m.d_model);
+    const uint8_t* p = self->buffer.data();
+    *out = {p, p + FD, p + 2 * FD, nullptr, nullptr, nullptr};
+    return 0;
+  }
+};
+
+TEST(OpenMemory, ExpertsFetchedOneAtATimeGiveTheSameResults) {
+  for (const FamilyCase& fc : family_cases()) {
+    SCOPED_TRACE(fc.name);
+    colibri_test::TempDir dir;
+    write_family_model(dir.path(), fc, 23);
+    MemoryModel mm(dir.path());
+    colibri_model_t* given = nullptr;
+    ASSERT_EQ(colibri_open_memory(&mm.desc, nullptr, &given), COLIBRI_OK) << colibri_last_error();
+    Fetcher f;
+    f.mm = &mm;
+    std::vector<colibri_layer_weights_t> layers = mm.layers;
+    for (auto& lw : layers) lw.experts = nullptr;
+    colibri_model_desc_t d = mm.desc;
+    d.layers = layers.data();
+    d.fetch_expert = &Fetcher::fetch;
+    d.fetch_user = &f;
+    colibri_model_t* fetched = nullptr;
+    ASSERT_EQ(colibri_open_memory(&d, nullptr, &fetched), COLIBRI_OK) << colibri_last_error();
+    ASSERT_EQ(f.calls.size(), static_cast<size_t>(2 * 16));
+    for (size_t i = 0; i < f.calls.size(); ++i) {
+      EXPECT_EQ(f.calls[i], std::make_pair(static_cast<int32_t>(i / 16), static_cast<int32_t>(i % 16)));
+    }
+    for (int32_t layer = 0; layer < 2; ++layer) expect_same_outputs(given, fetched, layer, 19, 78);
+    colibri_free(given);
+    colibri_free(fetched);
+  }
+}
+
+TEST(OpenMemory, FetchErrorsAreRefusedByName) {
+  colibri_test::TempDir dir;
+  colibri::ModelWriteSpec spec;
+  spec.n_layers = 2;
+  spec.n_experts = 4;
+  spec.d_model = 32;
+  spec.d_ff = 16;
+  spec.router = make_router(colibri::RouterFamily::kMixtral, 2, 1);
+  colibri::write_random_model(dir.path(), spec, 5);
+  MemoryModel mm(dir.path());
+  Fetcher f;
+  f.mm = &mm;
+  f.fail_at = 6;  // layer 1, expert 2
+  std::vector<colibri_layer_weights_t> layers = mm.layers;
+  for (auto& lw : layers) lw.experts = nullptr;
+  colibri_model_desc_t d = mm.desc;
+  d.layers = layers.data();
+  d.fetch_expert = &Fetcher::fetch;
+  d.fetch_user = &f;
+  colibri_model_t* model = reinterpret_cast<colibri_model_t*>(0x1);
+  EXPECT_EQ(colibri_open_memory(&d, nullptr, &model), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(model, nullptr);
+  EXPECT_NE(std::string(colibri_last_error()).find("layers[1].experts[2]"), std::string::npos) << colibri_last_error();
+  EXPECT_NE(std::string(colibri_last_error()).find("returned 7"), std::string::npos) << colibri_last_error();
+  // Experts given and fetched at once is ambiguous.
+  d.layers = mm.layers.data();
+  f.fail_at = -1;
+  EXPECT_EQ(colibri_open_memory(&d, nullptr, &model), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(colibri_last_error()).find("layers[0].experts must be NULL"), std::string::npos)
+      << colibri_last_error();
 }
 
 // Writes any int into an enum field, as C code may (a C++ cast to an

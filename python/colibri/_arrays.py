@@ -57,6 +57,16 @@ def has_dtype(obj, names):
     return any(n in td and obj.dtype == td[n] for n in names)
 
 
+class Lazy:
+    """A weight read when the library copies it (Model.from_arrays): `read()`
+    returns the array of `shape`. A checkpoint's experts are read and
+    quantised one at a time this way, so a block never exists whole in
+    floats (colibri.loader)."""
+
+    def __init__(self, shape, read, nbytes):
+        self.shape, self.read, self.nbytes = tuple(int(s) for s in shape), read, int(nbytes)
+
+
 def shape_of(obj):
     return tuple(int(s) for s in obj.shape)
 

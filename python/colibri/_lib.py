@@ -132,6 +132,10 @@ class LayerWeights(ctypes.Structure):
     ]
 
 
+# int32_t (*)(void* user, int32_t layer, int32_t expert, colibri_expert_weights_t* out)
+FETCH_EXPERT = ctypes.CFUNCTYPE(c_int32, c_void_p, c_int32, c_int32, ctypes.POINTER(ExpertWeights))
+
+
 class ModelDesc(ctypes.Structure):
     _fields_ = [
         ("n_layers", c_int32),
@@ -147,6 +151,8 @@ class ModelDesc(ctypes.Structure):
         ("swiglu_alpha", c_float),
         ("swiglu_limit", c_float),
         ("expert_bias", c_int32),
+        ("fetch_expert", FETCH_EXPERT),
+        ("fetch_user", c_void_p),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 

@@ -397,14 +397,15 @@ def _set_module(root, path, module):
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def _placeholder_weights(module):
+def _placeholder_weights(module, dtype=torch.float32):
     """Gives the meta parameters of `module` (experts Colibri reads from the
     file) CPU stand-ins of their shape that own no memory (one element,
-    broadcast), so accelerate() recognises the block; it releases them."""
+    broadcast), so accelerate() recognises the block; it releases them.
+    `dtype`: the stored one, which accelerate() keeps when not quantising."""
     for sub in module.modules():
         for name, p in list(sub.named_parameters(recurse=False)):
             if p.is_meta:
-                stand_in = torch.zeros((), dtype=torch.float32).expand(p.shape)
+                stand_in = torch.zeros((), dtype=dtype).expand(p.shape)
                 setattr(sub, name, nn.Parameter(stand_in, requires_grad=False))
 
 
@@ -738,6 +739,15 @@ class _Checkpoint:
             raise ValueError("%s: tensor %s cannot be read from %s (%s)"
                              % (self.path, key, self.where[key], e)) from None
 
+    def get_item(self, key, index):
+        """key[index] (one expert of a stacked tensor), reading only its bytes."""
+        try:
+            with self._open(self.where[key], "pt") as f:
+                return f.get_slice(key)[index]
+        except Exception as e:
+            raise ValueError("%s: tensor %s[%d] cannot be read from %s (%s)"
+                             % (self.path, key, index, self.where[key], e)) from None
+
     def find(self, *candidates):
         """The first candidate name the checkpoint holds, else None."""
         for c in candidates:
@@ -767,40 +777,70 @@ def _expert_matrix(ck, block_path, e, which):
     return ck.get(found)
 
 
-def _load_experts(ck, block_path, experts, n_experts):
-    """Fills an experts module's (meta) parameters from the checkpoint,
-    per-expert hub tensors stacked into transformers 5's fused layout where
-    the module has one."""
+def _lazy_experts(ck, block_path, experts, n_experts, layout):
+    """The block's routed experts as colibri._arrays.Lazy (gate [F, D], up
+    [F, D], down [D, F]) triples read from the checkpoint one expert at a
+    time: hub tensors per expert, or one expert's slice of a stacked
+    tensor (transformers 5's [E, 2F, D] / [E, D, F]; gpt-oss's [E, D, 2F]
+    with gate and up interleaved, [E, F, D]). The experts module's own
+    matrices stay stand-ins: no block of experts ever exists whole."""
+    from ._arrays import Lazy
+
+    params = dict(experts.named_parameters())
+    fused_gu = ck.find(*_aliases(block_path + ".experts.gate_up_proj"))
+    fused_dn = ck.find(*_aliases(block_path + ".experts.down_proj"))
+    if "gate_up_proj" in params:
+        E, a, b = params["gate_up_proj"].shape
+        F, D = (b // 2, a) if layout == "gpt_oss" else (a // 2, b)
+    else:
+        F, D = params["0.%s.weight" % next(n for n in ("gate_proj", "w1") if "0.%s.weight" % n in params)].shape
+    size = next(p for n, p in params.items() if not n.endswith(("_bias", ".bias"))).element_size()
+    stored = {}
+
+    def fused(e):
+        # one read of the expert's gate/up and down, shared by its three Lazies
+        if e not in stored:
+            stored.clear()
+            gu, dn = ck.get_item(fused_gu, e), ck.get_item(fused_dn, e)
+            want_gu, want_dn = ((D, 2 * F), (F, D)) if layout == "gpt_oss" else ((2 * F, D), (D, F))
+            if tuple(gu.shape) != want_gu or tuple(dn.shape) != want_dn:
+                raise ValueError("%s: %s[%d] / %s[%d] have shapes %s / %s, the model needs %s / %s"
+                                 % (ck.path, fused_gu, e, fused_dn, e, tuple(gu.shape), tuple(dn.shape), want_gu,
+                                    want_dn))
+            if layout == "gpt_oss":
+                stored[e] = (gu[:, 0::2].t(), gu[:, 1::2].t(), dn.t())
+            else:
+                stored[e] = (gu[:F], gu[F:], dn)
+        return stored[e]
+
+    def lazy(e, i, shape):
+        if fused_gu is not None and fused_dn is not None:
+            return Lazy(shape, lambda: fused(e)[i], shape[0] * shape[1] * size)
+        which = ("gate", "up", "down")[i]
+
+        def read():
+            w = _expert_matrix(ck, block_path, e, which)
+            if tuple(w.shape) != shape:
+                raise ValueError("%s: %s.experts.%d %s has shape %s, the model needs %s"
+                                 % (ck.path, block_path, e, which, tuple(w.shape), shape))
+            return w
+        return Lazy(shape, read, shape[0] * shape[1] * size)
+
+    return [(lazy(e, 0, (F, D)), lazy(e, 1, (F, D)), lazy(e, 2, (D, F))) for e in range(n_experts)]
+
+
+def _load_expert_biases(ck, block_path, experts):
+    """The experts module's biases (gpt-oss), small enough to read whole."""
     for name, p in list(experts.named_parameters()):
-        fused = ck.find(*_aliases(block_path + ".experts." + name))
-        if fused is not None:
-            value = ck.get(fused)
-        elif name in ("gate_up_proj", "down_proj"):
-            # Filled in place, an expert at a time: a stack of a list
-            # would hold the layer twice.
-            value = None
-            for e in range(n_experts):
-                parts = ([_expert_matrix(ck, block_path, e, "gate"), _expert_matrix(ck, block_path, e, "up")]
-                         if name == "gate_up_proj" else [_expert_matrix(ck, block_path, e, "down")])
-                rows = sum(t.shape[0] for t in parts)
-                if value is None:
-                    value = torch.empty((n_experts, rows) + tuple(parts[0].shape[1:]), dtype=parts[0].dtype)
-                if rows != value.shape[1]:
-                    raise ValueError("%s: %s.experts.%d has %d rows, expert 0 %d"
-                                     % (ck.path, block_path, e, rows, value.shape[1]))
-                torch.cat(parts, out=value[e])
-        else:
-            parts = name.split(".")  # transformers 4.57: "<e>.<gate_proj|up_proj|down_proj>.weight"
-            if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in ("gate_proj", "up_proj", "down_proj",
-                                                                             "w1", "w2", "w3"):
-                raise ValueError("%s: experts parameter %s.experts.%s has no rule to read it"
-                                 % (ck.path, block_path, name))
-            which = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
-                     "w2": "down"}[parts[1]]
-            value = _expert_matrix(ck, block_path, int(parts[0]), which)
+        if not name.endswith(("_bias", ".bias")):
+            continue
+        found = ck.find(*_aliases(block_path + ".experts." + name))
+        if found is None:
+            raise ValueError("%s: tensor %s.experts.%s is missing" % (ck.path, block_path, name))
+        value = ck.get(found)
         if tuple(value.shape) != tuple(p.shape):
-            raise ValueError("%s: %s.experts.%s has shape %s in the checkpoint, the model needs %s"
-                             % (ck.path, block_path, name, tuple(value.shape), tuple(p.shape)))
+            raise ValueError("%s: %s has shape %s in the checkpoint, the model needs %s"
+                             % (ck.path, found, tuple(value.shape), tuple(p.shape)))
         owner = experts.get_submodule(name.rpartition(".")[0]) if "." in name else experts
         setattr(owner, name.rpartition(".")[2], nn.Parameter(value, requires_grad=False))
 
@@ -809,8 +849,9 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
     """A checkpoint directory: the model built on meta; projections and the
     head read one at a time into colibri.nn.Linear (as stored, or quantised
     to dense_dtype / dtype's type), the embedding as stored, each MoE
-    block's experts read, handed to Colibri (accelerate(), quantised to
-    `dtype` if given) and released before the next block's are read."""
+    block's experts handed to Colibri (accelerate(), quantised to `dtype`
+    if given) one expert at a time (_lazy_experts): each is read, converted
+    and copied into the packed model before the next is read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from . import torch as ctorch
@@ -910,7 +951,11 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
                  or getattr(config, "n_routed_experts", None))
     reports = []
     for bpath, block in blocks.items():
-        _load_experts(ck, bpath, block.experts, n_experts)
+        _load_expert_biases(ck, bpath, block.experts)
+        fused = ck.find(*_aliases(bpath + ".experts.gate_up_proj"))
+        first = ck.get_item(fused, 0) if fused is not None else _expert_matrix(ck, bpath, 0, "gate")
+        _placeholder_weights(block.experts, first.dtype)
+        del first
         for attr in ("shared_expert", "shared_experts"):  # Qwen's one, DeepSeek's and GLM's merged ones
             shared = getattr(block, attr, None)
             if shared is None:
@@ -922,9 +967,10 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
                     raise ValueError("%s: tensor %s is missing" % (path, key))
                 owner = shared.get_submodule(pname.rpartition(".")[0]) if "." in pname else shared
                 setattr(owner, pname.rpartition(".")[2], nn.Parameter(ck.get(found), requires_grad=False))
-        report = ctorch.accelerate(block, dtype=dtype, threads=options["threads"],
-                                   exact_prefill=options["exact_prefill"], lock=options["lock"],
-                                   huge_pages=options["huge_pages"], bf16_compute=options["bf16_compute"])
+        report = ctorch.accelerate(
+            block, dtype=dtype, threads=options["threads"], exact_prefill=options["exact_prefill"],
+            lock=options["lock"], huge_pages=options["huge_pages"], bf16_compute=options["bf16_compute"],
+            expert_source=lambda _, spec, b=bpath, m=block.experts: _lazy_experts(ck, b, m, n_experts, spec.layout))
         if not report.accelerated:
             raise ValueError("%s: Colibri cannot run block %s: %s" % (path, bpath, report.skipped))
         reports.append(report)

@@ -256,7 +256,8 @@ class Model:
 
         layers: a list, one dict per layer, with
           - ``experts``: a list of (gate [F, D], up [F, D], down [D, F]) per
-            expert (nn.Linear.weight layout), or a stacked triple
+            expert (nn.Linear.weight layout; each may be a
+            colibri._arrays.Lazy, read when it is copied), or a stacked triple
             (gate [E, F, D], up [E, F, D], down [E, D, F]); or instead
           - ``gate_up_proj`` [E, 2F, D] (gate rows first) and ``down_proj``
             [E, D, F] (the fused layout);
@@ -289,6 +290,10 @@ class Model:
 
         def weight(obj, name, shape, t=None):
             t = t or dtype
+            if isinstance(obj, A.Lazy):
+                if tuple(obj.shape) != tuple(shape):
+                    raise ValueError("%s must have shape %s, got %s" % (name, list(shape), list(obj.shape)))
+                obj = obj.read()
             if t not in Q.QUANTIZED:
                 return A.as_weight(obj, t, name, shape)
             return Q.quantize(A.as_numpy_f32(A.as_weight(obj, "f32", name, shape)), t)
@@ -301,6 +306,17 @@ class Model:
         keep = []  # every buffer whose pointer the descriptor holds
         E = D = F = S = None
         biased = None
+        streamed, streamed_layers = None, []
+
+        def fill(c_expert, where, e, g, u, d, biases, hold):
+            g = weight(g, "%s expert %d gate" % (where, e), (F, D))
+            u = weight(u, "%s expert %d up" % (where, e), (F, D))
+            d = weight(d, "%s expert %d down" % (where, e), (D, F), down_dtype)
+            hold.extend((g, u, d))
+            c_expert.gate, c_expert.up, c_expert.down = (A.data_ptr(g), A.data_ptr(u), A.data_ptr(d))
+            if biases is not None:
+                c_expert.gate_bias, c_expert.up_bias, c_expert.down_bias = (
+                    A.data_ptr(b) + 4 * e * n for b, n in zip(biases, (F, F, D)))
         c_layers = (L.LayerWeights * len(layers))()
         expert_arrays = []
         for li, layer in enumerate(layers):
@@ -335,17 +351,18 @@ class Model:
                 biases = [A.as_weight(layer[k], "f32", "%s %s" % (where, k), (E, n))
                           for k, n in (("gate_bias", F), ("up_bias", F), ("down_bias", D))]
                 keep.extend(biases)
-            for e, (g, u, d) in enumerate(triples):
-                g = weight(g, "%s expert %d gate" % (where, e), (F, D))
-                u = weight(u, "%s expert %d up" % (where, e), (F, D))
-                d = weight(d, "%s expert %d down" % (where, e), (D, F), down_dtype)
-                keep.extend((g, u, d))
-                c_experts[e].gate, c_experts[e].up, c_experts[e].down = (A.data_ptr(g), A.data_ptr(u), A.data_ptr(d))
-                if biased:
-                    c_experts[e].gate_bias, c_experts[e].up_bias, c_experts[e].down_bias = (
-                        A.data_ptr(b) + 4 * e * n for b, n in zip(biases, (F, F, D)))
-            expert_arrays.append(c_experts)
-            c_layers[li].experts = ctypes.cast(c_experts, ctypes.POINTER(L.ExpertWeights))
+            lazy = any(isinstance(w, A.Lazy) for t in triples for w in t)
+            if streamed is None:
+                streamed = lazy
+            elif streamed != lazy:
+                raise ValueError("%s: Lazy expert weights in some layers only" % where)
+            if lazy:  # read, converted and copied one expert at a time (fetch below)
+                streamed_layers.append((where, triples, biases if biased else None))
+            else:
+                for e, (g, u, d) in enumerate(triples):
+                    fill(c_experts[e], where, e, g, u, d, biases if biased else None, keep)
+                expert_arrays.append(c_experts)
+                c_layers[li].experts = ctypes.cast(c_experts, ctypes.POINTER(L.ExpertWeights))
             if layer.get("router") is not None:
                 r = A.as_weight(layer["router"], "f32", where + " router", (E, D))
                 keep.append(r)
@@ -402,11 +419,28 @@ class Model:
         if router is not None:
             desc.router = router.to_c()
         desc.layers = ctypes.cast(c_layers, ctypes.POINTER(L.LayerWeights))
+        errors, current = [], []
+        if streamed:
+            def fetch(_user, li, e, out):
+                # The library copies this expert before asking for the next:
+                # only one is ever held here.
+                try:
+                    current.clear()
+                    where, triples, biases = streamed_layers[li]
+                    fill(out[0], where, e, *triples[e], biases, current)
+                    return 0
+                except BaseException as ex:  # raised below, after the open fails
+                    errors.append(ex)
+                    return 1
+            desc.fetch_expert = L.FETCH_EXPERT(fetch)
         opts = _open_options(threads, lock, huge_pages, True, bf16_compute, pin_threads, reserve_tokens,
                              exact_prefill)
         h = ctypes.c_void_p()
-        L.check(open_memory(ctypes.byref(desc), ctypes.byref(opts), ctypes.byref(h)), "colibri_open_memory")
-        del keep, expert_arrays  # the library copied the weights
+        status = open_memory(ctypes.byref(desc), ctypes.byref(opts), ctypes.byref(h))
+        if errors:
+            raise errors[0]
+        L.check(status, "colibri_open_memory")
+        del keep, expert_arrays, current  # the library copied the weights
         self = cls(None)
         self._set_handle(h, "<memory>")
         return self

@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import _arrays as A
 from . import _lib as L
 from .model import Model, RouterConfig
 
@@ -90,6 +91,8 @@ def _tensor_bytes(layer):
             for t in (item if isinstance(item, (list, tuple)) else [item]):
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
+                elif isinstance(t, A.Lazy):
+                    total += t.nbytes
     return total
 
 
@@ -1143,7 +1146,8 @@ def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lo
 
 
 def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
-               verbose=False, exact_prefill=False, keep_pytorch_weights=False, gguf=None, max_resident=None):
+               verbose=False, exact_prefill=False, keep_pytorch_weights=False, gguf=None, max_resident=None,
+               expert_source=None):
     """Runs the experts of every recognised sparse-MoE block of `model` in
     Colibri; returns an AccelerateReport.
 
@@ -1189,6 +1193,12 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     needs a gradient through it, or for non-CPU inputs; without them that
     fallback raises a RuntimeError saying so. report.released_bytes says how
     much was released.
+
+    expert_source: a callable (block path, its _Spec) -> the block's routed experts as
+    Model.from_arrays takes them, [(gate [F, D], up [F, D], down [D, F])],
+    used instead of the module's own expert weights (which may then be
+    stand-ins of their shape). from_pretrained passes colibri._arrays.Lazy
+    weights read from a checkpoint, so each is read and quantised on its own.
     """
     if not isinstance(model, nn.Module):
         raise TypeError("accelerate() takes a torch.nn.Module, got %s" % type(model).__name__)
@@ -1234,6 +1244,11 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     for key, members in groups.items():
         cdtype = key[0]
         layers = [spec.layer_dict(shared_in_colibri=in_colibri) for _, _, spec, in_colibri in members]
+        if expert_source is not None:
+            for layer, (path, _, spec, _) in zip(layers, members):
+                for k in ("experts", "gate_up_proj", "down_proj"):
+                    layer.pop(k, None)
+                layer["experts"] = expert_source(path, spec)
         report.source_bytes += sum(_tensor_bytes(layer) for layer in layers)
         cmodel = Model.from_arrays(layers, dtype=cdtype, threads=threads, lock=lock, huge_pages=huge_pages,
                                    bf16_compute=bf16_compute, exact_prefill=exact_prefill,

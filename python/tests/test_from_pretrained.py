@@ -417,6 +417,21 @@ def test_checkpoint_directory_matches_plain_transformers(tmp_path, family):
     assert big == [], big
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_bf16_checkpoint_runs_as_stored(tmp_path, family):
+    """Without dtype= the experts stay bf16 (read one expert at a time from
+    per-expert or stacked tensors), not widened to the stand-ins' float32."""
+    path, _ = saved_checkpoint(tmp_path, family, dtype=torch.bfloat16)
+    # transformers' own load in float32 (the bf16-cast model's rotary tables
+    # were rounded to bf16 with it; a fresh load computes them in float32)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = ct.from_pretrained(path, threads=2, exact_prefill=True)
+    assert {r.models[0].info.dtype for r in model._colibri_report} == {"bf16"}
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        assert rel_l2(model(ids).logits, plain(ids).logits) <= 1e-4
+
+
 def test_checkpoint_quantised_as_it_is_read(tmp_path):
     """dtype="q8_0": every projection and expert quantised on load; the
     reference is the plain model holding the same q8_0-dequantised weights."""

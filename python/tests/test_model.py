@@ -407,6 +407,60 @@ def test_from_arrays_layouts_agree():
             assert rel_err(m.infer(x, ids, w), want) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", ["f32", "q8_0", "q4_k_m"])
+def test_from_arrays_lazy_experts_are_read_one_at_a_time(dtype):
+    """colibri._arrays.Lazy experts (colibri_model_desc_t.fetch_expert): the
+    same model as from the arrays, each weight read once, no expert read
+    before the library has copied the one before it, errors raised as the
+    reader raised them."""
+    from colibri._arrays import Lazy
+
+    rng = np.random.default_rng(14)
+    E, Dm, F = 6, 256, 256
+    layers = [random_experts(rng, E, Dm, F) for _ in range(2)]
+    bias = [rng.standard_normal((E, n)).astype(np.float32) for n in (F, F, Dm)]
+    live, reads = [], []
+
+    class Held(np.ndarray):  # tracks which experts' read arrays are still alive
+        def __del__(self):
+            if getattr(self, "tag", None) in live:
+                live.remove(self.tag)
+
+    def lazy(l, e, i):
+        def read():
+            reads.append((l, e, i))
+            a = layers[l][e][i].copy().view(Held)
+            a.tag = (l, e, i)
+            assert len({t[:2] for t in live}) <= 1, live  # at most the expert being copied
+            live.append(a.tag)
+            return a
+        return Lazy(layers[l][e][i].shape, read, layers[l][e][i].nbytes)
+
+    opts = dict(dtype=dtype, threads=1, activation="clamped_swiglu")
+    plain = colibri.Model.from_arrays([dict(experts=ex, gate_bias=bias[0], up_bias=bias[1], down_bias=bias[2])
+                                       for ex in layers], **opts)
+    lazy_layers = [dict(experts=[tuple(lazy(l, e, i) for i in range(3)) for e in range(E)], gate_bias=bias[0],
+                        up_bias=bias[1], down_bias=bias[2]) for l in range(2)]
+    fetched = colibri.Model.from_arrays(lazy_layers, **opts)
+    assert sorted(reads) == [(l, e, i) for l in range(2) for e in range(E) for i in range(3)]
+    x = rng.standard_normal((5, Dm)).astype(np.float32)
+    ids = np.array([[0, 5], [1, 2], [3, -1], [4, 0], [5, 1]], np.int32)
+    w = rng.uniform(0, 1, (5, 2)).astype(np.float32)
+    for layer in range(2):
+        np.testing.assert_array_equal(fetched.infer(x, ids, w, layer=layer), plain.infer(x, ids, w, layer=layer))
+
+    def broken():
+        raise OSError("shard 3 is unreadable")
+    bad = [dict(lazy_layers[0], experts=[lazy_layers[0]["experts"][0], (Lazy((F, Dm), broken, 0),) * 2
+                                         + (lazy(0, 1, 2),)] + list(lazy_layers[0]["experts"][2:]))]
+    with pytest.raises(OSError, match="shard 3 is unreadable"):
+        colibri.Model.from_arrays(bad, **opts)
+    experts = list(lazy_layers[0]["experts"])
+    experts[1] = experts[1][:2] + (Lazy((Dm, F + 1), lambda: None, 0),)
+    with pytest.raises(ValueError, match=r"layers\[0\] expert 1 down must have shape \[256, 256\], got \[256, 257\]"):
+        colibri.Model.from_arrays([dict(lazy_layers[0], experts=experts)], **opts)
+
+
 @needs_v2
 def test_from_arrays_shared_and_router():
     rng = np.random.default_rng(13)

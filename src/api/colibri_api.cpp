@@ -27,7 +27,7 @@ struct colibri_model {
   colibri_model(const std::string& dir, const colibri_open_options_t& o, std::string* warnings)
       : impl(dir, colibri::api::open_options(o), warnings) {}
   colibri_model(const colibri::api::MemoryModel& memory, const colibri_open_options_t& o, std::string* warnings)
-      : impl(memory.manifest, memory.layers, colibri::api::open_options(o), warnings) {}
+      : impl(memory.manifest, memory.layers, colibri::api::open_options(o), warnings, memory.fetch) {}
 };
 
 struct colibri_linear {

@@ -126,11 +126,15 @@ MemoryModel memory_model(const colibri_model_desc_t& d) {
     const colibri_layer_weights_t& lw = d.layers[l];
     LayerBuffers& buffers = out.layers[static_cast<size_t>(l)];
     const std::string layer = "layers[" + std::to_string(l) + "]";
-    if (lw.experts == nullptr) bad_desc(layer + ".experts is NULL");
-    buffers.experts.reserve(static_cast<size_t>(d.n_experts));
-    for (int64_t e = 0; e < d.n_experts; ++e) {
-      buffers.experts.push_back(
-          expert_buffers(lw.experts[e], layer + ".experts[" + std::to_string(e) + "]", m.expert_bias));
+    if (d.fetch_expert != nullptr) {
+      if (lw.experts != nullptr) bad_desc(layer + ".experts must be NULL when fetch_expert supplies the experts");
+    } else {
+      if (lw.experts == nullptr) bad_desc(layer + ".experts is NULL");
+      buffers.experts.reserve(static_cast<size_t>(d.n_experts));
+      for (int64_t e = 0; e < d.n_experts; ++e) {
+        buffers.experts.push_back(
+            expert_buffers(lw.experts[e], layer + ".experts[" + std::to_string(e) + "]", m.expert_bias));
+      }
     }
     if (m.has_router() && lw.router == nullptr) bad_desc(layer + ".router is NULL (the model has a router)");
     buffers.router = lw.router;
@@ -144,6 +148,17 @@ MemoryModel memory_model(const colibri_model_desc_t& d) {
   }
   if (any_gate && !all_gate) bad_desc("shared_gate must be given for every layer or for none");
   m.shared_gate = m.has_shared() && any_gate;
+  if (d.fetch_expert != nullptr) {
+    // Called while the store packs, in (layer, expert) order; what it
+    // returns is validated as a given buffer would be.
+    out.fetch = [fetch = d.fetch_expert, user = d.fetch_user, biased = m.expert_bias](int32_t l, int32_t e) {
+      colibri_expert_weights_t w{};
+      const std::string name = "layers[" + std::to_string(l) + "].experts[" + std::to_string(e) + "]";
+      const int32_t status = fetch(user, l, e, &w);
+      if (status != 0) bad_desc("fetch_expert for " + name + " returned " + std::to_string(status));
+      return expert_buffers(w, name + " (from fetch_expert)", biased);
+    };
+  }
   return out;
 }
 

@@ -15,7 +15,8 @@ OpenOptions open_options(const colibri_open_options_t& o);
 
 struct MemoryModel {
   Manifest manifest;
-  std::vector<LayerBuffers> layers;
+  std::vector<LayerBuffers> layers;  // experts empty when `fetch` supplies them
+  ExpertFetch fetch;
 };
 
 // Validates `desc` as colibri_open_memory promises (the manifest's limits

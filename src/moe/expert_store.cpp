@@ -202,13 +202,14 @@ void ExpertStore::finish(const StoreOptions& options, std::string* warnings) {
 
 ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest& m, const StoreOptions& options,
                          std::string* warnings, const std::function<void(int32_t layer)>& layer_packed,
-                         const std::function<void(const void* data, size_t bytes)>& source_copied) {
+                         const std::function<void(const void* data, size_t bytes)>& source_copied,
+                         const ExpertFetch& fetch) {
   layout(m, options);
   for (int32_t l = 0; l < m.n_layers; ++l) {
     const LayerBuffers& lw = layers[static_cast<size_t>(l)];
     const kernels::ExpertShape& shape = this->shape(l);
     for (int32_t e = 0; e < m.n_experts && !options.defer_experts; ++e) {
-      const ExpertBuffers& ew = lw.experts[static_cast<size_t>(e)];
+      const ExpertBuffers ew = lw.experts.empty() ? fetch(l, e) : lw.experts[static_cast<size_t>(e)];
       ExpertParts parts{static_cast<const uint8_t*>(ew.gate), static_cast<const uint8_t*>(ew.up),
                         static_cast<const uint8_t*>(ew.down)};
       parts.gate_bias = reinterpret_cast<const uint8_t*>(ew.gate_bias);

@@ -60,10 +60,12 @@ class ExpertStore {
   // `source_copied` after each expert with each of its gate, up and down
   // source ranges (a mapped file's reader releases those pages, so an
   // open peaks at the packed experts plus one expert, not plus a layer:
-  // one Mixtral-8x7B layer's experts are 0.9 GB in Q4_K_M).
+  // one Mixtral-8x7B layer's experts are 0.9 GB in Q4_K_M). `fetch`
+  // supplies the experts of layers whose `experts` is empty.
   ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest& manifest, const StoreOptions& options,
               std::string* warnings, const std::function<void(int32_t layer)>& layer_packed = {},
-              const std::function<void(const void* data, size_t bytes)>& source_copied = {});
+              const std::function<void(const void* data, size_t bytes)>& source_copied = {},
+              const ExpertFetch& fetch = {});
 
   // Layer `layer`'s expert shape (its types: layers may differ, see
   // Manifest::layer_dtypes); shape() is layer 0's.

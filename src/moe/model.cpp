@@ -210,7 +210,7 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
 }
 
 Model::Model(const Manifest& manifest, const std::vector<LayerBuffers>& layers, const OpenOptions& o,
-             std::string* warnings) {
+             std::string* warnings, const ExpertFetch& fetch) {
   const auto t0 = std::chrono::steady_clock::now();
   check_threads(o);
   manifest_ = manifest;
@@ -219,7 +219,9 @@ Model::Model(const Manifest& manifest, const std::vector<LayerBuffers>& layers, 
                                    "files (a model directory or a GGUF file), whose experts can be read again; "
                                    "colibri_open_memory's weights are the caller's memory");
   }
-  store_ = std::make_unique<ExpertStore>(layers, manifest_, store_options(o, false), warnings);
+  store_ = std::make_unique<ExpertStore>(layers, manifest_, store_options(o, false), warnings,
+                                         std::function<void(int32_t)>{},
+                                         std::function<void(const void*, size_t)>{}, fetch);
   start(o);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

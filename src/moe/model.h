@@ -49,8 +49,9 @@ class Model {
   // From weights in memory, one LayerBuffers per layer, described by
   // `manifest` (validated by the caller, as parse_manifest does, and with
   // every pointer it implies set).
+  // `fetch` supplies the experts of layers whose `experts` is empty.
   Model(const Manifest& manifest, const std::vector<LayerBuffers>& layers, const OpenOptions& options,
-        std::string* warnings);
+        std::string* warnings, const ExpertFetch& fetch = {});
 
   const Manifest& manifest() const { return manifest_; }
   Engine& engine() { return *engine_; }

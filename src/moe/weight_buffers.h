@@ -6,6 +6,8 @@
 // here is kept after open.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace colibri {
@@ -20,8 +22,12 @@ struct ExpertBuffers {
   const float* down_bias = nullptr;
 };
 
+// Experts handed over one at a time (colibri_open_memory's fetch_expert):
+// called in (layer, expert) order; its buffers live until the next call.
+using ExpertFetch = std::function<ExpertBuffers(int32_t layer, int32_t expert)>;
+
 struct LayerBuffers {
-  std::vector<ExpertBuffers> experts;  // [n_experts]
+  std::vector<ExpertBuffers> experts;  // [n_experts], or empty: an ExpertFetch supplies them
   const float* router = nullptr;       // when the manifest has a router
   const float* router_bias = nullptr;  // or null: zeros
   ExpertBuffers shared;                // when the manifest has a shared expert
