@@ -35,6 +35,15 @@ about 5 minutes) and exits:
                     64 heads of 64, 8 KV heads; MXFP4 experts, Q8_0 attention (0.85 GiB)
   mixtral-1b.gguf   Mixtral-8x7B: 1 block, 4096 wide, 8 experts of 14336, top-2,
                     32 heads of 128, 8 KV heads; Q4_K/Q6_K experts, Q8_0 attention (0.91 GiB)
+  deepseek2-3b.gguf DeepSeek-V3's block at DeepSeek-V2-Lite's widths: 3 blocks (the
+                    first dense, 10944 wide), 2048 wide, 64 experts of 1408, top-6,
+                    2 shared, sigmoid router with selection bias, scale 2.5; latent
+                    attention (16 heads, q rank 1536, kv rank 512, nope 128, rope 64,
+                    v 128; attn_k_b/attn_v_b as llama.cpp converts today; llama.cpp
+                    takes a file without q rank only at V2-Lite's 26-27 blocks);
+                    Q4_K gate/up, Q8_0 down (1408-wide rows hold no K-quant
+                    super-blocks; the shared expert's down too: Colibri runs a shared
+                    expert in the routed ones' types), Q8_0 attention (0.89 GiB)
 Routers are written at N(0, 0.5) (router_scale=25), as trained routers
 separate their experts.
 """
@@ -215,6 +224,10 @@ FILES = {
                             n_heads=64, n_kv_heads=8, head_dim=64),
     "mixtral-1b.gguf": dict(arch="llama", n_blocks=1, d_model=4096, n_experts=8, top_k=2, d_ff=14336,
                             n_heads=32, n_kv_heads=8, head_dim=128),
+    "deepseek2-3b.gguf": dict(arch="deepseek2", n_blocks=3, n_dense_blocks=1, dense_d_ff=10944, d_model=2048,
+                              n_experts=64, top_k=6, d_ff=1408, shared_d_ff=2816, n_heads=16, n_kv_heads=16,
+                              head_dim=192, weights_scale=2.5, expert_types=("q4_k", "q4_k", "q8_0"),
+                              mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128)),
 }
 
 
