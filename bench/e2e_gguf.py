@@ -149,16 +149,20 @@ def rss():
 
 def decode_breakdown(model, generate, cnn):
     """ms per decode step in each kind of module, from forward hooks:
-    attention_linears (q/k/v/o), head, moe (router + experts), attention
-    (the rest of the attention modules: rope, cache, softmax), norms, and
-    rest (embedding, generate's own work, Python between modules)."""
+    attention_linears (q/k/v/o, DeepSeek's latent projections), head (the
+    LM head), dense_mlp (leading dense blocks' MLPs), moe (router +
+    experts), attention (the rest of the attention modules: rope, cache,
+    softmax), norms, and rest (embedding, generate's own work, Python
+    between modules)."""
     import torch
 
-    spans = {"attention_linears": 0.0, "head": 0.0, "moe": 0.0, "attention_all": 0.0, "norms": 0.0}
+    spans = {"attention_linears": 0.0, "head": 0.0, "dense_mlp": 0.0, "moe": 0.0, "attention_all": 0.0,
+             "norms": 0.0}
     kinds = []
     for name, m in model.named_modules():
         if isinstance(m, cnn.Linear):
-            kinds.append((m, "attention_linears" if ".self_attn." in name else "head"))
+            kind = "attention_linears" if ".self_attn." in name else "dense_mlp" if ".mlp." in name else "head"
+            kinds.append((m, kind))
         elif hasattr(m, "experts") and isinstance(getattr(m, "experts"), torch.nn.Module):
             kinds.append((m, "moe"))
         elif type(m).__name__.endswith("Attention"):
