@@ -355,7 +355,9 @@ def _latent_attention(f, blk, attn, module, config, linear, tensor, linear_opts,
     in files converted before llama.cpp split it; in today's files it is
     attn_k_b (each head's nope rows transposed: blocks run along the wrong
     axis for a row kernel) and attn_v_b, so it is rebuilt once, exactly, as
-    an f32 weight (DeepSeek-V3: 64 MiB a block, 1% of a Q4_K_M file)."""
+    an f32 weight (DeepSeek-V3: 64 MiB a block, 1% of a Q4_K_M file). On
+    transformers 5 decode steps run the absorbed form (_absorb), which keeps
+    k_b and v_b as f32 tensors too (as much again)."""
     if config.q_lora_rank:
         linear(blk + "attn_q_a.weight", attn + "q_a_proj")
         tensor(blk + "attn_q_a_norm.weight", attn + "q_a_layernorm.weight")
@@ -364,11 +366,14 @@ def _latent_attention(f, blk, attn, module, config, linear, tensor, linear_opts,
         linear(blk + "attn_q.weight", attn + "q_proj")
     linear(blk + "attn_kv_a_mqa.weight", attn + "kv_a_proj_with_mqa")
     tensor(blk + "attn_kv_a_norm.weight", attn + "kv_a_layernorm.weight")
-    if f.has(blk + "attn_kv_b.weight"):
-        linear(blk + "attn_kv_b.weight", attn + "kv_b_proj")
-        return
     heads, rank = config.num_attention_heads, config.kv_lora_rank
     nope, v_head = config.qk_nope_head_dim, config.v_head_dim
+    if f.has(blk + "attn_kv_b.weight"):
+        linear(blk + "attn_kv_b.weight", attn + "kv_b_proj")
+        if hasattr(module, "expand_kv"):
+            kv_b = f.floats(blk + "attn_kv_b.weight").reshape(heads, nope + v_head, rank)
+            _absorb(module, np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)), kv_b[:, nope:])
+        return
     for name, want in ((blk + "attn_k_b.weight", (heads, rank, nope)), (blk + "attn_v_b.weight", (heads, v_head, rank))):
         if not f.has(name):
             raise ValueError("%s: tensor %s is missing (and %sattn_kv_b.weight)" % (f.path, name, blk))
@@ -377,11 +382,85 @@ def _latent_attention(f, blk, attn, module, config, linear, tensor, linear_opts,
                              % (f.path, name, f.shape(name), want))
     k_b = f.floats(blk + "attn_k_b.weight")  # [heads, rank, nope]
     v_b = f.floats(blk + "attn_v_b.weight")  # [heads, v_head, rank]
-    kv_b = np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, rank))
     used.update((blk + "attn_k_b.weight", blk + "attn_v_b.weight"))
+    if hasattr(module, "expand_kv"):
+        _absorb(module, k_b, v_b)
+    kv_b = np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, rank))
     _set_module(model, attn + "kv_b_proj",
                 cnn.Linear(kv_b.view(np.uint8), "f32", kv_b.shape[0], rank, None,
                            name=blk + "attn_k_b.weight+attn_v_b.weight", **linear_opts))
+
+
+def _absorb(module, k_b, v_b):
+    """DeepSeek's latent attention in its absorbed form (as llama.cpp runs
+    it) on transformers 5, whose cache holds the compressed latent: q's nope
+    part is taken into the latent space through k_b, attention runs over the
+    cached latents, and v_b expands only the output. transformers' own
+    forward instead decompresses the whole cache through kv_b_proj at every
+    step (its cost grows with the context). Decode steps only: a prefill
+    (more than one new token) runs transformers' forward, whose kv_b_proj
+    is the Colibri linear (the absorbed products run in PyTorch and measured
+    0.78x at 512 tokens). k_b [H, rank, nope] and v_b [H, v, rank] are the
+    file's tensors, dequantised once (f32)."""
+    k_b = torch.from_numpy(np.ascontiguousarray(k_b, dtype=np.float32))
+    v_b = torch.from_numpy(np.ascontiguousarray(v_b, dtype=np.float32))
+    module.__dict__["_colibri_absorbed"] = (k_b, v_b, module.forward)
+    module.forward = types.MethodType(_absorbed_mla_forward, module)
+
+
+def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
+    import inspect
+    import sys
+
+    k_b, v_b, original = self.__dict__["_colibri_absorbed"]
+    if hidden_states.shape[-2] != 1:
+        return original(hidden_states, *args, **kwargs)
+    if "past_key_values" in kwargs and "cache" not in kwargs:
+        kwargs["cache"] = kwargs.pop("past_key_values")
+    bound = inspect.signature(original).bind(hidden_states, *args, **kwargs)
+    a = bound.arguments
+    extra = a.get("kwargs", {})
+    mask, cache, pos = a.get("attention_mask"), a.get("cache"), a.get("position_embeddings")
+    B, T = hidden_states.shape[:-1]
+    nope, rope, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(B, T, -1, nope + rope).transpose(1, 2)
+    q_nope, q_rot = torch.split(q, [nope, rope], dim=-1)
+    kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
+    kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, rank)
+    k_rot = k_rot.view(B, 1, T, rope)
+    mod = sys.modules[type(self).__module__]
+    if hasattr(mod, "apply_rotary_emb"):  # DeepSeek-V2: complex rotation of adjacent pairs
+        q_rot, k_rot = mod.apply_rotary_emb(q_rot, k_rot, pos.to(q_rot.device))
+    elif getattr(self.config, "rope_interleave", True):
+        q_rot, k_rot = mod.apply_rotary_pos_emb_interleave(q_rot, k_rot, *pos)
+    else:
+        q_rot, k_rot = mod.apply_rotary_pos_emb(q_rot, k_rot, *pos)
+    if cache is not None:
+        kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=extra)
+    S = kv_nope.shape[2]
+    latent = kv_nope[:, 0].float()                                  # [B, S, rank]
+    q_lat = torch.einsum("bhtn,hrn->bhtr", q_nope.float(), k_b)     # [B, H, T, rank]
+    scores = (torch.einsum("bhtr,bsr->bhts", q_lat, latent)
+              + torch.einsum("bhtp,bsp->bhts", q_rot.float(), k_rot[:, 0].float())) * self.scaling
+    if mask is None:
+        if T > 1:  # causal over the new tokens, which end the cache
+            keep = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+            scores = scores.masked_fill(~keep, float("-inf"))
+    elif mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask[..., :S], float("-inf"))
+    else:
+        scores = scores + mask[..., :S]
+    # A padded query row masks every key: zeros, not NaN (they would reach
+    # the real tokens through the next layer's latents).
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhvr,bhtr->bhtv", v_b.unsqueeze(0).expand(B, -1, -1, -1),
+                       torch.einsum("bhts,bsr->bhtr", p, latent))   # [B, H, T, v]
+    out = out.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype).contiguous()
+    return self.o_proj(out), None
 
 
 def _unpermute_rows(rows, n_head):

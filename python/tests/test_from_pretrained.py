@@ -222,6 +222,29 @@ def test_logits_and_generate_match_plain_transformers(tmp_path, name):
         assert norms and all(isinstance(model.get_submodule(n), cnn.RMSNorm) for n in norms)
 
 
+@pytest.mark.parametrize("name", ["deepseek2", "deepseek2-v2"])
+def test_latent_attention_with_padding_and_cache(tmp_path, name):
+    """DeepSeek's attention (on transformers 5 the absorbed form over the
+    cached latents, loader._absorbed_mla_forward) against the plain model:
+    a left-padded batch, then decode steps through the cache."""
+    path, ref = write(tmp_path, name)
+    model = ct.from_pretrained(path, threads=2, exact_prefill=True)
+    plain = plain_model(model, ref, "deepseek2")
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert all(("_colibri_absorbed" in a.__dict__) == TRANSFORMERS_5 for a in attns)
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :4] = 0
+    with torch.inference_mode():
+        got = model(ids, attention_mask=mask).logits
+        want = plain(ids, attention_mask=mask).logits
+        keep = mask.bool()
+        assert rel_l2(got[keep], want[keep]) <= 1e-4
+        a = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        b = plain.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert a.tolist() == b.tolist()
+
+
 def test_tied_embeddings_and_generate_with_cache(tmp_path):
     path, ref = write(tmp_path, "qwen3moe", tie_embeddings=True)
     model = ct.from_pretrained(path, threads=2, exact_prefill=True)
