@@ -14,7 +14,7 @@ Per round and file:
              a time from an empty context)
   Colibri    a child process: from_pretrained(FILE, threads=THREADS) (load
              seconds, RSS), a warm-up, then each prefill size as one forward
-             of P tokens (median of --reps), and generate() of DECODE new
+             of P tokens with logits_to_keep=1 (median of --reps), and generate() of DECODE new
              tokens from a 16-token prompt, greedy: decode tokens/s is one
              over the median step (time between consecutive logits
              processor calls). One more generate with forward hooks gives
@@ -108,11 +108,14 @@ def colibri_child(a):
     with torch.inference_mode():
         for P in a.prefill_sizes:
             ids = torch.randint(3, vocab, (1, P), generator=g)
-            model(ids, use_cache=False)  # warm-up
+            # As llama-bench's pp and generate's prefill: the cache written,
+            # the last position's logits only (so, as in llama.cpp, the last
+            # block's feed-forward runs on that position alone).
+            model(ids, logits_to_keep=1)  # warm-up
             times = []
             for _ in range(a.reps):
                 t = time.perf_counter()
-                model(ids, use_cache=False)
+                model(ids, logits_to_keep=1)
                 times.append(time.perf_counter() - t)
             res["pp%d" % P] = P / statistics.median(times)
         prompt = torch.randint(3, vocab, (1, 16), generator=g)

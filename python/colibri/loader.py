@@ -575,8 +575,66 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
                              "types it stores" % path)
         model = _from_gguf(path, max_resident, options)
     model.eval()
+    _last_block_computes_kept_positions(model)
     _hand_over_cores(threads, torch_threads)
     return model
+
+
+_FFN_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
+
+
+def _last_block_computes_kept_positions(model):
+    """A forward asked for the logits of its last `logits_to_keep`
+    positions only (generate's prefill asks for 1) reads the last block's
+    output at those positions alone: every position's keys and values come
+    from the attention, before the feed-forward, so the last block's
+    feed-forward (a whole MoE layer) runs on the kept positions only, as
+    llama.cpp's graphs do (its pp benchmark counts on it). The other
+    positions leave the block holding the residual alone; a forward that
+    returns hidden states (output_hidden_states) or router logits, or
+    gives logits_to_keep as anything but a positive int, computes every
+    position. Off under torch.compile (a traced graph must not depend on
+    this Python state)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        return
+    last = layers[-1]
+    name = next((n for n in _FFN_NAMES if isinstance(getattr(last, n, None), nn.Module)), None)
+    if name is None:
+        return
+    ffn = getattr(last, name)
+    state = {"keep": None}
+    config = model.config
+
+    def note_kept(module, args, kwargs):
+        keep = kwargs.get("logits_to_keep")
+        wanted = (isinstance(keep, int) and not isinstance(keep, bool) and keep > 0
+                  and not torch.compiler.is_compiling()
+                  and not kwargs.get("output_hidden_states", config.output_hidden_states)
+                  and not kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)))
+        state["keep"] = keep if wanted else None
+
+    def forget(module, args, kwargs, out):
+        state["keep"] = None
+
+    # The feed-forward's own forward, looked up at each call.
+    ffn.__dict__["_colibri_all_positions"] = ffn.forward
+
+    def kept_positions_forward(hidden_states, *args, **kwargs):
+        inner = ffn.__dict__["_colibri_all_positions"]
+        keep = state["keep"]
+        if keep is None or hidden_states.dim() != 3 or keep >= hidden_states.shape[1]:
+            return inner(hidden_states, *args, **kwargs)
+        out = inner(hidden_states[:, -keep:].contiguous(), *args, **kwargs)
+        first = out[0] if isinstance(out, tuple) else out
+        full = first.new_zeros(hidden_states.shape[:2] + first.shape[2:])
+        full[:, -keep:] = first
+        return (full,) + tuple(out[1:]) if isinstance(out, tuple) else full
+
+    ffn.__dict__["forward"] = kept_positions_forward
+    model.__dict__["_colibri_kept_positions"] = state
+    model.register_forward_pre_hook(note_kept, with_kwargs=True)
+    model.register_forward_hook(forget, with_kwargs=True, always_call=True)
 
 
 def _materialise_buffers(model, path):

@@ -513,3 +513,40 @@ def test_gguf_under_a_memory_budget_gives_the_same_logits(tmp_path):
     assert stats.expert_reads > 0
     with pytest.raises(ValueError, match="dtype"):
         ct.from_pretrained(path, dtype="q8_0")
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss", "deepseek2"])
+def test_last_block_feeds_forward_only_the_kept_positions(tmp_path, name):
+    """logits_to_keep=k (generate's prefill asks for 1): the last block's
+    feed-forward sees k positions, and the kept logits equal those of a
+    forward that computes every position; hidden states asked for, or a
+    forward without logits_to_keep, still compute every position."""
+    path, _ = write(tmp_path, name)
+    model = ct.from_pretrained(path, threads=2, exact_prefill=True)
+    last = model.model.layers[-1].mlp
+    seen = []
+    inner = last.__dict__["_colibri_all_positions"]
+
+    def counted(x, *args, **kwargs):
+        seen.append(x.shape[1])
+        return inner(x, *args, **kwargs)
+
+    last.__dict__["_colibri_all_positions"] = counted
+    ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        full = model(ids).logits
+        assert seen == [20]
+        for k in (1, 3):
+            seen.clear()
+            part = model(ids, logits_to_keep=k).logits
+            assert seen == [k] and part.shape[1] == k
+            assert rel_l2(part, full[:, -k:]) <= 1e-5, (k, rel_l2(part, full[:, -k:]))
+        seen.clear()
+        out = model(ids, logits_to_keep=1, output_hidden_states=True)
+        assert seen == [20] and rel_l2(out.logits, full[:, -1:]) <= 1e-5
+        seen.clear()
+        a = model.generate(ids[:1, :8], max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert seen[0] == 1 and a.shape[1] == 11
+        seen.clear()
+        model(ids)
+        assert seen == [20]
