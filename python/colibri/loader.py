@@ -632,7 +632,6 @@ def _last_block_computes_kept_positions(model):
         return (full,) + tuple(out[1:]) if isinstance(out, tuple) else full
 
     ffn.__dict__["forward"] = kept_positions_forward
-    model.__dict__["_colibri_kept_positions"] = state
     model.register_forward_pre_hook(note_kept, with_kwargs=True)
     model.register_forward_hook(forget, with_kwargs=True, always_call=True)
 
