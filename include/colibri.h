@@ -548,6 +548,48 @@ COLIBRI_API void colibri_linear_free(colibri_linear_t* linear);
 COLIBRI_API colibri_status_t colibri_rms_norm(const float* x, const float* weight, int32_t rows, int32_t dim,
                                               float eps, float* y);
 
+/* Scaled dot-product attention of q_len query tokens over a KV cache of
+ * kv_len positions (the new ones included), what one layer's attention
+ * computes at each decode step: grouped-query heads, a causal or explicit
+ * mask, a sliding window, per-head sink logits. Float32; scores, softmax
+ * (maximum subtracted) and sums in float32. Thread-safe. */
+typedef struct colibri_attention_desc_s {
+  int32_t batch;
+  int32_t heads;    /* query heads */
+  int32_t kv_heads; /* divides heads: head h reads kv head h / (heads / kv_heads) */
+  int32_t q_len;    /* the queries are the last q_len positions */
+  int32_t kv_len;
+  int32_t qk_dim;
+  int32_t v_dim;
+  int32_t window;    /* causal mask only: position p sees s > p - window; 0 = all earlier */
+  int32_t n_threads; /* 0 = one per online core (the process's shared pool) */
+  float scale;       /* multiplies q.k; e.g. 1/sqrt(qk_dim) */
+  /* Element strides of [batch, head, token]; the last dimension is
+   * contiguous; >= 0 (0 broadcasts). */
+  const float* q; /* [batch][heads][q_len][qk_dim] */
+  int64_t q_stride[3];
+  const float* k; /* [batch][kv_heads][kv_len][qk_dim] */
+  int64_t k_stride[3];
+  const float* v; /* [batch][kv_heads][kv_len][v_dim] */
+  int64_t v_stride[3];
+  /* Nonzero where query t sees position s, [batch][q_len][kv_len] with
+   * these strides, shared by all heads; NULL = causal (query t, at
+   * position kv_len - q_len + t, sees every position up to its own). */
+  const uint8_t* mask;
+  /* Or added to the scaled scores, with the same layout and strides (an
+   * eager attention's float mask: 0 visible, -inf or a large negative
+   * hidden); at most one of mask and additive_mask. */
+  const float* additive_mask;
+  int64_t mask_stride[3];
+  const float* sinks; /* [heads] logits joining each softmax's denominator (gpt-oss), or NULL */
+  float* out;         /* [batch][q_len][heads][v_dim], contiguous, overwritten; a query that sees
+                         no position (and has no sink) gets zeros. Must not overlap the inputs. */
+} colibri_attention_desc_t;
+
+/* Zeros, scale 1, n_threads 0. */
+COLIBRI_API void colibri_attention_desc_default(colibri_attention_desc_t* desc);
+COLIBRI_API colibri_status_t colibri_attention(const colibri_attention_desc_t* desc);
+
 /* --------------------------------------------------------------- routing */
 
 typedef enum colibri_route_weight_encoding {

@@ -104,6 +104,30 @@ int main(void) {
   FIELD(colibri_linear_desc_t, name);
   end();
 
+  BEGIN(colibri_attention_desc_t);
+  FIELD(colibri_attention_desc_t, batch);
+  FIELD(colibri_attention_desc_t, heads);
+  FIELD(colibri_attention_desc_t, kv_heads);
+  FIELD(colibri_attention_desc_t, q_len);
+  FIELD(colibri_attention_desc_t, kv_len);
+  FIELD(colibri_attention_desc_t, qk_dim);
+  FIELD(colibri_attention_desc_t, v_dim);
+  FIELD(colibri_attention_desc_t, window);
+  FIELD(colibri_attention_desc_t, n_threads);
+  FIELD(colibri_attention_desc_t, scale);
+  FIELD(colibri_attention_desc_t, q);
+  FIELD(colibri_attention_desc_t, q_stride);
+  FIELD(colibri_attention_desc_t, k);
+  FIELD(colibri_attention_desc_t, k_stride);
+  FIELD(colibri_attention_desc_t, v);
+  FIELD(colibri_attention_desc_t, v_stride);
+  FIELD(colibri_attention_desc_t, mask);
+  FIELD(colibri_attention_desc_t, additive_mask);
+  FIELD(colibri_attention_desc_t, mask_stride);
+  FIELD(colibri_attention_desc_t, sinks);
+  FIELD(colibri_attention_desc_t, out);
+  end();
+
   BEGIN(colibri_infer_t);
   FIELD(colibri_infer_t, layer);
   FIELD(colibri_infer_t, n_tokens);

@@ -238,6 +238,33 @@ class RouteCompileOptions(ctypes.Structure):
     ]
 
 
+class AttentionDesc(ctypes.Structure):
+    _fields_ = [
+        ("batch", c_int32),
+        ("heads", c_int32),
+        ("kv_heads", c_int32),
+        ("q_len", c_int32),
+        ("kv_len", c_int32),
+        ("qk_dim", c_int32),
+        ("v_dim", c_int32),
+        ("window", c_int32),
+        ("n_threads", c_int32),
+        ("scale", c_float),
+        ("q", c_void_p),
+        ("q_stride", ctypes.c_int64 * 3),
+        ("k", c_void_p),
+        ("k_stride", ctypes.c_int64 * 3),
+        ("v", c_void_p),
+        ("v_stride", ctypes.c_int64 * 3),
+        ("mask", c_void_p),
+        ("additive_mask", c_void_p),
+        ("mask_stride", ctypes.c_int64 * 3),
+        ("sinks", c_void_p),
+        ("out", c_void_p),
+        ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
+    ]
+
+
 class LinearDesc(ctypes.Structure):
     _fields_ = [
         ("dtype", ctypes.c_int),
@@ -472,6 +499,8 @@ _PROTOTYPES = {
     "colibri_linear_bytes": (ctypes.c_uint64, [c_void_p]),
     "colibri_linear_free": (None, [c_void_p]),
     "colibri_rms_norm": (ctypes.c_int, [c_void_p, c_void_p, c_int32, c_int32, ctypes.c_float, c_void_p]),
+    "colibri_attention_desc_default": (None, [_P(AttentionDesc)]),
+    "colibri_attention": (ctypes.c_int, [_P(AttentionDesc)]),
 }
 
 

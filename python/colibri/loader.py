@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import attention as colibri_attention
 from . import nn as cnn
 
 __all__ = ["from_pretrained"]
@@ -556,12 +557,14 @@ def _route_in_colibri(model, report):
 
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
-                    bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None):
+                    bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri"):
     """A transformers model (eval mode) for a GGUF file (or the first file of
     a split set) or a Hugging Face checkpoint directory, its large weights
     computed by Colibri. See colibri.torch.from_pretrained."""
     if torch_threads is not None and torch_threads != "auto" and int(torch_threads) < 1:
         raise ValueError("torch_threads must be 'auto', None or >= 1, got %r" % (torch_threads,))
+    if attention not in ("colibri", "model"):
+        raise ValueError("attention must be 'colibri' or 'model', got %r" % (attention,))
     options = dict(threads=threads, exact_prefill=exact_prefill, lock=lock, huge_pages=huge_pages,
                    bf16_compute=bf16_compute)
     if os.path.isdir(path):
@@ -576,6 +579,8 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
         model = _from_gguf(path, max_resident, options)
     model.eval()
     _last_block_computes_kept_positions(model)
+    if attention == "colibri":
+        colibri_attention.install(model, threads=threads)
     _hand_over_cores(threads, torch_threads)
     return model
 

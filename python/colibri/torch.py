@@ -1269,7 +1269,7 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
-                    bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None):
+                    bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri"):
     """A transformers model whose large weights Colibri computes, from one
     call, built without materialising those weights (docs/PYTORCH.md):
 
@@ -1294,12 +1294,17 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     torch_threads: PyTorch's intra-op thread count, set (process-wide,
     torch.set_num_threads) once the model is built: "auto" gives PyTorch
     the cores Colibri's `threads` leave, at least 1, so the two pools do
-    not spin on each other's cores; None leaves PyTorch as it is."""
+    not spin on each other's cores; None leaves PyTorch as it is.
+
+    attention: "colibri" (default) runs the attention of calls of up to
+    colibri.attention.MAX_QUERY_TOKENS query tokens (decode steps) in one C
+    call over the cache (colibri.attention; the model's own sdpa or eager
+    implementation runs the rest); "model" leaves the model's own."""
     from .loader import from_pretrained as load
 
     return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,
                 huge_pages=huge_pages, bf16_compute=bf16_compute, torch_threads=torch_threads, dtype=dtype,
-                dense_dtype=dense_dtype)
+                dense_dtype=dense_dtype, attention=attention)
 
 
 def restore(model):

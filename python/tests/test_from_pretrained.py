@@ -6,6 +6,7 @@ L2 by default (int8 activations), within 1e-4 with exact_prefill, greedy
 generate() equal in exact mode; the memory of opening a large file; bad
 files refused with the file and the tensor or key named."""
 
+import copy
 import json
 import os
 import subprocess
@@ -161,7 +162,10 @@ def reference_state(plain, ref, arch):
 
 def plain_model(model, ref, arch):
     torch.manual_seed(0)
-    plain = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    config = copy.deepcopy(model.config)
+    # The model's own attention behind Colibri's (colibri.attention.install).
+    config._attn_implementation = config._attn_implementation.replace("colibri-", "")
+    plain = transformers.AutoModelForCausalLM.from_config(config).eval()
     plain.load_state_dict(reference_state(plain, ref, arch), strict=True)
     return plain
 
@@ -550,3 +554,56 @@ def test_last_block_feeds_forward_only_the_kept_positions(tmp_path, name):
         seen.clear()
         model(ids)
         assert seen == [20]
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_short_calls_attend_in_colibri_and_match_plain(tmp_path, name, monkeypatch):
+    """attention="colibri" (the default): calls of up to MAX_QUERY_TOKENS
+    query tokens run colibri_attention, longer ones the model's own
+    implementation; a left-padded batch (the model's mask reaches the C
+    kernel), a short prefill and decode steps through the cache (past
+    gpt-oss's sliding window) all match the plain model, and
+    attention="model" leaves the model's implementation in place."""
+    import colibri.attention as ca
+
+    path, ref = write(tmp_path, name)
+    model = ct.from_pretrained(path, threads=2, exact_prefill=True)
+    # transformers 4's OLMoE and Qwen2-MoE build an attention class per
+    # implementation and never call the interface: left as they are.
+    interface = getattr(model, "_supports_attention_backend", False)
+    assert model.config._attn_implementation.startswith("colibri-") == interface
+    plain = plain_model(model, ref, ref["__meta__"]["arch"])
+    calls = []
+    inner = ca.attention
+
+    def counted(query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return inner(query, *args, **kwargs)
+
+    monkeypatch.setattr(ca, "attention", counted)
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    keep = mask.bool()
+    with torch.inference_mode():
+        got = model(ids, attention_mask=mask).logits
+        want = plain(ids, attention_mask=mask).logits
+        assert rel_l2(got[keep], want[keep]) <= 1e-4
+        # DeepSeek on transformers 5 attends over the absorbed latents in its
+        # own forward (loader._absorbed_mla_forward) at every call, and
+        # without the interface nothing runs in Colibri.
+        absorbed = "_colibri_absorbed" in model.model.layers[-1].self_attn.__dict__ or not interface
+        assert absorbed or (calls and set(calls) == {12}), calls
+        calls.clear()
+        a = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        b = plain.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert a.tolist() == b.tolist()
+        assert absorbed or (calls and set(calls) == {12, 1}), calls
+        calls.clear()
+        long_ids = torch.randint(0, 320, (1, ca.MAX_QUERY_TOKENS + 4), generator=torch.Generator().manual_seed(2))
+        assert rel_l2(model(long_ids).logits, plain(long_ids).logits) <= 1e-4
+        assert not calls
+    own = ct.from_pretrained(path, threads=2, exact_prefill=True, attention="model")
+    assert own.config._attn_implementation in ("sdpa", "eager")
+    with pytest.raises(ValueError, match="attention must be"):
+        ct.from_pretrained(path, attention="flash")

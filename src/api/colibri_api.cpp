@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 
@@ -14,11 +16,13 @@
 #include "io/mapped_file.h"
 #include "io/verify.h"
 #include "kernels/kernels.h"
+#include "moe/attention.h"
 #include "moe/linear.h"
 #include "moe/model.h"
 #include "moe/rms_norm.h"
 #include "moe/routing.h"
 #include "runtime/memory.h"
+#include "runtime/thread_pool.h"
 #include "util/c_enum.h"
 #include "util/error.h"
 
@@ -794,6 +798,90 @@ colibri_status_t colibri_rms_norm(const float* x, const float* weight, int32_t r
   }
   colibri::rms_norm_rows(x, static_cast<size_t>(dim), weight, rows, dim, eps, y);
   return COLIBRI_OK;
+}
+
+}  // extern "C"
+
+namespace {
+
+// The shared pool of the last thread count asked for, held here so a
+// caller without models or linear layers does not start threads per call.
+std::shared_ptr<colibri::ThreadPool> attention_pool(int threads) {
+  static std::mutex mutex;
+  static std::shared_ptr<colibri::ThreadPool> held;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (held == nullptr || held->size() != threads) held = colibri::shared_thread_pool(threads, false);
+  return held;
+}
+
+}  // namespace
+
+extern "C" {
+
+void colibri_attention_desc_default(colibri_attention_desc_t* desc) {
+  if (desc == nullptr) return;
+  *desc = colibri_attention_desc_t{};
+  desc->scale = 1.0f;
+}
+
+colibri_status_t colibri_attention(const colibri_attention_desc_t* d) {
+  if (d == nullptr) return null_argument("colibri_attention", "desc");
+  const auto invalid = [](const std::string& what) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {"colibri_attention: " + what});
+  };
+  if (d->batch < 0 || d->heads < 1 || d->kv_heads < 1 || d->q_len < 0 || d->kv_len < 0 || d->qk_dim < 1 ||
+      d->v_dim < 1) {
+    return invalid("batch, q_len and kv_len must be >= 0, heads, kv_heads, qk_dim and v_dim >= 1");
+  }
+  if (d->heads % d->kv_heads != 0) {
+    return invalid("heads (" + std::to_string(d->heads) + ") is not a multiple of kv_heads (" +
+                   std::to_string(d->kv_heads) + ")");
+  }
+  if (d->mask != nullptr && d->additive_mask != nullptr) return invalid("both mask and additive_mask are set");
+  if (d->mask == nullptr && d->additive_mask == nullptr && d->q_len > d->kv_len) {
+    return invalid("the causal mask needs q_len (" + std::to_string(d->q_len) + ") <= kv_len (" +
+                   std::to_string(d->kv_len) + ")");
+  }
+  if (d->window < 0 || d->n_threads < 0) return invalid("window and n_threads must be >= 0");
+  if (!std::isfinite(d->scale)) return invalid("scale must be finite");
+  for (int i = 0; i < 3; ++i) {
+    if (d->q_stride[i] < 0 || d->k_stride[i] < 0 || d->v_stride[i] < 0 || d->mask_stride[i] < 0) {
+      return invalid("strides must be >= 0");
+    }
+  }
+  if (static_cast<int64_t>(d->batch) * d->q_len == 0) return COLIBRI_OK;
+  if (d->q == nullptr) return null_argument("colibri_attention", "q");
+  if (d->out == nullptr) return null_argument("colibri_attention", "out");
+  if (d->kv_len > 0 && d->k == nullptr) return null_argument("colibri_attention", "k");
+  if (d->kv_len > 0 && d->v == nullptr) return null_argument("colibri_attention", "v");
+  return guarded("colibri_attention", [&] {
+    colibri::AttentionArgs a;
+    a.batch = d->batch;
+    a.heads = d->heads;
+    a.kv_heads = d->kv_heads;
+    a.q_len = d->q_len;
+    a.kv_len = d->kv_len;
+    a.qk_dim = d->qk_dim;
+    a.v_dim = d->v_dim;
+    a.q = d->q;
+    a.k = d->k;
+    a.v = d->v;
+    a.mask = d->mask;
+    a.additive_mask = d->additive_mask;
+    for (int i = 0; i < 3; ++i) {
+      a.q_stride[i] = d->q_stride[i];
+      a.k_stride[i] = d->k_stride[i];
+      a.v_stride[i] = d->v_stride[i];
+      a.mask_stride[i] = d->mask_stride[i];
+    }
+    a.window = d->window;
+    a.sinks = d->sinks;
+    a.scale = d->scale;
+    a.out = d->out;
+    const int threads = d->n_threads > 0 ? d->n_threads : colibri::online_cores();
+    colibri::attention(a, colibri::kernels::default_isa(), attention_pool(threads).get());
+    return COLIBRI_OK;
+  });
 }
 
 }  // extern "C"

@@ -1,0 +1,164 @@
+"""Attention over a KV cache in one C call (colibri_attention), and the
+transformers attention implementation that runs it for decode steps.
+
+A decode step's attention in PyTorch is a handful of operators (the
+grouped heads expanded or packed, the scores, the softmax, the weighted
+sum), each paying PyTorch's dispatch; at one query token the arithmetic is
+a few microseconds and the dispatch is most of the time. `attention()` does
+it in one call. `install(model)` registers it under transformers'
+AttentionInterface as "colibri-sdpa" or "colibri-eager" (the model's own
+implementation behind it): calls of up to MAX_QUERY_TOKENS query tokens in
+float32 run the C kernel; everything else (prefill, training, dropout,
+softcapping, attention weights requested, torch.compile) runs the model's
+own implementation with the mask it builds for it, so the masks the model
+makes are always the ones its implementation expects.
+"""
+
+import sys
+
+import torch
+
+from . import _lib as L
+
+# Query tokens up to which a call runs the C kernel; longer ones run the
+# model's own implementation (bench/attention.py measures where the C
+# kernel stops winning).
+MAX_QUERY_TOKENS = 16
+
+_PREFIX = "colibri-"
+
+
+def _strides(t, dims):
+    return tuple(t.stride(i) if t.shape[i] != 1 else 0 for i in dims)
+
+
+def attention(query, key, value, *, scale, mask=None, window=0, sinks=None, threads=0):
+    """softmax(query key^T * scale + mask) value over grouped heads.
+
+    query [B, H, T, Dq]; key [B, Hkv, S, Dq] and value [B, Hkv, S, Dv]
+    with H a multiple of Hkv (head h reads kv head h // (H // Hkv)): float32
+    CPU tensors, any strides with the last dimension contiguous. The
+    queries are the last T of the S positions. mask: None (causal: query t
+    sees positions up to S - T + t, and with `window` > 0 only the last
+    `window` of them), a bool [B or 1, 1, T, S] (True: visible) or a float
+    one added to the scores. sinks: [H] logits that join each softmax's
+    denominator (gpt-oss). Returns [B, T, H, Dv], contiguous; a query that
+    sees no position gets zeros.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4 or (
+                t.shape[-1] > 1 and t.stride(-1) != 1):
+            raise ValueError("colibri attention: %s must be a 4-d float32 CPU tensor with a contiguous last "
+                             "dimension, got %s %s %s" % (name, tuple(t.shape), t.dtype, t.device))
+    B, H, T, Dq = query.shape
+    _, Hkv, S, Dv = value.shape
+    if tuple(key.shape) != (B, Hkv, S, Dq) or value.shape[0] != B:
+        raise ValueError("colibri attention: query %s, key %s and value %s do not fit together"
+                         % (tuple(query.shape), tuple(key.shape), tuple(value.shape)))
+    out = torch.empty((B, T, H, Dv), dtype=torch.float32)
+    d = L.AttentionDesc()
+    d.batch, d.heads, d.kv_heads, d.q_len, d.kv_len, d.qk_dim, d.v_dim = B, H, Hkv, T, S, Dq, Dv
+    d.window = int(window or 0)
+    d.n_threads = int(threads)
+    d.scale = float(scale)
+    d.q = query.data_ptr()
+    d.q_stride[:] = _strides(query, (0, 1, 2))
+    d.k = key.data_ptr()
+    d.k_stride[:] = _strides(key, (0, 1, 2))
+    d.v = value.data_ptr()
+    d.v_stride[:] = _strides(value, (0, 1, 2))
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, B) or tuple(mask.shape[2:]) != (T, S) \
+                or mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32):
+            raise ValueError("colibri attention: mask must be a bool or float32 [%d or 1, 1, %d, %d] CPU tensor, "
+                             "got %s %s" % (B, T, S, tuple(mask.shape), mask.dtype))
+        if mask.dtype == torch.bool:
+            d.mask = mask.data_ptr()
+        else:
+            d.additive_mask = mask.data_ptr()
+        d.mask_stride[:] = (mask.stride(0) if mask.shape[0] != 1 else 0, mask.stride(2), mask.stride(3))
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+        if sinks.numel() != H:
+            raise ValueError("colibri attention: %d sinks for %d heads" % (sinks.numel(), H))
+        d.sinks = sinks.data_ptr()
+    d.out = out.data_ptr()
+    status = L.fn("colibri_attention")(d)
+    if status:
+        L.check(status, "colibri_attention")
+    return out
+
+
+def _model_implementation(module, name):
+    if name == "eager":
+        # Each modeling file has its own eager function (gpt-oss's adds the sinks).
+        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _runs_in_c(module, query, key, value, mask, dropout, kwargs):
+    if query.shape[2] > MAX_QUERY_TOKENS or torch.compiler.is_compiling():
+        return False
+    if query.dtype != torch.float32 or key.dtype != torch.float32 or value.dtype != torch.float32:
+        return False
+    if query.device.type != "cpu" or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    if (dropout and module.training) or kwargs.get("softcap") is not None or kwargs.get("output_attentions"):
+        return False
+    if kwargs.get("position_bias") is not None or kwargs.get("is_causal") is False:
+        return False
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.dtype not in (torch.bool, torch.float32)):
+        return False
+    return True
+
+
+def _interface(original):
+    def colibri_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                          **kwargs):
+        if _runs_in_c(module, query, key, value, attention_mask, dropout, kwargs):
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            # Without a mask the call is causal; a window then only matters
+            # past its length, and transformers sends a mask whenever it does.
+            out = attention(query, key, value, scale=scale, mask=attention_mask,
+                            window=sliding_window if attention_mask is None else 0,
+                            sinks=kwargs.get("s_aux"), threads=module.__dict__.get("_colibri_threads", 0))
+            return out, None
+        return _model_implementation(module, original)(module, query, key, value, attention_mask, dropout=dropout,
+                                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
+    colibri_attention.__name__ = _PREFIX + original
+    return colibri_attention
+
+
+def install(model, threads=0):
+    """Runs `model`'s decode-step attention through colibri_attention.
+
+    Registers "colibri-<implementation>" with transformers'
+    AttentionInterface (the model's attention function) and
+    AttentionMaskInterface (the same masks as its own implementation) and
+    switches the model to it. Models on "sdpa" or "eager" that call the
+    interface only; returns the implementation's name, or None when the
+    model runs another one (flash, flex, ...) or its own attention classes
+    and is left as it was."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    config = model.config
+    original = getattr(config, "_attn_implementation", None) or "eager"
+    if original.startswith(_PREFIX):
+        return original
+    # Models of transformers 4.x that pick an attention class per
+    # implementation at construction (OLMoE, Qwen2-MoE) never ask the interface.
+    if original not in ("sdpa", "eager") or not getattr(model, "_supports_attention_backend", False):
+        return None
+    name = _PREFIX + original
+    AttentionInterface.register(name, _interface(original))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
+            module.__dict__["_colibri_threads"] = int(threads)
+    for sub in [config] + [getattr(config, k) for k in ("text_config",) if hasattr(config, k)]:
+        sub._attn_implementation = name
+    return name
