@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fails if an object file compiled for an instruction set above the baseline
 # (ffn_avx2, ffn_avx512*, ffn_amx, qdot_avx2, qdot_avxvnni, qdot_avx512,
-# qdequant_avx512, vec_f32_avx2, vec_f32_avx512, probe_avx*/probe_amx) defines a symbol with vague linkage
+# qdequant_avx512, attn_avx2, attn_avx512, probe_avx*/probe_amx) defines a symbol with vague linkage
 # (nm types W, V, u, i: inline functions, template instantiations, static
 # locals of inline functions). The linker keeps one arbitrary copy of each
 # such symbol for the whole program; if it kept the AVX-512 copy of, say, an
@@ -17,7 +17,7 @@ checked=0
 bad=0
 for obj in "$@"; do
   case "$(basename "$obj")" in
-    ffn_avx2.* | ffn_avx512* | ffn_amx.* | qdot_avx2.* | qdot_avxvnni.* | qdot_avx512* | qdequant_avx512.* | vec_f32_avx2.* | vec_f32_avx512.* | probe_avx2.* | probe_avx512* | probe_amx.*) ;;
+    ffn_avx2.* | ffn_avx512* | ffn_amx.* | qdot_avx2.* | qdot_avxvnni.* | qdot_avx512* | qdequant_avx512.* | attn_avx2.* | attn_avx512.* | probe_avx2.* | probe_avx512* | probe_amx.*) ;;
     *) continue ;;
   esac
   checked=$((checked + 1))

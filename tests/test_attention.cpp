@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "colibri.h"
+#include "kernels/attn.h"
 #include "kernels/kernels.h"
 #include "moe/attention.h"
 #include "runtime/thread_pool.h"
@@ -176,15 +177,23 @@ TEST(Attention, EveryShapeMaskAndLevelAgainstFloat64) {
       {1, 16, 16, 1, 1, 192, 128},                  // latent attention's widths, first position
       {1, 4, 2, 7, 7, 7, 5, 0, true, false, true},  // prefill from empty, sinks
       {2, 8, 2, 3, 8, 16, 16, 0, true, true, false, true},  // eager's float mask and sinks (gpt-oss)
+      {1, 13, 1, 2, 700, 40, 48, 300},              // 13 heads a kv head (blocks of 8, 4, 1), long, windowed
+      {1, 24, 2, 1, 129, 96, 96},                   // GLM-4.5-Air-like: 12 heads a kv head
   };
   std::mt19937 rng(7);
   const auto pool = colibri::shared_thread_pool(2, false);
   for (const Case& c : cases) {
     Data d = make(c, rng);
     const std::vector<double> want = reference(d.args);
+    // Float32 errors scale with the values averaged, not with the average:
+    // over hundreds of positions the output shrinks towards 0 while each
+    // product's rounding stays that of |v| ~ 1.
     double norm = 0.0;
     for (double w : want) norm += w * w;
     norm = std::sqrt(norm / std::max<size_t>(want.size(), 1));
+    double v_norm = 0.0;
+    for (float x : d.v) v_norm += static_cast<double>(x) * x;
+    norm = std::max(norm, std::sqrt(v_norm / static_cast<double>(d.v.size())));
     for (kernels::Isa isa : levels()) {
       for (colibri::ThreadPool* p : {static_cast<colibri::ThreadPool*>(nullptr), pool.get()}) {
         std::vector<float> out(want.size(), std::numeric_limits<float>::quiet_NaN());
@@ -200,6 +209,32 @@ TEST(Attention, EveryShapeMaskAndLevelAgainstFloat64) {
           for (int32_t i = 0; i < c.v_dim; ++i) EXPECT_TRUE(std::isfinite(out[static_cast<size_t>(i)]));
         }
       }
+    }
+  }
+}
+
+TEST(Attention, ExponentialsWithinFourUlpAtEveryLevel) {
+  // The softmax's exp(x - max), x - max in [-100, 0] plus -inf, at lengths
+  // off the vector widths; each value against double, and the sum.
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-100.0f, 0.0f);
+  for (int32_t n : {1, 7, 16, 37, 1000}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& e : x) e = u(rng) + 3.0f;
+    x[0] = -std::numeric_limits<float>::infinity();
+    if (n > 3) x[3] = 3.0f;  // the maximum itself: exp(0) = 1
+    for (kernels::Isa isa : levels()) {
+      std::vector<float> y = x;
+      const float sum = kernels::attn_kernels(isa).exp_sum(y.data(), n, 3.0f);
+      double want_sum = 0.0;
+      for (int32_t i = 0; i < n; ++i) {
+        const double want = std::exp(static_cast<double>(x[static_cast<size_t>(i)]) - 3.0);
+        want_sum += want;
+        // 4 ulp relative; values below float's normal range to within its smallest normal.
+        EXPECT_NEAR(y[static_cast<size_t>(i)], want, 4 * 6e-8 * want + 1.2e-38)
+            << "x - max = " << x[static_cast<size_t>(i)] - 3.0f << " at " << kernels::isa_name(isa);
+      }
+      EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum) << "n " << n << " at " << kernels::isa_name(isa);
     }
   }
 }

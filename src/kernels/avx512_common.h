@@ -1,5 +1,6 @@
 // Small AVX-512 building blocks shared by the prefill kernels
-// (ffn_avx512_gemm.cpp, ffn_avx512_tokens.cpp, ffn_amx.cpp). Include ONLY
+// (ffn_avx512_gemm.cpp, ffn_avx512_tokens.cpp, ffn_amx.cpp,
+// ffn_avx512_bf16.cpp) and attention (attn_avx512.cpp). Include ONLY
 // from translation units compiled with AVX-512 flags.
 //
 // Everything is in an anonymous namespace on purpose: each including TU
@@ -85,6 +86,29 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// exp for 16 lanes, exact at the ends: n = round(x log2 e), r = x - n ln 2 (two-part ln 2),
+// Cephes' degree-7 polynomial on |r| <= ln2/2 (about 1 ulp), scaled by 2^n
+// with vscalefps, which also gives inf / 0 for large |x|. The clamp keeps
+// r finite for infinite x (exp(+inf) = inf, exp(-inf) = 0); NaN passes
+// through (min/max return their second operand when it is NaN).
+inline __m512 exp16_clamped(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+  x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 q = _mm512_set1_ps(1.9875691500e-4f);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(q, r2, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(e, n);
 }
 
 // silu(g) * u = g / (1 + exp(-g)) * u. For g very negative exp(-g) is inf

@@ -44,6 +44,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/avx512_common.h"
 #include "kernels/kernels.h"
 
 #define COLIBRI_UNROLL _Pragma("GCC unroll 16")
@@ -270,28 +271,6 @@ void gate_up_rows(const uint16_t* base, size_t stride, const uint16_t* xb, int32
   for (; f < f1; ++f) gate_up_step<1, NT, kSplit>(base, stride, xb, nvec, f, f0, p);
 }
 
-// exp for 16 lanes: n = round(x log2 e), r = x - n ln 2 (two-part ln 2),
-// Cephes' degree-7 polynomial on |r| <= ln2/2 (about 1 ulp), scaled by 2^n
-// with vscalefps, which also gives inf / 0 for large |x|. The clamp keeps
-// r finite for infinite x (exp(+inf) = inf, exp(-inf) = 0); NaN passes
-// through (min/max return their second operand when it is NaN).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-  x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 q = _mm512_set1_ps(1.9875691500e-4f);
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 r2 = _mm512_mul_ps(r, r);
-  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(q, r2, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(e, n);
-}
 
 // h[f] = silu(g[f]) * u[f] = g / (1 + exp(-g)) * u for f in [0, nf).
 inline void silu_mul_store(const float* g, const float* u, int32_t nf, float* h) {
@@ -299,7 +278,7 @@ inline void silu_mul_store(const float* g, const float* u, int32_t nf, float* h)
     const __mmask16 m = lane_mask(nf - j);
     const __m512 gv = _mm512_maskz_load_ps(m, g + j);
     const __m512 uv = _mm512_maskz_load_ps(m, u + j);
-    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
     _mm512_mask_storeu_ps(h + j, m, _mm512_mul_ps(_mm512_div_ps(gv, den), uv));
   }
 }
