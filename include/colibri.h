@@ -548,6 +548,29 @@ COLIBRI_API void colibri_linear_free(colibri_linear_t* linear);
 COLIBRI_API colibri_status_t colibri_rms_norm(const float* x, const float* weight, int32_t rows, int32_t dim,
                                               float eps, float* y);
 
+/* Rotary position embedding, out = x * cos + rotate_half(x) * sin on the
+ * first rotary_dim dimensions of each head (the rest copied), as the
+ * transformers MoE families compute it in float32, to the bit: each
+ * product rounded, then the difference or sum. Thread-safe. */
+typedef struct colibri_rope_desc_s {
+  int32_t batch;
+  int32_t heads;
+  int32_t tokens;
+  int32_t head_dim;
+  int32_t rotary_dim; /* even, 2 .. head_dim */
+  int32_t half_table; /* 1: cos/sin hold rotary_dim / 2 values a position, shared by both
+                         halves (gpt-oss); 0: rotary_dim values */
+  const float* x;     /* element strides of [batch, head, token], >= 0; last dimension contiguous */
+  int64_t x_stride[3];
+  float* out; /* same shape, its own strides; may be x (then with x's strides) */
+  int64_t out_stride[3];
+  const float* cos; /* strides of [batch, token], >= 0 (0 broadcasts) */
+  const float* sin;
+  int64_t table_stride[2];
+} colibri_rope_desc_t;
+
+COLIBRI_API colibri_status_t colibri_rope(const colibri_rope_desc_t* desc);
+
 /* Scaled dot-product attention of q_len query tokens over a KV cache of
  * kv_len positions (the new ones included), what one layer's attention
  * computes at each decode step: grouped-query heads, a causal or explicit

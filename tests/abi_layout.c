@@ -104,6 +104,22 @@ int main(void) {
   FIELD(colibri_linear_desc_t, name);
   end();
 
+  BEGIN(colibri_rope_desc_t);
+  FIELD(colibri_rope_desc_t, batch);
+  FIELD(colibri_rope_desc_t, heads);
+  FIELD(colibri_rope_desc_t, tokens);
+  FIELD(colibri_rope_desc_t, head_dim);
+  FIELD(colibri_rope_desc_t, rotary_dim);
+  FIELD(colibri_rope_desc_t, half_table);
+  FIELD(colibri_rope_desc_t, x);
+  FIELD(colibri_rope_desc_t, x_stride);
+  FIELD(colibri_rope_desc_t, out);
+  FIELD(colibri_rope_desc_t, out_stride);
+  FIELD(colibri_rope_desc_t, cos);
+  FIELD(colibri_rope_desc_t, sin);
+  FIELD(colibri_rope_desc_t, table_stride);
+  end();
+
   BEGIN(colibri_attention_desc_t);
   FIELD(colibri_attention_desc_t, batch);
   FIELD(colibri_attention_desc_t, heads);

@@ -3,7 +3,7 @@
 // tokens, causal, windowed and explicit masks, sinks, strided and
 // broadcast inputs, dimensions off the vector widths, every
 // instruction-set level this CPU has and 1 or 2 threads, outputs poisoned
-// with NaN; then the C ABI's refusals.
+// with NaN; then the C ABI's refusals; colibri_rope likewise.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -317,6 +317,104 @@ TEST(AttentionAbi, ComputesAndRefusesBadArguments) {
   bad.q_len = 0;
   bad.q = nullptr;
   EXPECT_EQ(colibri_attention(&bad), COLIBRI_OK);  // nothing to compute
+}
+
+}  // namespace
+
+namespace {
+
+// colibri_rope against float64, for the three table layouts, strided
+// input and output (and in place), outputs poisoned; then its refusals.
+TEST(RopeAbi, RotatesAgainstFloat64AndRefusesBadArguments) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int32_t B = 2, H = 3, T = 4, D = 20;
+  struct Style {
+    int32_t rotary, table;
+    bool half;
+  };
+  for (const Style st : {Style{20, 20, false}, Style{12, 12, false}, Style{20, 10, true}}) {
+    // x laid out [B][T][H][D] (as a projection writes it), read as [B][H][T][D].
+    std::vector<float> x(static_cast<size_t>(B) * T * H * D);
+    for (float& e : x) e = normal(rng);
+    std::vector<float> cos(static_cast<size_t>(T) * st.table), sin(cos.size());  // batch-broadcast
+    for (size_t i = 0; i < cos.size(); ++i) {
+      const float angle = normal(rng) * 3.0f;
+      cos[i] = std::cos(angle);
+      sin[i] = std::sin(angle);
+    }
+    colibri_rope_desc_t d{};
+    d.batch = B;
+    d.heads = H;
+    d.tokens = T;
+    d.head_dim = D;
+    d.rotary_dim = st.rotary;
+    d.half_table = st.half ? 1 : 0;
+    d.x = x.data();
+    d.x_stride[0] = static_cast<int64_t>(T) * H * D;
+    d.x_stride[1] = D;
+    d.x_stride[2] = static_cast<int64_t>(H) * D;
+    std::vector<float> out(x.size(), std::numeric_limits<float>::quiet_NaN());  // [B][H][T][D]
+    d.out = out.data();
+    d.out_stride[0] = static_cast<int64_t>(H) * T * D;
+    d.out_stride[1] = static_cast<int64_t>(T) * D;
+    d.out_stride[2] = D;
+    d.cos = cos.data();
+    d.sin = sin.data();
+    d.table_stride[0] = 0;
+    d.table_stride[1] = st.table;
+    ASSERT_EQ(colibri_rope(&d), COLIBRI_OK) << colibri_last_error();
+    const int32_t h = st.rotary / 2;
+    for (int32_t b = 0; b < B; ++b) {
+      for (int32_t head = 0; head < H; ++head) {
+        for (int32_t t = 0; t < T; ++t) {
+          const float* xi = &x[static_cast<size_t>(b * d.x_stride[0] + head * d.x_stride[1] + t * d.x_stride[2])];
+          const float* yi = &out[static_cast<size_t>(b * d.out_stride[0] + head * d.out_stride[1] + t * d.out_stride[2])];
+          const float* c = &cos[static_cast<size_t>(t) * st.table];
+          const float* s = &sin[static_cast<size_t>(t) * st.table];
+          for (int32_t i = 0; i < D; ++i) {
+            double want = xi[i];
+            if (i < st.rotary) {
+              const int32_t j = st.half ? i % h : i;  // the table entry of dimension i
+              const double rotated = i < h ? -static_cast<double>(xi[i + h]) : xi[i - h];
+              want = static_cast<double>(xi[i]) * c[j] + rotated * s[j];
+            }
+            EXPECT_NEAR(yi[i], want, 1e-6 * (std::abs(xi[i]) + std::abs(xi[(i + h) % D]) + 1e-3))
+                << "rotary " << st.rotary << (st.half ? " half table" : "") << " dim " << i;
+          }
+        }
+      }
+    }
+    // In place gives the same bits.
+    colibri_rope_desc_t in_place = d;
+    std::vector<float> y(x);
+    in_place.x = y.data();
+    in_place.out = y.data();
+    in_place.out_stride[0] = d.x_stride[0];
+    in_place.out_stride[1] = d.x_stride[1];
+    in_place.out_stride[2] = d.x_stride[2];
+    ASSERT_EQ(colibri_rope(&in_place), COLIBRI_OK);
+    for (int32_t b = 0; b < B; ++b) {
+      for (int32_t head = 0; head < H; ++head) {
+        for (int32_t t = 0; t < T; ++t) {
+          for (int32_t i = 0; i < D; ++i) {
+            ASSERT_EQ(y[static_cast<size_t>(b * d.x_stride[0] + head * d.x_stride[1] + t * d.x_stride[2] + i)],
+                      out[static_cast<size_t>(b * d.out_stride[0] + head * d.out_stride[1] + t * d.out_stride[2] + i)]);
+          }
+        }
+      }
+    }
+  }
+  colibri_rope_desc_t bad{};
+  EXPECT_EQ(colibri_rope(nullptr), COLIBRI_ERR_INVALID_ARGUMENT);
+  bad.batch = bad.heads = bad.tokens = 1;
+  bad.head_dim = 8;
+  bad.rotary_dim = 5;
+  EXPECT_EQ(colibri_rope(&bad), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(colibri_last_error()).find("rotary_dim (5) must be even"), std::string::npos);
+  bad.rotary_dim = 8;
+  EXPECT_EQ(colibri_rope(&bad), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(colibri_last_error()).find("x"), std::string::npos);
 }
 
 }  // namespace

@@ -238,6 +238,25 @@ class RouteCompileOptions(ctypes.Structure):
     ]
 
 
+class RopeDesc(ctypes.Structure):
+    _fields_ = [
+        ("batch", c_int32),
+        ("heads", c_int32),
+        ("tokens", c_int32),
+        ("head_dim", c_int32),
+        ("rotary_dim", c_int32),
+        ("half_table", c_int32),
+        ("x", c_void_p),
+        ("x_stride", ctypes.c_int64 * 3),
+        ("out", c_void_p),
+        ("out_stride", ctypes.c_int64 * 3),
+        ("cos", c_void_p),
+        ("sin", c_void_p),
+        ("table_stride", ctypes.c_int64 * 2),
+        ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
+    ]
+
+
 class AttentionDesc(ctypes.Structure):
     _fields_ = [
         ("batch", c_int32),
@@ -501,6 +520,7 @@ _PROTOTYPES = {
     "colibri_rms_norm": (ctypes.c_int, [c_void_p, c_void_p, c_int32, c_int32, ctypes.c_float, c_void_p]),
     "colibri_attention_desc_default": (None, [_P(AttentionDesc)]),
     "colibri_attention": (ctypes.c_int, [_P(AttentionDesc)]),
+    "colibri_rope": (ctypes.c_int, [_P(RopeDesc)]),
 }
 
 

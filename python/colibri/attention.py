@@ -1,29 +1,34 @@
 """Attention over a KV cache in one C call (colibri_attention), and the
-transformers attention implementation that runs it for decode steps.
+transformers attention implementation that runs it.
 
 A decode step's attention in PyTorch is a handful of operators (the
 grouped heads expanded or packed, the scores, the softmax, the weighted
 sum), each paying PyTorch's dispatch; at one query token the arithmetic is
-a few microseconds and the dispatch is most of the time. `attention()` does
-it in one call. `install(model)` registers it under transformers'
-AttentionInterface as "colibri-sdpa" or "colibri-eager" (the model's own
-implementation behind it): calls of up to MAX_QUERY_TOKENS query tokens in
-float32 run the C kernel; everything else (prefill, training, dropout,
-softcapping, attention weights requested, torch.compile) runs the model's
-own implementation with the mask it builds for it, so the masks the model
-makes are always the ones its implementation expects.
+a few microseconds and the dispatch is most of the time, and over long
+caches or with a mask PyTorch's CPU kernels fall far behind the memory
+(bench/attention.py). `attention()` does it in one call. `install(model)`
+registers it under transformers' AttentionInterface as "colibri-sdpa" or
+"colibri-eager" (the model's own implementation behind it): float32 calls
+run the C kernel (up to MAX_QUERY_TOKENS query tokens when that is set);
+everything else (training, dropout, softcapping, attention weights
+requested, torch.compile) runs the model's own implementation with the
+mask it builds for it, so the masks the model makes are always the ones
+its implementation expects.
 """
 
 import sys
+from typing import Optional
 
 import torch
 
 from . import _lib as L
 
-# Query tokens up to which a call runs the C kernel; longer ones run the
-# model's own implementation (bench/attention.py measures where the C
-# kernel stops winning).
-MAX_QUERY_TOKENS = 16
+# Query tokens up to which a call runs the C kernel (None: any number);
+# longer ones run the model's own implementation. bench/attention.py
+# measured the C kernel ahead of PyTorch's sdpa and eager at every size
+# it tried on a Zen 4 (one query token to 2048-token prefills), so there
+# is no limit by default.
+MAX_QUERY_TOKENS = None
 
 _PREFIX = "colibri-"
 
@@ -89,6 +94,19 @@ def attention(query, key, value, *, scale, mask=None, window=0, sinks=None, thre
     return out
 
 
+@torch.library.custom_op("colibri::attention", mutates_args=())
+def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+                  sinks: Optional[torch.Tensor], scale: float, window: int, threads: int) -> torch.Tensor:
+    # A compiled graph may hand over other layouts than eager code would.
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    return attention(query, key, value, scale=scale, mask=mask, window=window, sinks=sinks, threads=threads)
+
+
+@_attention_op.register_fake
+def _(query, key, value, mask, sinks, scale, window, threads):
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
+
+
 def _model_implementation(module, name):
     if name == "eager":
         # Each modeling file has its own eager function (gpt-oss's adds the sinks).
@@ -98,11 +116,11 @@ def _model_implementation(module, name):
 
 
 def _runs_in_c(module, query, key, value, mask, dropout, kwargs):
-    if query.shape[2] > MAX_QUERY_TOKENS or torch.compiler.is_compiling():
+    if MAX_QUERY_TOKENS is not None and query.shape[2] > MAX_QUERY_TOKENS:
         return False
     if query.dtype != torch.float32 or key.dtype != torch.float32 or value.dtype != torch.float32:
         return False
-    if query.device.type != "cpu" or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+    if query.device.type != "cpu":
         return False
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return False
@@ -122,9 +140,17 @@ def _interface(original):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             # Without a mask the call is causal; a window then only matters
             # past its length, and transformers sends a mask whenever it does.
-            out = attention(query, key, value, scale=scale, mask=attention_mask,
-                            window=sliding_window if attention_mask is None else 0,
-                            sinks=kwargs.get("s_aux"), threads=module.__dict__.get("_colibri_threads", 0))
+            window = (sliding_window or 0) if attention_mask is None else 0
+            threads = module.__dict__.get("_colibri_threads", 0)
+            if torch.compiler.is_compiling():
+                # The same C kernel as a custom operator, so compiled and
+                # eager models compute the same bits.
+                out = torch.ops.colibri.attention(query, key, value, attention_mask, kwargs.get("s_aux"), float(scale),
+                                                  int(window), int(threads))
+            else:
+                query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+                out = attention(query, key, value, scale=scale, mask=attention_mask, window=window,
+                                sinks=kwargs.get("s_aux"), threads=threads)
             return out, None
         return _model_implementation(module, original)(module, query, key, value, attention_mask, dropout=dropout,
                                                        scaling=scaling, sliding_window=sliding_window, **kwargs)

@@ -42,6 +42,7 @@ from torch import nn
 
 from . import attention as colibri_attention
 from . import nn as cnn
+from . import rope as colibri_rope
 
 __all__ = ["from_pretrained"]
 
@@ -581,6 +582,7 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     _last_block_computes_kept_positions(model)
     if attention == "colibri":
         colibri_attention.install(model, threads=threads)
+        colibri_rope.install(model)
     _hand_over_cores(threads, torch_threads)
     return model
 

@@ -1296,10 +1296,12 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     the cores Colibri's `threads` leave, at least 1, so the two pools do
     not spin on each other's cores; None leaves PyTorch as it is.
 
-    attention: "colibri" (default) runs the attention of calls of up to
-    colibri.attention.MAX_QUERY_TOKENS query tokens (decode steps) in one C
-    call over the cache (colibri.attention; the model's own sdpa or eager
-    implementation runs the rest); "model" leaves the model's own."""
+    attention: "colibri" (default) runs attention over the cache in one C
+    call per layer (colibri.attention; the model's own sdpa or eager
+    implementation where the C kernel does not apply: autograd, dropout,
+    attention weights asked for, torch.compile) and the family's rotary
+    embedding in one C call per tensor (colibri.rope, identical to the
+    bit); "model" leaves the model's own."""
     from .loader import from_pretrained as load
 
     return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,

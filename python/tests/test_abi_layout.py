@@ -23,6 +23,7 @@ MIRRORS = {
     "colibri_infer_t": _lib.InferArgs,
     "colibri_linear_desc_t": _lib.LinearDesc,
     "colibri_attention_desc_t": _lib.AttentionDesc,
+    "colibri_rope_desc_t": _lib.RopeDesc,
     "colibri_swap_source_t": _lib.SwapSource,
     "colibri_model_info_t": _lib.ModelInfo,
     "colibri_stats_t": _lib.Stats,

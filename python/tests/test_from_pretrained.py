@@ -557,10 +557,10 @@ def test_last_block_feeds_forward_only_the_kept_positions(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_short_calls_attend_in_colibri_and_match_plain(tmp_path, name, monkeypatch):
-    """attention="colibri" (the default): calls of up to MAX_QUERY_TOKENS
-    query tokens run colibri_attention, longer ones the model's own
-    implementation; a left-padded batch (the model's mask reaches the C
+def test_attention_runs_in_colibri_and_matches_plain(tmp_path, name, monkeypatch):
+    """attention="colibri" (the default): float32 calls run
+    colibri_attention, calls past MAX_QUERY_TOKENS (when set) the model's
+    own implementation; a left-padded batch (the model's mask reaches the C
     kernel), a short prefill and decode steps through the cache (past
     gpt-oss's sliding window) all match the plain model, and
     attention="model" leaves the model's implementation in place."""
@@ -600,9 +600,17 @@ def test_short_calls_attend_in_colibri_and_match_plain(tmp_path, name, monkeypat
         assert a.tolist() == b.tolist()
         assert absorbed or (calls and set(calls) == {12, 1}), calls
         calls.clear()
-        long_ids = torch.randint(0, 320, (1, ca.MAX_QUERY_TOKENS + 4), generator=torch.Generator().manual_seed(2))
+        # Past MAX_QUERY_TOKENS (none by default) the model's own runs.
+        monkeypatch.setattr(ca, "MAX_QUERY_TOKENS", 8)
+        long_ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(2))
         assert rel_l2(model(long_ids).logits, plain(long_ids).logits) <= 1e-4
         assert not calls
+    # The family's rotary embedding runs in colibri_rope (test_rope.py checks its bits).
+    import colibri.rope as cr
+
+    fn = getattr(sys.modules[type(model.model.layers[0].self_attn).__module__], "apply_rotary_pos_emb", None)
+    family = type(model).__module__.rsplit(".", 1)[-1].replace("modeling_", "")
+    assert getattr(fn, "_colibri_style", None) == cr._STYLES.get(family), (family, fn)
     own = ct.from_pretrained(path, threads=2, exact_prefill=True, attention="model")
     assert own.config._attn_implementation in ("sdpa", "eager")
     with pytest.raises(ValueError, match="attention must be"):

@@ -20,6 +20,7 @@
 #include "moe/linear.h"
 #include "moe/model.h"
 #include "moe/rms_norm.h"
+#include "moe/rope.h"
 #include "moe/routing.h"
 #include "runtime/memory.h"
 #include "runtime/thread_pool.h"
@@ -817,6 +818,53 @@ std::shared_ptr<colibri::ThreadPool> attention_pool(int threads) {
 }  // namespace
 
 extern "C" {
+
+colibri_status_t colibri_rope(const colibri_rope_desc_t* d) {
+  if (d == nullptr) return null_argument("colibri_rope", "desc");
+  const auto invalid = [](const std::string& what) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {"colibri_rope: " + what});
+  };
+  if (d->batch < 0 || d->heads < 0 || d->tokens < 0 || d->head_dim < 1) {
+    return invalid("batch, heads and tokens must be >= 0 and head_dim >= 1");
+  }
+  if (d->rotary_dim < 2 || d->rotary_dim > d->head_dim || d->rotary_dim % 2 != 0) {
+    return invalid("rotary_dim (" + std::to_string(d->rotary_dim) + ") must be even and in [2, head_dim = " +
+                   std::to_string(d->head_dim) + "]");
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (d->x_stride[i] < 0 || d->out_stride[i] < 0 || (i < 2 && d->table_stride[i] < 0)) {
+      return invalid("strides must be >= 0");
+    }
+  }
+  if (static_cast<int64_t>(d->batch) * d->heads * d->tokens == 0) return COLIBRI_OK;
+  if (d->x == nullptr) return null_argument("colibri_rope", "x");
+  if (d->out == nullptr) return null_argument("colibri_rope", "out");
+  if (d->cos == nullptr) return null_argument("colibri_rope", "cos");
+  if (d->sin == nullptr) return null_argument("colibri_rope", "sin");
+  if (d->out == d->x && (d->out_stride[0] != d->x_stride[0] || d->out_stride[1] != d->x_stride[1] ||
+                         d->out_stride[2] != d->x_stride[2])) {
+    return invalid("out is x with other strides");
+  }
+  colibri::RopeArgs a;
+  a.batch = d->batch;
+  a.heads = d->heads;
+  a.tokens = d->tokens;
+  a.head_dim = d->head_dim;
+  a.rotary_dim = d->rotary_dim;
+  a.half_table = d->half_table != 0;
+  a.x = d->x;
+  a.out = d->out;
+  a.cos = d->cos;
+  a.sin = d->sin;
+  for (int i = 0; i < 3; ++i) {
+    a.x_stride[i] = d->x_stride[i];
+    a.out_stride[i] = d->out_stride[i];
+  }
+  a.table_stride[0] = d->table_stride[0];
+  a.table_stride[1] = d->table_stride[1];
+  colibri::rope(a);
+  return COLIBRI_OK;
+}
 
 void colibri_attention_desc_default(colibri_attention_desc_t* desc) {
   if (desc == nullptr) return;
