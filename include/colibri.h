@@ -607,6 +607,12 @@ typedef struct colibri_attention_desc_s {
   const float* sinks; /* [heads] logits joining each softmax's denominator (gpt-oss), or NULL */
   float* out;         /* [batch][q_len][heads][v_dim], contiguous, overwritten; a query that sees
                          no position (and has no sink) gets zeros. Must not overlap the inputs. */
+  /* A key stored in two parts (DeepSeek's latent and rope parts, cached
+   * apart): q rows hold qk_dim + qk2_dim floats, the last qk2_dim scored
+   * against k2 [batch][kv_heads][kv_len][qk2_dim]. NULL and 0: one part. */
+  const float* k2;
+  int64_t k2_stride[3];
+  int32_t qk2_dim;
 } colibri_attention_desc_t;
 
 /* Zeros, scale 1, n_threads 0. */

@@ -142,6 +142,9 @@ int main(void) {
   FIELD(colibri_attention_desc_t, mask_stride);
   FIELD(colibri_attention_desc_t, sinks);
   FIELD(colibri_attention_desc_t, out);
+  FIELD(colibri_attention_desc_t, k2);
+  FIELD(colibri_attention_desc_t, k2_stride);
+  FIELD(colibri_attention_desc_t, qk2_dim);
   end();
 
   BEGIN(colibri_infer_t);

@@ -30,10 +30,11 @@ struct Case {
   bool mask = false;
   bool q_token_major = false;  // q laid out [batch][token][head][dim], as a projection writes it
   bool additive = false;       // the mask as an eager attention's floats (with a random bias where visible)
+  int32_t qk2_dim = 0;         // a key in two parts (DeepSeek's latent and rope parts)
 };
 
 struct Data {
-  std::vector<float> q, k, v, sinks;
+  std::vector<float> q, k, v, k2, sinks;
   std::vector<uint8_t> mask;
   std::vector<float> additive;
   colibri::AttentionArgs args;
@@ -46,7 +47,8 @@ Data make(const Case& c, std::mt19937& rng) {
     x->resize(n);
     for (float& e : *x) e = normal(rng);
   };
-  fill(&d.q, static_cast<size_t>(c.batch) * c.heads * c.q_len * c.qk_dim);
+  const int32_t q_dim = c.qk_dim + c.qk2_dim;
+  fill(&d.q, static_cast<size_t>(c.batch) * c.heads * c.q_len * q_dim);
   // Cache rows padded past kv_len, as a preallocated cache holds them.
   const int32_t capacity = c.kv_len + 3;
   fill(&d.k, static_cast<size_t>(c.batch) * c.kv_heads * capacity * c.qk_dim);
@@ -61,13 +63,21 @@ Data make(const Case& c, std::mt19937& rng) {
   a.v_dim = c.v_dim;
   a.q = d.q.data();
   if (c.q_token_major) {
-    a.q_stride[0] = static_cast<int64_t>(c.q_len) * c.heads * c.qk_dim;
-    a.q_stride[1] = c.qk_dim;
-    a.q_stride[2] = static_cast<int64_t>(c.heads) * c.qk_dim;
+    a.q_stride[0] = static_cast<int64_t>(c.q_len) * c.heads * q_dim;
+    a.q_stride[1] = q_dim;
+    a.q_stride[2] = static_cast<int64_t>(c.heads) * q_dim;
   } else {
-    a.q_stride[0] = static_cast<int64_t>(c.heads) * c.q_len * c.qk_dim;
-    a.q_stride[1] = static_cast<int64_t>(c.q_len) * c.qk_dim;
-    a.q_stride[2] = c.qk_dim;
+    a.q_stride[0] = static_cast<int64_t>(c.heads) * c.q_len * q_dim;
+    a.q_stride[1] = static_cast<int64_t>(c.q_len) * q_dim;
+    a.q_stride[2] = q_dim;
+  }
+  if (c.qk2_dim > 0) {
+    fill(&d.k2, static_cast<size_t>(c.batch) * c.kv_heads * capacity * c.qk2_dim);
+    a.k2 = d.k2.data();
+    a.k2_stride[0] = static_cast<int64_t>(c.kv_heads) * capacity * c.qk2_dim;
+    a.k2_stride[1] = static_cast<int64_t>(capacity) * c.qk2_dim;
+    a.k2_stride[2] = c.qk2_dim;
+    a.qk2_dim = c.qk2_dim;
   }
   a.k = d.k.data();
   a.k_stride[0] = static_cast<int64_t>(c.kv_heads) * capacity * c.qk_dim;
@@ -78,7 +88,7 @@ Data make(const Case& c, std::mt19937& rng) {
   a.v_stride[1] = static_cast<int64_t>(capacity) * c.v_dim;
   a.v_stride[2] = c.v_dim;
   a.window = c.window;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(c.qk_dim));
+  a.scale = 1.0f / std::sqrt(static_cast<float>(q_dim));
   if (c.sinks) {
     fill(&d.sinks, static_cast<size_t>(c.heads));
     a.sinks = d.sinks.data();
@@ -137,6 +147,11 @@ std::vector<double> reference(const colibri::AttentionArgs& a) {
             dot += static_cast<double>(a.q[b * a.q_stride[0] + h * a.q_stride[1] + t * a.q_stride[2] + i]) *
                    a.k[b * a.k_stride[0] + g * a.k_stride[1] + s * a.k_stride[2] + i];
           }
+          for (int32_t i = 0; i < a.qk2_dim; ++i) {
+            dot += static_cast<double>(
+                       a.q[b * a.q_stride[0] + h * a.q_stride[1] + t * a.q_stride[2] + a.qk_dim + i]) *
+                   a.k2[b * a.k2_stride[0] + g * a.k2_stride[1] + s * a.k2_stride[2] + i];
+          }
           score[static_cast<size_t>(s)] = dot * a.scale + add;
           m = std::max(m, score[static_cast<size_t>(s)]);
         }
@@ -179,6 +194,8 @@ TEST(Attention, EveryShapeMaskAndLevelAgainstFloat64) {
       {2, 8, 2, 3, 8, 16, 16, 0, true, true, false, true},  // eager's float mask and sinks (gpt-oss)
       {1, 13, 1, 2, 700, 40, 48, 300},              // 13 heads a kv head (blocks of 8, 4, 1), long, windowed
       {1, 24, 2, 1, 129, 96, 96},                   // GLM-4.5-Air-like: 12 heads a kv head
+      {2, 16, 1, 1, 40, 512, 128, 0, false, true, false, false, 64},  // DeepSeek's absorbed decode, padded
+      {1, 5, 1, 3, 9, 24, 16, 0, false, false, false, false, 9},      // two-part key, odd widths
   };
   std::mt19937 rng(7);
   const auto pool = colibri::shared_thread_pool(2, false);
@@ -307,6 +324,9 @@ TEST(AttentionAbi, ComputesAndRefusesBadArguments) {
   bad = desc;
   bad.k_stride[1] = -1;
   refused(bad, "strides");
+  bad = desc;
+  bad.qk2_dim = 4;  // without k2
+  refused(bad, "k2 and qk2_dim");
   bad = desc;
   bad.scale = std::numeric_limits<float>::infinity();
   refused(bad, "scale");

@@ -280,6 +280,9 @@ class AttentionDesc(ctypes.Structure):
         ("mask_stride", ctypes.c_int64 * 3),
         ("sinks", c_void_p),
         ("out", c_void_p),
+        ("k2", c_void_p),
+        ("k2_stride", ctypes.c_int64 * 3),
+        ("qk2_dim", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 

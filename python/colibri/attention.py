@@ -37,7 +37,7 @@ def _strides(t, dims):
     return tuple(t.stride(i) if t.shape[i] != 1 else 0 for i in dims)
 
 
-def attention(query, key, value, *, scale, mask=None, window=0, sinks=None, threads=0):
+def attention(query, key, value, *, scale, mask=None, window=0, sinks=None, threads=0, key2=None):
     """softmax(query key^T * scale + mask) value over grouped heads.
 
     query [B, H, T, Dq]; key [B, Hkv, S, Dq] and value [B, Hkv, S, Dv]
@@ -47,19 +47,26 @@ def attention(query, key, value, *, scale, mask=None, window=0, sinks=None, thre
     sees positions up to S - T + t, and with `window` > 0 only the last
     `window` of them), a bool [B or 1, 1, T, S] (True: visible) or a float
     one added to the scores. sinks: [H] logits that join each softmax's
-    denominator (gpt-oss). Returns [B, T, H, Dv], contiguous; a query that
-    sees no position gets zeros.
+    denominator (gpt-oss). key2: a key stored in two parts (DeepSeek's
+    cached latent and rope parts): [B, Hkv, S, D2], the last D2 of the
+    query's Dq + D2 against it. Returns [B, T, H, Dv], contiguous; a query
+    that sees no position gets zeros.
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
+    named = [("query", query), ("key", key), ("value", value)] + ([("key2", key2)] if key2 is not None else [])
+    for name, t in named:
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4 or (
                 t.shape[-1] > 1 and t.stride(-1) != 1):
             raise ValueError("colibri attention: %s must be a 4-d float32 CPU tensor with a contiguous last "
                              "dimension, got %s %s %s" % (name, tuple(t.shape), t.dtype, t.device))
     B, H, T, Dq = query.shape
     _, Hkv, S, Dv = value.shape
-    if tuple(key.shape) != (B, Hkv, S, Dq) or value.shape[0] != B:
-        raise ValueError("colibri attention: query %s, key %s and value %s do not fit together"
-                         % (tuple(query.shape), tuple(key.shape), tuple(value.shape)))
+    D2 = key2.shape[-1] if key2 is not None else 0
+    Dq -= D2
+    if tuple(key.shape) != (B, Hkv, S, Dq) or value.shape[0] != B or (
+            key2 is not None and tuple(key2.shape) != (B, Hkv, S, D2)):
+        raise ValueError("colibri attention: query %s, key %s%s and value %s do not fit together"
+                         % (tuple(query.shape), tuple(key.shape),
+                            " + %s" % (tuple(key2.shape),) if key2 is not None else "", tuple(value.shape)))
     out = torch.empty((B, T, H, Dv), dtype=torch.float32)
     d = L.AttentionDesc()
     d.batch, d.heads, d.kv_heads, d.q_len, d.kv_len, d.qk_dim, d.v_dim = B, H, Hkv, T, S, Dq, Dv
@@ -72,6 +79,10 @@ def attention(query, key, value, *, scale, mask=None, window=0, sinks=None, thre
     d.k_stride[:] = _strides(key, (0, 1, 2))
     d.v = value.data_ptr()
     d.v_stride[:] = _strides(value, (0, 1, 2))
+    if key2 is not None:
+        d.k2 = key2.data_ptr()
+        d.k2_stride[:] = _strides(key2, (0, 1, 2))
+        d.qk2_dim = D2
     if mask is not None:
         if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, B) or tuple(mask.shape[2:]) != (T, S) \
                 or mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32):
@@ -105,6 +116,19 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
 @_attention_op.register_fake
 def _(query, key, value, mask, sinks, scale, window, threads):
     return query.new_empty((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
+
+
+def fits(query, key, mask, kv_len):
+    """Whether attention() takes these (float32 CPU, outside autograd and
+    torch.compile, a mask it reads): for model code that calls it directly."""
+    if torch.compiler.is_compiling() or query.dtype != torch.float32 or key.dtype != torch.float32:
+        return False
+    if query.device.type != "cpu" or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
+        return False
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] < kv_len
+                             or mask.dtype not in (torch.bool, torch.float32)):
+        return False
+    return True
 
 
 def _model_implementation(module, name):

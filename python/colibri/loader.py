@@ -444,8 +444,16 @@ def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
     if cache is not None:
         kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=extra)
     S = kv_nope.shape[2]
-    latent = kv_nope[:, 0].float()                                  # [B, S, rank]
     q_lat = torch.einsum("bhtn,hrn->bhtr", q_nope.float(), k_b)     # [B, H, T, rank]
+    if colibri_attention.fits(q_lat, kv_nope, mask, S):
+        # One C call over the cached latents, the rope part as the key's
+        # second part, the latents themselves as the values (MQA: one kv head).
+        lat = colibri_attention.attention(
+            torch.cat([q_lat, q_rot.float()], dim=-1), kv_nope, kv_nope, key2=k_rot, scale=self.scaling,
+            mask=None if mask is None else mask[..., :S], threads=self.__dict__.get("_colibri_threads", 0))
+        out = torch.einsum("hvr,bthr->bthv", v_b, lat)               # [B, T, H, v]
+        return self.o_proj(out.reshape(B, T, -1).to(hidden_states.dtype)), None
+    latent = kv_nope[:, 0].float()                                  # [B, S, rank]
     scores = (torch.einsum("bhtr,bsr->bhts", q_lat, latent)
               + torch.einsum("bhtp,bsp->bhts", q_rot.float(), k_rot[:, 0].float())) * self.scaling
     if mask is None:

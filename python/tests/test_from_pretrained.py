@@ -227,15 +227,20 @@ def test_logits_and_generate_match_plain_transformers(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["deepseek2", "deepseek2-v2"])
-def test_latent_attention_with_padding_and_cache(tmp_path, name):
+def test_latent_attention_with_padding_and_cache(tmp_path, name, monkeypatch):
     """DeepSeek's attention (on transformers 5 the absorbed form over the
     cached latents, loader._absorbed_mla_forward) against the plain model:
     a left-padded batch, then decode steps through the cache."""
+    import colibri.attention as ca
+
     path, ref = write(tmp_path, name)
     model = ct.from_pretrained(path, threads=2, exact_prefill=True)
     plain = plain_model(model, ref, "deepseek2")
     attns = [layer.self_attn for layer in model.model.layers]
     assert all(("_colibri_absorbed" in a.__dict__) == TRANSFORMERS_5 for a in attns)
+    calls = []
+    inner = ca.attention
+    monkeypatch.setattr(ca, "attention", lambda q, *a, **k: calls.append(k.get("key2") is not None) or inner(q, *a, **k))
     ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(8))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[0, :4] = 0
@@ -244,9 +249,13 @@ def test_latent_attention_with_padding_and_cache(tmp_path, name):
         want = plain(ids, attention_mask=mask).logits
         keep = mask.bool()
         assert rel_l2(got[keep], want[keep]) <= 1e-4
+        calls.clear()
         a = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         b = plain.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert a.tolist() == b.tolist()
+    # The absorbed decode steps attend over the latents in colibri_attention
+    # (the rope part as the key's second part).
+    assert (True in calls) == TRANSFORMERS_5, calls
 
 
 def test_tied_embeddings_and_generate_with_cache(tmp_path):

@@ -891,9 +891,13 @@ colibri_status_t colibri_attention(const colibri_attention_desc_t* d) {
                    std::to_string(d->kv_len) + ")");
   }
   if (d->window < 0 || d->n_threads < 0) return invalid("window and n_threads must be >= 0");
+  if (d->qk2_dim < 0 || (d->qk2_dim > 0) != (d->k2 != nullptr)) {
+    return invalid("k2 and qk2_dim > 0 go together");
+  }
   if (!std::isfinite(d->scale)) return invalid("scale must be finite");
   for (int i = 0; i < 3; ++i) {
-    if (d->q_stride[i] < 0 || d->k_stride[i] < 0 || d->v_stride[i] < 0 || d->mask_stride[i] < 0) {
+    if (d->q_stride[i] < 0 || d->k_stride[i] < 0 || d->v_stride[i] < 0 || d->mask_stride[i] < 0 ||
+        d->k2_stride[i] < 0) {
       return invalid("strides must be >= 0");
     }
   }
@@ -921,7 +925,10 @@ colibri_status_t colibri_attention(const colibri_attention_desc_t* d) {
       a.k_stride[i] = d->k_stride[i];
       a.v_stride[i] = d->v_stride[i];
       a.mask_stride[i] = d->mask_stride[i];
+      a.k2_stride[i] = d->k2_stride[i];
     }
+    a.k2 = d->k2;
+    a.qk2_dim = d->qk2_dim;
     a.window = d->window;
     a.sinks = d->sinks;
     a.scale = d->scale;

@@ -16,8 +16,9 @@ struct AttnKernels {
   Isa isa = Isa::kScalar;
   // scores[r * ld_scores + s] = scale * (q_r . k_s) for r < rows and
   // s < n_keys; q_r = q + r * ld_q, k_s = k + s * ld_k, dim floats each.
+  // accumulate: added to what scores holds (a key stored in two parts).
   void (*scores)(const float* q, int64_t ld_q, int32_t rows, const float* k, int64_t ld_k, int32_t n_keys,
-                 int32_t dim, float scale, float* scores, int64_t ld_scores) = nullptr;
+                 int32_t dim, float scale, bool accumulate, float* scores, int64_t ld_scores) = nullptr;
   // x[i] = exp(x[i] - max) for i < n (exp(-inf) = 0); returns their sum.
   float (*exp_sum)(float* x, int32_t n, float max) = nullptr;
   // out[r * ld_out + d] = sum_s p[r * ld_p + s] * v[s * ld_v + d] for

@@ -23,7 +23,7 @@ inline float fold1(__m256 a) {
 
 template <int R>
 void scores_block(const float* q, int64_t ld_q, const float* k, int64_t ld_k, int32_t n_keys, int32_t dim,
-                  float scale, float* scores, int64_t ld_scores) {
+                  float scale, bool accumulate, float* scores, int64_t ld_scores) {
   const int32_t full = dim & ~7;
   for (int32_t s = 0; s < n_keys; ++s) {
     const float* ks = k + s * ld_k;
@@ -41,16 +41,17 @@ void scores_block(const float* q, int64_t ld_q, const float* k, int64_t ld_k, in
     }
     for (int r = 0; r < R; ++r) {
       for (int32_t d = full; d < dim; ++d) sum[r] += q[r * ld_q + d] * ks[d];
-      scores[r * ld_scores + s] = sum[r] * scale;
+      float* score = scores + r * ld_scores + s;
+      *score = accumulate ? *score + sum[r] * scale : sum[r] * scale;
     }
   }
 }
 
 void scores_avx2(const float* q, int64_t ld_q, int32_t rows, const float* k, int64_t ld_k, int32_t n_keys,
-                 int32_t dim, float scale, float* scores, int64_t ld_scores) {
+                 int32_t dim, float scale, bool accumulate, float* scores, int64_t ld_scores) {
   int32_t r = 0;
-  for (; r + 4 <= rows; r += 4) scores_block<4>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, scores + r * ld_scores, ld_scores);
-  for (; r < rows; ++r) scores_block<1>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, scores + r * ld_scores, ld_scores);
+  for (; r + 4 <= rows; r += 4) scores_block<4>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, accumulate, scores + r * ld_scores, ld_scores);
+  for (; r < rows; ++r) scores_block<1>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, accumulate, scores + r * ld_scores, ld_scores);
 }
 
 // As attn_avx512.cpp's exp_ps, with 2^n built in the exponent field.

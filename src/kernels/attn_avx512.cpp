@@ -53,7 +53,7 @@ inline float fold1(__m512 a) {
 
 template <int R>
 void scores_block(const float* q, int64_t ld_q, const float* k, int64_t ld_k, int32_t n_keys, int32_t dim,
-                  float scale, float* scores, int64_t ld_scores) {
+                  float scale, bool accumulate, float* scores, int64_t ld_scores) {
   const int32_t full = dim & ~15;
   const __mmask16 tail = tail_mask(dim - full);
   for (int32_t s = 0; s < n_keys; ++s) {
@@ -70,26 +70,27 @@ void scores_block(const float* q, int64_t ld_q, const float* k, int64_t ld_k, in
         acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + r * ld_q + full), kv, acc[r]);
       }
     }
+    alignas(32) float out[8];
     if constexpr (R == 8) {
-      alignas(32) float out[8];
       _mm256_store_ps(out, _mm256_mul_ps(fold8(acc), _mm256_set1_ps(scale)));
-      for (int r = 0; r < 8; ++r) scores[r * ld_scores + s] = out[r];
     } else if constexpr (R == 4) {
-      alignas(16) float out[4];
       _mm_store_ps(out, _mm_mul_ps(fold4(acc), _mm_set1_ps(scale)));
-      for (int r = 0; r < 4; ++r) scores[r * ld_scores + s] = out[r];
     } else {
-      scores[s] = fold1(acc[0]) * scale;
+      out[0] = fold1(acc[0]) * scale;
+    }
+    for (int r = 0; r < R; ++r) {
+      float* score = scores + r * ld_scores + s;
+      *score = accumulate ? *score + out[r] : out[r];
     }
   }
 }
 
 void scores_avx512(const float* q, int64_t ld_q, int32_t rows, const float* k, int64_t ld_k, int32_t n_keys,
-                   int32_t dim, float scale, float* scores, int64_t ld_scores) {
+                   int32_t dim, float scale, bool accumulate, float* scores, int64_t ld_scores) {
   int32_t r = 0;
-  for (; r + 8 <= rows; r += 8) scores_block<8>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, scores + r * ld_scores, ld_scores);
-  for (; r + 4 <= rows; r += 4) scores_block<4>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, scores + r * ld_scores, ld_scores);
-  for (; r < rows; ++r) scores_block<1>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, scores + r * ld_scores, ld_scores);
+  for (; r + 8 <= rows; r += 8) scores_block<8>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, accumulate, scores + r * ld_scores, ld_scores);
+  for (; r + 4 <= rows; r += 4) scores_block<4>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, accumulate, scores + r * ld_scores, ld_scores);
+  for (; r < rows; ++r) scores_block<1>(q + r * ld_q, ld_q, k, ld_k, n_keys, dim, scale, accumulate, scores + r * ld_scores, ld_scores);
 }
 
 float exp_sum_avx512(float* x, int32_t n, float max) {

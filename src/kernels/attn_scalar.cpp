@@ -6,7 +6,7 @@ namespace colibri::kernels {
 namespace {
 
 void scores_scalar(const float* q, int64_t ld_q, int32_t rows, const float* k, int64_t ld_k, int32_t n_keys,
-                   int32_t dim, float scale, float* scores, int64_t ld_scores) {
+                   int32_t dim, float scale, bool accumulate, float* scores, int64_t ld_scores) {
   for (int32_t s = 0; s < n_keys; ++s) {
     const float* ks = k + s * ld_k;
     for (int32_t r = 0; r < rows; ++r) {
@@ -18,7 +18,8 @@ void scores_scalar(const float* q, int64_t ld_q, int32_t rows, const float* k, i
         for (int j = 0; j < 4; ++j) p[j] += qr[i + j] * ks[i + j];
       }
       for (; i < dim; ++i) p[0] += qr[i] * ks[i];
-      scores[r * ld_scores + s] = ((p[0] + p[1]) + (p[2] + p[3])) * scale;
+      const float score = ((p[0] + p[1]) + (p[2] + p[3])) * scale;
+      scores[r * ld_scores + s] = accumulate ? scores[r * ld_scores + s] + score : score;
     }
   }
 }

@@ -43,7 +43,11 @@ void attend_group(const AttentionArgs& a, const kernels::AttnKernels& kern, int3
   const float* v = a.v + b * a.v_stride[0] + g * a.v_stride[1] + lo * a.v_stride[2];
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-  kern.scores(q, a.q_stride[1], rep, k, a.k_stride[2], n, a.qk_dim, a.scale, scores, n);
+  kern.scores(q, a.q_stride[1], rep, k, a.k_stride[2], n, a.qk_dim, a.scale, false, scores, n);
+  if (a.k2 != nullptr) {
+    const float* k2 = a.k2 + b * a.k2_stride[0] + g * a.k2_stride[1] + lo * a.k2_stride[2];
+    kern.scores(q + a.qk_dim, a.q_stride[1], rep, k2, a.k2_stride[2], n, a.qk2_dim, a.scale, true, scores, n);
+  }
   for (int32_t j = 0; j < rep; ++j) {
     float* row = scores + static_cast<size_t>(j) * n;
     if (mask != nullptr) {

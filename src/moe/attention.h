@@ -28,6 +28,12 @@ struct AttentionArgs {
   int64_t k_stride[3] = {0, 0, 0};
   const float* v = nullptr;  // [batch][kv_heads][kv_len][v_dim]
   int64_t v_stride[3] = {0, 0, 0};
+  // A key stored in two parts (DeepSeek's latent and rope parts, cached
+  // apart): q rows hold qk_dim + qk2_dim floats, the last qk2_dim against
+  // k2 [batch][kv_heads][kv_len][qk2_dim]. nullptr / 0: one part.
+  const float* k2 = nullptr;
+  int64_t k2_stride[3] = {0, 0, 0};
+  int32_t qk2_dim = 0;
   // Nonzero where query t may see position s: [batch][q_len][kv_len],
   // shared by the heads. nullptr: causal, query t at position
   // kv_len - q_len + t sees positions up to its own.
