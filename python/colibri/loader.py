@@ -406,7 +406,12 @@ def _absorb(module, k_b, v_b):
     file's tensors, dequantised once (f32)."""
     k_b = torch.from_numpy(np.ascontiguousarray(k_b, dtype=np.float32))
     v_b = torch.from_numpy(np.ascontiguousarray(v_b, dtype=np.float32))
-    module.__dict__["_colibri_absorbed"] = (k_b, v_b, module.forward)
+    # Laid out as the per-head matmuls of a decode step read them
+    # ([H, nope, rank] and [H, rank, v]): einsum over the file's layout
+    # copied both (4 MB a layer at V3's widths) at every step.
+    k_b_t = k_b.transpose(1, 2).contiguous()
+    v_b_t = v_b.transpose(1, 2).contiguous()
+    module.__dict__["_colibri_absorbed"] = (k_b, v_b, k_b_t, v_b_t, module.forward)
     module.forward = types.MethodType(_absorbed_mla_forward, module)
 
 
@@ -414,7 +419,7 @@ def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
     import inspect
     import sys
 
-    k_b, v_b, original = self.__dict__["_colibri_absorbed"]
+    k_b, v_b, k_b_t, v_b_t, original = self.__dict__["_colibri_absorbed"]
     if hidden_states.shape[-2] != 1:
         return original(hidden_states, *args, **kwargs)
     if "past_key_values" in kwargs and "cache" not in kwargs:
@@ -444,14 +449,14 @@ def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
     if cache is not None:
         kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=extra)
     S = kv_nope.shape[2]
-    q_lat = torch.einsum("bhtn,hrn->bhtr", q_nope.float(), k_b)     # [B, H, T, rank]
+    q_lat = torch.matmul(q_nope.float(), k_b_t)                      # [B, H, T, rank]
     if colibri_attention.fits(q_lat, kv_nope, mask, S):
         # One C call over the cached latents, the rope part as the key's
         # second part, the latents themselves as the values (MQA: one kv head).
         lat = colibri_attention.attention(
             torch.cat([q_lat, q_rot.float()], dim=-1), kv_nope, kv_nope, key2=k_rot, scale=self.scaling,
             mask=None if mask is None else mask[..., :S], threads=self.__dict__.get("_colibri_threads", 0))
-        out = torch.einsum("hvr,bthr->bthv", v_b, lat)               # [B, T, H, v]
+        out = torch.matmul(lat.transpose(1, 2), v_b_t).transpose(1, 2)  # [B, T, H, v]
         return self.o_proj(out.reshape(B, T, -1).to(hidden_states.dtype)), None
     latent = kv_nope[:, 0].float()                                  # [B, S, rank]
     scores = (torch.einsum("bhtr,bsr->bhts", q_lat, latent)
