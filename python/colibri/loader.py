@@ -859,6 +859,18 @@ def _from_gguf(path, max_resident, options):
 _TORCH_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
+def _quantize_rows(weight, dtype, block_rows=256):
+    """A 2-D float tensor quantised to `dtype` rows (uint8 numpy), converting
+    `block_rows` rows to float32 at a time."""
+    from .quant import quantize, row_bytes
+
+    rows, n = weight.shape
+    out = np.empty((rows, row_bytes(dtype, n)), dtype=np.uint8)
+    for r in range(0, rows, block_rows):
+        out[r:r + block_rows] = quantize(weight[r:r + block_rows].to(torch.float32).numpy(), dtype)
+    return out
+
+
 class _Checkpoint:
     """A checkpoint directory's safetensors shards: tensor name -> shard,
     read one tensor at a time (safetensors maps the shard; a tensor read is
@@ -1076,12 +1088,15 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
             if want in QUANTIZED and mod.in_features % block:
                 want = stored  # rows too short for the format's blocks
             if want == stored:
-                lin = cnn.Linear(as_bytes(w), stored, mod.out_features, mod.in_features, bias, name=key,
-                                 **linear_opts)
+                rows, dtype = as_bytes(w), stored
             else:
-                lin = cnn.Linear(w, None, mod.out_features, mod.in_features, bias, name=key, quantize=want,
-                                 **linear_opts)
+                # Quantised a block of rows at a time, and the 16-bit tensor
+                # dropped before Colibri copies the rows: the transient is
+                # the tensor plus its quantised rows, not a float32 copy too.
+                rows, dtype = _quantize_rows(w, want), want
             del w
+            lin = cnn.Linear(rows, dtype, mod.out_features, mod.in_features, bias, name=key, **linear_opts)
+            del rows
             _set_module(model, name, lin)
         elif isinstance(mod, nn.Embedding):
             key, w = checked(name, (mod.num_embeddings, mod.embedding_dim))
