@@ -252,3 +252,11 @@ def as_f32_vector(obj, name, n):
     if total != n or len([d for d in s if d != 1]) > 1:
         raise ValueError("%s must hold %d values ([%d] or [1, %d]), got shape %s" % (name, n, n, n, list(s)))
     return as_weight(obj.reshape(n), "f32", name, (n,))
+
+
+def leading_strides(t, n):
+    """The element strides of a tensor's first n dimensions, 0 for those of
+    size 1 (any stride reads the one element; 0 says so to the C side)."""
+    st = t.stride()
+    sh = t.shape
+    return [0 if sh[i] == 1 else st[i] for i in range(n)]

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from . import _lib as L
+from ._arrays import leading_strides
 
 # Query tokens up to which a call runs the C kernel (None: any number);
 # longer ones run the model's own implementation. bench/attention.py
@@ -32,9 +33,6 @@ MAX_QUERY_TOKENS = None
 
 _PREFIX = "colibri-"
 
-
-def _strides(t, dims):
-    return tuple(t.stride(i) if t.shape[i] != 1 else 0 for i in dims)
 
 
 def attention(query, key, value, *, scale, mask=None, window=0, sinks=None, threads=0, key2=None):
@@ -74,14 +72,14 @@ def attention(query, key, value, *, scale, mask=None, window=0, sinks=None, thre
     d.n_threads = int(threads)
     d.scale = float(scale)
     d.q = query.data_ptr()
-    d.q_stride[:] = _strides(query, (0, 1, 2))
+    d.q_stride[:] = leading_strides(query, 3)
     d.k = key.data_ptr()
-    d.k_stride[:] = _strides(key, (0, 1, 2))
+    d.k_stride[:] = leading_strides(key, 3)
     d.v = value.data_ptr()
-    d.v_stride[:] = _strides(value, (0, 1, 2))
+    d.v_stride[:] = leading_strides(value, 3)
     if key2 is not None:
         d.k2 = key2.data_ptr()
-        d.k2_stride[:] = _strides(key2, (0, 1, 2))
+        d.k2_stride[:] = leading_strides(key2, 3)
         d.qk2_dim = D2
     if mask is not None:
         if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, B) or tuple(mask.shape[2:]) != (T, S) \

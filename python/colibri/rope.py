@@ -24,6 +24,7 @@ import sys
 import torch
 
 from . import _lib as L
+from ._arrays import leading_strides
 
 # The rotation each family's apply_rotary_pos_emb applies: "full"
 # (rotate_half over the whole head, cos/sin as wide as the head), "partial"
@@ -40,9 +41,6 @@ _STYLES = {
 }
 
 
-def _strides(t, dims):
-    return tuple(t.stride(i) if t.shape[i] != 1 else 0 for i in dims)
-
 
 def rope(x, cos, sin, style="full"):
     """x [B, H, T, D] rotated by cos/sin [B or 1, T, C] (float32 CPU, last
@@ -58,12 +56,12 @@ def rope(x, cos, sin, style="full"):
     d = L.RopeDesc()
     d.batch, d.heads, d.tokens, d.head_dim, d.rotary_dim, d.half_table = B, H, T, D, rotary, int(half)
     d.x = x.data_ptr()
-    d.x_stride[:] = _strides(x, (0, 1, 2))
+    d.x_stride[:] = leading_strides(x, 3)
     d.out = out.data_ptr()
-    d.out_stride[:] = _strides(out, (0, 1, 2))
+    d.out_stride[:] = leading_strides(out, 3)
     d.cos = cos.data_ptr()
     d.sin = sin.data_ptr()
-    d.table_stride[:] = _strides(cos, (0, 1))
+    d.table_stride[:] = leading_strides(cos, 2)
     status = L.fn("colibri_rope")(d)
     if status:
         L.check(status, "colibri_rope")
