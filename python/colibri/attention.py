@@ -181,7 +181,7 @@ def _interface(original):
 
 
 def install(model, threads=0):
-    """Runs `model`'s decode-step attention through colibri_attention.
+    """Runs `model`'s attention through colibri_attention.
 
     Registers "colibri-<implementation>" with transformers'
     AttentionInterface (the model's attention function) and
