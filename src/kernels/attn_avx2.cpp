@@ -1,8 +1,8 @@
 // AVX2 + FMA level of attn.h: query rows in blocks of 4 and 1 (each key
 // and value row loaded once per block, a block's dot products reduced
 // together with hadd); dimensions off the 8-lane width finish in scalar.
-#include <cmath>
-
+// No calls into the standard library: at -O0 its inline functions would be
+// emitted here with AVX2 code (tests/isa_linkage.sh).
 #include "kernels/attn.h"
 #include "kernels/x86_intrinsics.h"
 
@@ -84,12 +84,18 @@ float exp_sum_avx2(float* x, int32_t n, float max) {
     _mm256_storeu_ps(x + i, e);
     acc = _mm256_add_ps(acc, e);
   }
-  float sum = fold1(acc);
-  for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - max);
-    sum += x[i];
+  if (i < n) {
+    // The tail through the same vector exp (no libm call: an inline
+    // std::exp compiled here could be the copy scalar code links to), the
+    // unused lanes far below exp's range, so they add 0.
+    alignas(32) float tail[8];
+    for (int32_t j = 0; j < 8; ++j) tail[j] = i + j < n ? x[i + j] - max : -1e30f;
+    const __m256 e = exp_ps(_mm256_load_ps(tail));
+    _mm256_store_ps(tail, e);
+    for (int32_t j = 0; i + j < n; ++j) x[i + j] = tail[j];
+    acc = _mm256_add_ps(acc, e);
   }
-  return sum;
+  return fold1(acc);
 }
 
 template <int R>

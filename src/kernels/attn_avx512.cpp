@@ -2,7 +2,6 @@
 // each key and value row is loaded once per block, and a block's 8 dot
 // products are reduced together (one transposing fold instead of 8
 // horizontal sums). Dimensions off the 16-lane width run masked.
-#include <algorithm>
 
 #include "kernels/attn.h"
 #include "kernels/avx512_common.h"
