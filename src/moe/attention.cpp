@@ -88,19 +88,20 @@ void attention(const AttentionArgs& a, kernels::Isa isa, ThreadPool* pool) {
     const int64_t bg = item / a.q_len;
     attend_group(a, kern, static_cast<int32_t>(bg / a.kv_heads), static_cast<int32_t>(bg % a.kv_heads), t, scratch);
   };
-  // One score buffer per thread, kept between calls: a decode loop calls
-  // this every layer of every token.
-  static thread_local std::vector<float> scratch;
-  if (pool == nullptr || pool->size() == 1 || items == 1) {
-    for (int64_t i = 0; i < items; ++i) run_item(i, &scratch);
+  // One score buffer per pool thread for this call (a thread_local one
+  // would outlive the call in the process-wide pool's workers).
+  const int n_threads = pool == nullptr ? 1 : pool->size();
+  std::vector<std::vector<float>> scratch(static_cast<size_t>(n_threads));
+  if (pool == nullptr || n_threads == 1 || items == 1) {
+    for (int64_t i = 0; i < items; ++i) run_item(i, &scratch[0]);
     return;
   }
   // Pool jobs must not throw: a worker that cannot grow its buffer says so
   // and the call fails after the others finish.
   std::atomic<bool> out_of_memory{false};
-  pool->parallel_for(items, 0, [&](int64_t item, int) {
+  pool->parallel_for(items, 0, [&](int64_t item, int thread) {
     try {
-      run_item(item, &scratch);
+      run_item(item, &scratch[static_cast<size_t>(thread)]);
     } catch (const std::bad_alloc&) {
       out_of_memory.store(true, std::memory_order_relaxed);
     }
