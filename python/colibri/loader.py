@@ -406,12 +406,13 @@ def _absorb(module, k_b, v_b):
     file's tensors, dequantised once (f32)."""
     k_b = torch.from_numpy(np.ascontiguousarray(k_b, dtype=np.float32))
     v_b = torch.from_numpy(np.ascontiguousarray(v_b, dtype=np.float32))
-    # Laid out as the per-head matmuls of a decode step read them
+    # Kept only as the per-head matmuls of a decode step read them
     # ([H, nope, rank] and [H, rank, v]): einsum over the file's layout
     # copied both (4 MB a layer at V3's widths) at every step.
     k_b_t = k_b.transpose(1, 2).contiguous()
     v_b_t = v_b.transpose(1, 2).contiguous()
-    module.__dict__["_colibri_absorbed"] = (k_b, v_b, k_b_t, v_b_t, module.forward)
+    del k_b, v_b
+    module.__dict__["_colibri_absorbed"] = (k_b_t, v_b_t, module.forward)
     module.forward = types.MethodType(_absorbed_mla_forward, module)
 
 
@@ -419,7 +420,7 @@ def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
     import inspect
     import sys
 
-    k_b, v_b, k_b_t, v_b_t, original = self.__dict__["_colibri_absorbed"]
+    k_b_t, v_b_t, original = self.__dict__["_colibri_absorbed"]
     if hidden_states.shape[-2] != 1:
         return original(hidden_states, *args, **kwargs)
     if "past_key_values" in kwargs and "cache" not in kwargs:
@@ -472,8 +473,7 @@ def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
     # A padded query row masks every key: zeros, not NaN (they would reach
     # the real tokens through the next layer's latents).
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.einsum("bhvr,bhtr->bhtv", v_b.unsqueeze(0).expand(B, -1, -1, -1),
-                       torch.einsum("bhts,bsr->bhtr", p, latent))   # [B, H, T, v]
+    out = torch.matmul(torch.einsum("bhts,bsr->bhtr", p, latent), v_b_t)   # [B, H, T, v]
     out = out.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype).contiguous()
     return self.o_proj(out), None
 
