@@ -9,6 +9,9 @@
 //   triad     STREAM a = b + s*c, counted as 3 arrays (no write-allocate)
 //   fp32 FMA  register-only, independent accumulators, all threads
 //   bf16 dot  vdpbf16ps zmm when the CPU has AVX512_BF16
+//   int8 dot  vpdpbusd zmm with AVX512_VNNI, else vpmaddubsw + vpmaddwd +
+//             vpaddd on ymm with AVX2 (the block formats' kernels); its
+//             "gflop_per_s" counts int8 multiply-adds as 2 ops
 //   AMX bf16  tdpbf16ps when the CPU and kernel allow AMX (what oneDNN, so
 //             PyTorch bf16, uses there)
 //
@@ -90,7 +93,7 @@ void sink(float v) { g_sink.store(g_sink.load(std::memory_order_relaxed) + v, st
 // ------------------------------------------------------------- CPU facts
 
 struct CpuFacts {
-  bool avx2 = false, avx512f = false, avx512_bf16 = false, amx_bf16 = false;
+  bool avx2 = false, avx512f = false, avx512_bf16 = false, avx512_vnni = false, amx_bf16 = false;
   std::string model;
   uint64_t llc_bytes = 0;
 };
@@ -142,6 +145,8 @@ CpuFacts detect_cpu() {
   // is implied by avx512f above.
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (c.avx512f && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) c.avx512_bf16 = (eax >> 5) & 1u;
+  // AVX512_VNNI: CPUID leaf 7 subleaf 0, ECX bit 11.
+  if (c.avx512f && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) c.avx512_vnni = (ecx >> 11) & 1u;
   // AMX: CPUID.7.0 EDX bit 22 (AMX-BF16) and 24 (AMX-TILE), and the OS has
   // enabled XTILECFG and XTILEDATA (XCR0 bits 17 and 18).
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && ((edx >> 22) & 1u) && ((edx >> 24) & 1u) &&
@@ -288,7 +293,7 @@ json compute_probe(const Options& o, Team& team, const std::function<float(uint6
                "                     [--read-mib M] [--triad-mib M] [--streams 1|2|4|8]\n"
                "                     [--isa auto|avx512|avx2|generic] [--pin]\n"
                "Prints this machine's read bandwidth (huge and 4 KiB pages), STREAM triad,\n"
-               "fp32 FMA and bf16 dot-product peaks as JSON.\n");
+               "fp32 FMA, bf16 and int8 dot-product peaks as JSON.\n");
   std::exit(code);
 }
 
@@ -400,6 +405,17 @@ int probe_main(int argc, char** argv) {
     out["bf16_dot"]["accumulators"] = kBf16Accumulators;
     out["bf16_dot"]["instruction"] = "vdpbf16ps zmm";
   }
+  out["int8_dot"] = nullptr;
+  if (cpu.avx512_vnni && std::string(k.name) == "avx512") {
+    std::fprintf(stderr, "probe: int8 dot-product peak ...\n");
+    out["int8_dot"] = compute_probe(o, team, int8_dot_avx512_vnni, 128.0 * kInt8Accumulators);
+    out["int8_dot"]["instruction"] = "vpdpbusd zmm";
+  } else if (cpu.avx2) {
+    std::fprintf(stderr, "probe: int8 dot-product peak ...\n");
+    out["int8_dot"] = compute_probe(o, team, int8_dot_avx2, 64.0 * kInt8Accumulators);
+    out["int8_dot"]["instruction"] = "vpmaddubsw + vpmaddwd + vpaddd ymm";
+  }
+  if (!out["int8_dot"].is_null()) out["int8_dot"]["accumulators"] = kInt8Accumulators;
   out["amx_bf16"] = nullptr;
   if (cpu.amx_bf16 && amx_enable()) {
     std::fprintf(stderr, "probe: AMX bf16 peak ...\n");
@@ -414,6 +430,7 @@ int probe_main(int argc, char** argv) {
       {"triad_gbytes_per_s", out["triad"]["gbytes_per_s"]},
       {"fp32_gflop_per_s", out["fma_fp32"]["gflop_per_s"]},
       {"bf16_gflop_per_s", out["bf16_dot"].is_null() ? json(nullptr) : out["bf16_dot"]["gflop_per_s"]},
+      {"int8_gop_per_s", out["int8_dot"].is_null() ? json(nullptr) : out["int8_dot"]["gflop_per_s"]},
       {"amx_bf16_gflop_per_s", out["amx_bf16"].is_null() ? json(nullptr) : out["amx_bf16"]["gflop_per_s"]},
   };
   out["elapsed_s"] = std::round(std::chrono::duration<double>(Clock::now() - t_start).count() * 100) / 100;

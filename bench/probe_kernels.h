@@ -35,6 +35,13 @@ constexpr int kBf16Accumulators = 16;
 // AMX: asks Linux for the tile state (false if refused); then iters rounds
 // of 4 tdpbf16ps on full 16x32 tiles, 16384 FLOP each. Only call when CPUID
 // says AMX-TILE and AMX-BF16 and XCR0 has the tile state enabled.
+// int8 dot products (bench/probe_int8.cpp), iters rounds of
+// kInt8Accumulators independent instructions each: vpdpbusd zmm (128 ops:
+// 64 byte pairs) when CPUID says AVX512_VNNI; vpmaddubsw + vpmaddwd +
+// vpaddd on ymm (64 ops) when it says AVX2.
+constexpr int kInt8Accumulators = 16;
+float int8_dot_avx512_vnni(uint64_t iters);
+float int8_dot_avx2(uint64_t iters);
 bool amx_enable();
 float amx_bf16_dot(uint64_t iters);
 constexpr double kAmxFlopPerIter = 4.0 * 16 * 16 * 32 * 2;
