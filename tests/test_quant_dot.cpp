@@ -578,7 +578,11 @@ TEST_P(QuantDotIsa, DotRows) {
   }
   std::mt19937 rng(77 + static_cast<unsigned>(t));
   const std::vector<int> rows = {1, 2, 3, 5, 16, 37};
-  const std::vector<int> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 14, 17};  // every pass width of the kernels
+  // Every pass width of the few-token kernels, and past 8 the many-token
+  // ones (passes of up to 12 tokens, calls of up to 32, a ragged last
+  // group of 16 tokens).
+  const std::vector<int> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 14, 17};
+  const std::vector<int> many_tokens = {9, 12, 13, 25, 32, 33, 47};
   std::vector<DotCase> cases = {
       {0, {3}, {1, 5}},  // no blocks: zeros
       {256, rows, tokens},
@@ -589,6 +593,11 @@ TEST_P(QuantDotIsa, DotRows) {
       // Several column chunks of the kernels' stack buffers for the
       // transposed (q8_0, q4_0) or reordered (q4_k, q5_k) activations.
       {15104, {3}, {1, 2, 4, 5}},
+      // Several vectors of 16 rows (and a rest) at many tokens; chunks of
+      // the many-token kernels' decoded blocks and a ragged last chunk.
+      {512, {16, 64, 70}, many_tokens},
+      {2048 + 256, {48, 21}, many_tokens},
+      {15104, {32}, {9, 40}},
   };
   if (!k_format(t)) {
     // Partial groups of blocks: 1, 3, 7, 17, 25 and gpt-oss's 90 blocks
@@ -599,6 +608,8 @@ TEST_P(QuantDotIsa, DotRows) {
     cases.push_back({2880, {1, 3, 37}, {1, 2, 4, 5}});
     cases.push_back({544, rows, {1, 4, 17}});
     cases.push_back({800, {2, 37}, {1, 3}});
+    cases.push_back({2880, {16, 35}, {9, 20, 33}});
+    cases.push_back({32, {16, 17}, {9, 13}});
   }
   for (const DotCase& c : cases) {
     SCOPED_TRACE("n=" + std::to_string(c.n));
