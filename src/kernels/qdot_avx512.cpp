@@ -507,6 +507,13 @@ constexpr KRowFns k_row_fns(std::integer_sequence<int, I...>) {
   return {{&k_sbs<K, I + 1>...}};
 }
 
+// The many-token kernel (below): runs whole vectors of 16 rows of a call
+// with more than kMaxTokens tokens and returns how many rows it did.
+enum class GemmFormat { kQ8_0, kQ4_0, kQ4K, kQ5K, kQ6K };
+template <GemmFormat F>
+int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
+                  int32_t tokens, size_t n, float* out, size_t ld_out);
+
 // Up to kMaxTokens tokens at a time; per token group the super-blocks in
 // column chunks whose prepared activations fit the stack buffer; per chunk
 // every row.
@@ -524,6 +531,12 @@ void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, 
   const auto* ab = static_cast<const uint8_t*>(act);
   const size_t nsb = n / kQKK;
   if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
+  constexpr GemmFormat kGemm = kQ6 ? GemmFormat::kQ6K : K == Kind::kQ5K ? GemmFormat::kQ5K : GemmFormat::kQ4K;
+  const int32_t done = gemm_rows<kGemm>(wb, row_bytes, rows, ab, act_bytes, tokens, n, out, ld_out);
+  if (done == rows) return;
+  wb += static_cast<size_t>(done) * row_bytes;
+  out += done;
+  rows -= done;
   alignas(64) uint8_t buf[kActBufferBytes];
   for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
     const int nt = tokens - t0 < kMaxTokens ? tokens - t0 : kMaxTokens;
@@ -741,157 +754,335 @@ constexpr Q32RowFns q32_row_fns(std::integer_sequence<int, I...>) {
   return {{&q32_row<kQ8, I + 1>...}};
 }
 
-// ------------------------------------------- q8_0 / q4_0 at many tokens
+// ------------------------------------------------------- many tokens
 
 // Past kMaxTokens tokens the kernels above would decode every row once per
-// pass of 8 and stream each token's transposed activations (64 bytes per
+// pass of 8 and stream each token's rearranged activations (64 bytes per
 // vpdpbusd) through L1. Here lanes are rows instead: a zmm holds four
-// codes of one block for 16 rows, each token's four activation codes are a
-// 4-byte broadcast, and up to kGemmTokens tokens share every weight
-// vector, so a pass needs no horizontal sums and no activation transpose;
-// 16 rows x kGemmBlocks blocks are decoded once into an L1 buffer for all
-// of the call's tokens.
-constexpr size_t kGemmBlocks = 8;   // blocks per column chunk: 8 KB of activations at 32 tokens
-constexpr int kGemmTokens = 12;     // tokens per pass: 12 int + 12 float accumulators
+// codes of one activation block (32 elements) for 16 rows, each token's
+// four activation codes are a 4-byte embedded broadcast, and a pass of up
+// to 12 tokens shares every weight vector, so nothing needs a horizontal
+// sum and the activations no transpose per row. 16 rows x one chunk
+// (8 activation blocks: a K format's super-block) are decoded once into an
+// L1 buffer for all of the call's tokens (up to kGemmMaxCallTokens).
+constexpr size_t kGemmBlocks = 8;  // activation blocks per column chunk
 constexpr int kGemmMaxCallTokens = 32;
 
-// Block b of 16 rows (row 0 at `rows`): v[q] lane j = codes 4q .. 4q + 3
-// of row j, unsigned (q8_0 + 128; q4_0's 0..15); dw lane j = row j's scale.
-template <bool kQ8>
-inline void decode_rows16(const uint8_t* rows, size_t row_bytes, size_t b, const __m512i& idx, __m512i* v,
-                          __m512* dw) {
-  constexpr size_t kBytes = kQ8 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
-  const uint8_t* blk = rows + b * kBytes;
-  if constexpr (kQ8) {
-    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-    transpose16_rows(blk + 2, row_bytes, v);
-    transpose16_rows(blk + 18, row_bytes, v + 4);
-    for (int i = 0; i < 8; ++i) v[i] = _mm512_xor_si512(v[i], bias);
-  } else {
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    __m512i t[4];
-    transpose16_rows(blk + 2, row_bytes, t);
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm512_and_si512(t[i], m4);
-      v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m4);
-    }
-  }
-  *dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, blk, 1)));
-}
-
-// One pass: NT tokens against nbc decoded blocks of 16 rows. qa[(b * 8 + q)
-// * ta + t]: token t's codes 4q .. 4q + 3 of block b (signed); init[b * ta +
-// t]: -offset * (its sum over the block); da[b * ta + t]: its scale.
-template <int NT>
-void gemm32_pass(const __m512i* wv, const __m512* dw, size_t nbc, const int32_t* qa, const int32_t* init,
-                 const float* da, size_t ta, __m512* facc) {
-  for (size_t b = 0; b < nbc; ++b) {
-    __m512i acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm512_set1_epi32(init[b * ta + static_cast<size_t>(t)]);
-    COLIBRI_UNROLL
-    for (int q = 0; q < 8; ++q) {
-      const __m512i w = wv[b * 8 + static_cast<size_t>(q)];
-      const int32_t* a = qa + (b * 8 + static_cast<size_t>(q)) * ta;
-      // vpdpbusd with the token's quad as an embedded broadcast: GCC
-      // otherwise emits a separate vpbroadcastd for each.
-      for (int t = 0; t < NT; ++t) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[t]) : "v"(w), "m"(a[t]));
-    }
-    for (int t = 0; t < NT; ++t) {
-      const __m512 scale = _mm512_mul_ps(dw[b], _mm512_set1_ps(da[b * ta + static_cast<size_t>(t)]));
-      facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), scale, facc[t]);
-    }
-  }
-}
-
-using Gemm32PassFn = void (*)(const __m512i*, const __m512*, size_t, const int32_t*, const int32_t*, const float*,
-                              size_t, __m512*);
-struct Gemm32PassFns {
-  Gemm32PassFn fn[kGemmTokens];
+// The chunk's activations, token-minor (token t of a 16-token group at
+// index t): qa[(b * 8 + q) * tap + t] token t's codes 4q .. 4q + 3 of block
+// b (signed); da its block scale; for q8_0 / q4_0 i0 = -offset * (its sum
+// over the block); for q4_K / q5_K ds = da * (that sum); for q6_K i0 / i1 =
+// -32 * (the sums of the block's two halves).
+struct GemmActs {
+  alignas(64) int32_t qa[kGemmBlocks * 8 * kGemmMaxCallTokens];
+  alignas(64) float da[kGemmBlocks * kGemmMaxCallTokens];
+  alignas(64) float ds[kGemmBlocks * kGemmMaxCallTokens];
+  alignas(64) int32_t i0[kGemmBlocks * kGemmMaxCallTokens];
+  alignas(64) int32_t i1[kGemmBlocks * kGemmMaxCallTokens];
 };
-template <int... I>
-constexpr Gemm32PassFns gemm32_pass_fns(std::integer_sequence<int, I...>) {
-  return {{&gemm32_pass<I + 1>...}};
+
+// 16 rows x one chunk: v[b * 8 + q] lane r = row r's codes 4q .. 4q + 3 of
+// activation block b, unsigned. ws[b] (q6_K: ws[2b], ws[2b + 1] for the two
+// halves) the rows' scales of that block, wm[b] (q4_K / q5_K) their mins.
+struct GemmWeights {
+  __m512i v[kGemmBlocks * 8];
+  __m512 ws[2 * kGemmBlocks];
+  __m512 wm[kGemmBlocks];
+};
+
+// Byte i (0..3) of every dword of x, as int32 lanes.
+inline __m512i dword_byte_u(__m512i x, int i) {
+  return _mm512_and_si512(_mm512_srli_epi32(x, 8 * i), _mm512_set1_epi32(0xff));
+}
+
+template <GemmFormat F>
+void prepare_gemm_acts(const uint8_t* ab, size_t act_bytes, size_t ta, size_t tap, size_t n, size_t b0, size_t nbc,
+                       GemmActs& A) {
+  constexpr int kOffset = F == GemmFormat::kQ8_0 ? 128 : 8;
+  for (size_t t0 = 0; t0 < ta; t0 += 16) {
+    const uint8_t* a0 = ab + t0 * act_bytes;
+    const size_t valid = min_size(16, ta - t0);
+    for (size_t b = 0; b < nbc; ++b) {
+      __m512i x[8];
+      const size_t off = (b0 + b) * kQK32;
+      transpose16_rows(a0 + off, act_bytes, x, valid);
+      transpose16_rows(a0 + off + 16, act_bytes, x + 4, valid);
+      for (size_t q = 0; q < 8; ++q) _mm512_store_si512(A.qa + (b * 8 + q) * tap + t0, x[q]);
+    }
+    size_t b = 0;
+    for (; b + 4 <= nbc; b += 4) {
+      __m512i d[4], s2[4];
+      transpose16_rows(act_d(a0, n) + (b0 + b) * sizeof(float), act_bytes, d, valid);
+      transpose16_rows(act_sums(a0, n) + 2 * (b0 + b) * sizeof(int16_t), act_bytes, s2, valid);
+      for (size_t i = 0; i < 4; ++i) {
+        const size_t at = (b + i) * tap + t0;
+        _mm512_store_si512(A.da + at, d[i]);
+        if constexpr (F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0) {
+          _mm512_store_si512(A.i0 + at, _mm512_madd_epi16(s2[i], _mm512_set1_epi16(-kOffset)));
+        } else if constexpr (F == GemmFormat::kQ6K) {
+          const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(s2[i], 16), 16);
+          const __m512i hi = _mm512_srai_epi32(s2[i], 16);
+          _mm512_store_si512(A.i0 + at, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(lo, 5)));
+          _mm512_store_si512(A.i1 + at, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(hi, 5)));
+        } else {
+          const __m512 sum = _mm512_cvtepi32_ps(_mm512_madd_epi16(s2[i], _mm512_set1_epi16(1)));
+          _mm512_store_ps(A.ds + at, _mm512_mul_ps(_mm512_castsi512_ps(d[i]), sum));
+        }
+      }
+    }
+    for (; b < nbc; ++b) {  // a q8_0 / q4_0 row's last blocks (past them the row ends)
+      for (size_t t = 0; t < valid; ++t) {
+        const uint8_t* a = a0 + t * act_bytes;
+        const size_t blk = b0 + b;
+        int16_t s2[2];
+        std::memcpy(s2, act_sums(a, n) + 2 * blk * sizeof(int16_t), sizeof s2);
+        const size_t at = b * tap + t0 + t;
+        A.i0[at] = -kOffset * (static_cast<int32_t>(s2[0]) + static_cast<int32_t>(s2[1]));
+        std::memcpy(&A.da[at], act_d(a, n) + blk * sizeof(float), sizeof(float));
+      }
+    }
+  }
+}
+
+// Chunk c (activation blocks 8c .. 8c + nbc) of 16 rows, row 0 at `rows`.
+template <GemmFormat F>
+void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t nbc, GemmWeights& W) {
+  const auto rb = static_cast<int32_t>(row_bytes);
+  const __m512i idx =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(rb));
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  if constexpr (F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0) {
+    constexpr bool kQ8 = F == GemmFormat::kQ8_0;
+    constexpr size_t kBytes = kQ8 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
+    for (size_t b = 0; b < nbc; ++b) {
+      const uint8_t* blk = rows + (kGemmBlocks * c + b) * kBytes;
+      __m512i* v = W.v + 8 * b;
+      if constexpr (kQ8) {
+        const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+        transpose16_rows(blk + 2, row_bytes, v);
+        transpose16_rows(blk + 18, row_bytes, v + 4);
+        for (int i = 0; i < 8; ++i) v[i] = _mm512_xor_si512(v[i], bias);  // q + 128
+      } else {
+        __m512i t[4];
+        transpose16_rows(blk + 2, row_bytes, t);
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm512_and_si512(t[i], m4);
+          v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m4);
+        }
+      }
+      W.ws[b] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, blk, 1)));
+    }
+  } else if constexpr (F == GemmFormat::kQ4K || F == GemmFormat::kQ5K) {
+    constexpr bool kFive = F == GemmFormat::kQ5K;
+    constexpr size_t kBytes = kFive ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
+    constexpr size_t kQs = kFive ? offsetof(BlockQ5K, qs) : offsetof(BlockQ4K, qs);
+    const uint8_t* blk = rows + c * kBytes;
+    // Sub-blocks 2j and 2j + 1: the low and high nibbles of qs[32j .. 32j + 31].
+    for (size_t j = 0; j < 4; ++j) {
+      __m512i x[8];
+      transpose16_rows(blk + kQs + 32 * j, row_bytes, x);
+      transpose16_rows(blk + kQs + 32 * j + 16, row_bytes, x + 4);
+      for (size_t q = 0; q < 8; ++q) {
+        W.v[(2 * j) * 8 + q] = _mm512_and_si512(x[q], m4);
+        W.v[(2 * j + 1) * 8 + q] = _mm512_and_si512(_mm512_srli_epi16(x[q], 4), m4);
+      }
+    }
+    if constexpr (kFive) {
+      // Bit s of qh[l] is the fifth bit of sub-block s's element l.
+      __m512i h[8];
+      transpose16_rows(blk + offsetof(BlockQ5K, qh), row_bytes, h);
+      transpose16_rows(blk + offsetof(BlockQ5K, qh) + 16, row_bytes, h + 4);
+      const __m512i m10 = _mm512_set1_epi8(0x10);
+      for (size_t sb = 0; sb < 8; ++sb) {
+        const __m512i bit = _mm512_set1_epi8(static_cast<char>(1u << sb));
+        for (size_t q = 0; q < 8; ++q) {
+          __m512i& v = W.v[sb * 8 + q];
+          v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(h[q], bit), v, m10);
+        }
+      }
+    }
+    // Scales and mins: four rows' headers per unpack_scales_k4, then the
+    // 16 rows' [sc0-7, m0-7] transposed to one dword lane per row.
+    const KConsts& k = kconsts();
+    alignas(64) uint8_t u[16 * 16];
+    for (size_t r4 = 0; r4 < 4; ++r4) {
+      const uint8_t* h0 = blk + 4 * r4 * row_bytes;
+      __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h0)));
+      raw = _mm512_mask_broadcast_i32x4(raw, 0x00f0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(h0 + row_bytes)));
+      raw = _mm512_mask_broadcast_i32x4(raw, 0x0f00,
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(h0 + 2 * row_bytes)));
+      raw = _mm512_mask_broadcast_i32x4(raw, 0xf000,
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(h0 + 3 * row_bytes)));
+      _mm512_store_si512(u + 64 * r4, unpack_scales_k4(raw, k));
+    }
+    __m512i sm[4];
+    transpose16_rows(u, 16, sm);
+    const __m512i dd = _mm512_i32gather_epi32(idx, blk, 1);  // [d, dmin] per row
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+    for (int sb = 0; sb < 8; ++sb) {
+      W.ws[sb] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(dword_byte_u(sm[sb / 4], sb % 4)));
+      W.wm[sb] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(dword_byte_u(sm[2 + sb / 4], sb % 4)));
+    }
+  } else {
+    // q6_K: block 4n + c, element l: the low (c < 2) or high nibble of
+    // ql[64n + 32 (c & 1) + l] and bits 2c, 2c + 1 of qh[32n + l].
+    const uint8_t* blk = rows + c * sizeof(BlockQ6K);
+    const __m512i m3 = _mm512_set1_epi8(0x03);
+    for (size_t half = 0; half < 2; ++half) {
+      __m512i l[2][8], h[8];
+      for (size_t odd = 0; odd < 2; ++odd) {
+        transpose16_rows(blk + 64 * half + 32 * odd, row_bytes, l[odd]);
+        transpose16_rows(blk + 64 * half + 32 * odd + 16, row_bytes, l[odd] + 4);
+      }
+      transpose16_rows(blk + offsetof(BlockQ6K, qh) + 32 * half, row_bytes, h);
+      transpose16_rows(blk + offsetof(BlockQ6K, qh) + 32 * half + 16, row_bytes, h + 4);
+      for (int cc = 0; cc < 4; ++cc) {
+        for (size_t q = 0; q < 8; ++q) {
+          const __m512i lo = cc < 2 ? _mm512_and_si512(l[cc & 1][q], m4)
+                                    : _mm512_and_si512(_mm512_srli_epi16(l[cc & 1][q], 4), m4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h[q], static_cast<unsigned>(2 * cc)), m3);
+          W.v[(4 * half + static_cast<size_t>(cc)) * 8 + q] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+        }
+      }
+    }
+    __m512i sc[4];
+    transpose16_rows(blk + offsetof(BlockQ6K, scales), row_bytes, sc);
+    // d sits in the high half of the dword that ends the block's scales.
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(_mm512_i32gather_epi32(idx, blk + offsetof(BlockQ6K, d) - 2, 1), 16)));
+    for (int i = 0; i < 16; ++i) {
+      const __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(sc[i / 4], 24 - 8 * (i % 4)), 24);
+      W.ws[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(v));
+    }
+  }
+}
+
+// vpdpbusd with the token's quad as an embedded broadcast: GCC otherwise
+// emits a separate vpbroadcastd for each.
+__attribute__((always_inline)) inline void dpbusd_bcast(__m512i& acc, __m512i w, const int32_t* a) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*a));
+}
+
+// One pass: NT tokens (t at qa + t, ...) against nbc blocks of W.
+template <GemmFormat F, int NT>
+void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, size_t tap, __m512* facc) {
+  for (size_t b = 0; b < nbc; ++b) {
+    const size_t at = b * tap + t0;
+    if constexpr (F == GemmFormat::kQ6K) {
+      __m512i lo[NT], hi[NT];
+      for (int t = 0; t < NT; ++t) {
+        lo[t] = _mm512_set1_epi32(A.i0[at + static_cast<size_t>(t)]);
+        hi[t] = _mm512_set1_epi32(A.i1[at + static_cast<size_t>(t)]);
+      }
+      COLIBRI_UNROLL
+      for (size_t q = 0; q < 8; ++q) {
+        const __m512i w = W.v[b * 8 + q];
+        const int32_t* a = A.qa + (b * 8 + q) * tap + t0;
+        for (int t = 0; t < NT; ++t) dpbusd_bcast(q < 4 ? lo[t] : hi[t], w, a + t);
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512 da = _mm512_set1_ps(A.da[at + static_cast<size_t>(t)]);
+        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[t]), _mm512_mul_ps(W.ws[2 * b], da), facc[t]);
+        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[t]), _mm512_mul_ps(W.ws[2 * b + 1], da), facc[t]);
+      }
+    } else {
+      constexpr bool kInit = F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0;
+      __m512i acc[NT];
+      for (int t = 0; t < NT; ++t) {
+        acc[t] = kInit ? _mm512_set1_epi32(A.i0[at + static_cast<size_t>(t)]) : _mm512_setzero_si512();
+      }
+      COLIBRI_UNROLL
+      for (size_t q = 0; q < 8; ++q) {
+        const __m512i w = W.v[b * 8 + q];
+        const int32_t* a = A.qa + (b * 8 + q) * tap + t0;
+        for (int t = 0; t < NT; ++t) dpbusd_bcast(acc[t], w, a + t);
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512 scale = _mm512_mul_ps(W.ws[b], _mm512_set1_ps(A.da[at + static_cast<size_t>(t)]));
+        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), scale, facc[t]);
+        if constexpr (!kInit) facc[t] = _mm512_fnmadd_ps(W.wm[b], _mm512_set1_ps(A.ds[at + static_cast<size_t>(t)]), facc[t]);
+      }
+    }
+  }
+}
+
+// Tokens per pass: int and float accumulators in registers (q6_K keeps two
+// int accumulators per token, one per half block).
+template <GemmFormat F>
+constexpr int gemm_pass_tokens() {
+  return F == GemmFormat::kQ6K ? 8 : 12;
+}
+
+template <GemmFormat F>
+using GemmPassFn = void (*)(const GemmWeights&, size_t, const GemmActs&, size_t, size_t, __m512*);
+template <GemmFormat F>
+struct GemmPassFns {
+  GemmPassFn<F> fn[gemm_pass_tokens<F>()];
+};
+template <GemmFormat F, int... I>
+constexpr GemmPassFns<F> gemm_pass_fns(std::integer_sequence<int, I...>) {
+  return {{&gemm_pass<F, I + 1>...}};
+}
+
+template <GemmFormat F>
+constexpr size_t gemm_block_bytes() {
+  switch (F) {
+    case GemmFormat::kQ8_0:
+      return sizeof(BlockQ8_0);
+    case GemmFormat::kQ4_0:
+      return sizeof(BlockQ4_0);
+    case GemmFormat::kQ4K:
+      return sizeof(BlockQ4K);
+    case GemmFormat::kQ5K:
+      return sizeof(BlockQ5K);
+    case GemmFormat::kQ6K:
+      return sizeof(BlockQ6K);
+  }
+  return 0;
 }
 
 // rows / 16 whole vectors of rows (the caller runs the rest) against
-// tokens <= kGemmMaxCallTokens.
-template <bool kQ8>
-void gemm32(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes, int32_t tokens,
-            size_t n, float* out, size_t ld_out) {
-  constexpr int kOffset = kQ8 ? 128 : 8;
-  constexpr size_t kBytes = kQ8 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
-  static constexpr auto kPass = gemm32_pass_fns(std::make_integer_sequence<int, kGemmTokens>());
+// tokens <= kGemmMaxCallTokens; n elements a row.
+template <GemmFormat F>
+void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
+                 int32_t tokens, size_t n, float* out, size_t ld_out) {
+  constexpr bool kK = F == GemmFormat::kQ4K || F == GemmFormat::kQ5K || F == GemmFormat::kQ6K;
+  // Bytes of one chunk of a row: 8 blocks of 32, or one super-block.
+  constexpr size_t kChunkBytes = kK ? gemm_block_bytes<F>() : kGemmBlocks * gemm_block_bytes<F>();
+  constexpr int kPassTokens = gemm_pass_tokens<F>();
+  static constexpr auto kPass = gemm_pass_fns<F>(std::make_integer_sequence<int, kPassTokens>());
   const size_t nb = n / kQK32;
   const auto ta = static_cast<size_t>(tokens);
   const size_t tap = (ta + 15) / 16 * 16;  // the token stride of the prepared activations
   const size_t nrv = static_cast<size_t>(rows) / 16;
-  alignas(64) int32_t qa[kGemmBlocks * 8 * kGemmMaxCallTokens];
-  alignas(64) int32_t init[kGemmBlocks * kGemmMaxCallTokens];
-  alignas(64) float da[kGemmBlocks * kGemmMaxCallTokens];
-  alignas(64) __m512i wv[kGemmBlocks * 8];
-  alignas(64) __m512 dw[kGemmBlocks];
+  GemmActs A;
+  GemmWeights W;
   alignas(64) __m512 facc[4 * kGemmMaxCallTokens];  // per vector of rows and token, across chunks
-  const auto rb = static_cast<int32_t>(row_bytes);
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(rb));
   for (size_t rv0 = 0; rv0 < nrv; rv0 += 4) {
     const size_t nv = min_size(4, nrv - rv0);
     for (size_t i = 0; i < nv * ta; ++i) facc[i] = _mm512_setzero_ps();
-    for (size_t b0 = 0; b0 < nb; b0 += kGemmBlocks) {
+    for (size_t c = 0, b0 = 0; b0 < nb; ++c, b0 += kGemmBlocks) {
       const size_t nbc = min_size(kGemmBlocks, nb - b0);
-      // The chunk's activations, token-minor (each quad a broadcast
-      // operand): per 16 tokens a block's 32 codes, and four blocks' scales
-      // and pairs of 16-element sums (a dword each), transposed at once;
-      // tokens past the call's repeat its last and are never stored.
-      for (size_t t0 = 0; t0 < ta; t0 += 16) {
-        const uint8_t* a0 = ab + t0 * act_bytes;
-        const size_t valid = min_size(16, ta - t0);
-        for (size_t b = 0; b < nbc; ++b) {
-          __m512i x[8];
-          const size_t off = (b0 + b) * kQK32;
-          transpose16_rows(a0 + off, act_bytes, x, valid);
-          transpose16_rows(a0 + off + 16, act_bytes, x + 4, valid);
-          for (size_t q = 0; q < 8; ++q) _mm512_store_si512(qa + (b * 8 + q) * tap + t0, x[q]);
-        }
-        size_t b = 0;
-        for (; b + 4 <= nbc; b += 4) {
-          __m512i d[4], s2[4];
-          transpose16_rows(act_d(a0, n) + (b0 + b) * sizeof(float), act_bytes, d, valid);
-          transpose16_rows(act_sums(a0, n) + 2 * (b0 + b) * sizeof(int16_t), act_bytes, s2, valid);
-          for (size_t i = 0; i < 4; ++i) {
-            _mm512_store_si512(da + (b + i) * tap + t0, d[i]);
-            _mm512_store_si512(init + (b + i) * tap + t0, _mm512_madd_epi16(s2[i], _mm512_set1_epi16(-kOffset)));
-          }
-        }
-        for (; b < nbc; ++b) {  // the row's last blocks (past them the row ends)
-          for (size_t t = 0; t < valid; ++t) {
-            const uint8_t* a = a0 + t * act_bytes;
-            const size_t blk = b0 + b;
-            int16_t s2[2];
-            std::memcpy(s2, act_sums(a, n) + 2 * blk * sizeof(int16_t), sizeof s2);
-            init[b * tap + t0 + t] = -kOffset * (static_cast<int32_t>(s2[0]) + static_cast<int32_t>(s2[1]));
-            std::memcpy(&da[b * tap + t0 + t], act_d(a, n) + blk * sizeof(float), sizeof(float));
-          }
-        }
-      }
+      prepare_gemm_acts<F>(ab, act_bytes, ta, tap, n, b0, nbc, A);
       for (size_t v = 0; v < nv; ++v) {
         const uint8_t* rows16 = wb + (rv0 + v) * 16 * row_bytes;
-        for (size_t b = 0; b < nbc; ++b) decode_rows16<kQ8>(rows16, row_bytes, b0 + b, idx, wv + 8 * b, dw + b);
+        decode_gemm_weights<F>(rows16, row_bytes, c, nbc, W);
         // The next chunk of these rows into L2 while this one computes.
         if (b0 + kGemmBlocks < nb) {
-          const size_t next = (b0 + kGemmBlocks) * kBytes;
-          const size_t len = min_size(kGemmBlocks, nb - b0 - kGemmBlocks) * kBytes;
+          const size_t next = (c + 1) * kChunkBytes;
+          const size_t len = min_size(kChunkBytes, row_bytes - next);
           for (size_t j = 0; j < 16; ++j) {
             for (size_t o = 0; o < len; o += 64) {
               _mm_prefetch(reinterpret_cast<const char*>(rows16 + j * row_bytes + next + o), _MM_HINT_T1);
             }
           }
         }
-        // Passes of at most kGemmTokens, as even as possible.
-        const size_t passes = (ta + kGemmTokens - 1) / kGemmTokens;
+        // Passes of at most kPassTokens, as even as possible.
+        const size_t passes = (ta + kPassTokens - 1) / kPassTokens;
         for (size_t p = 0, t0 = 0; p < passes; ++p) {
           const size_t nt = (ta - t0) / (passes - p);
-          kPass.fn[nt - 1](wv, dw, nbc, qa + t0, init + t0, da + t0, tap, facc + v * ta + t0);
+          kPass.fn[nt - 1](W, nbc, A, t0, tap, facc + v * ta + t0);
           t0 += nt;
         }
       }
@@ -902,6 +1093,19 @@ void gemm32(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab
   }
 }
 
+// gemm_rows16 over a call's tokens, 32 at a time.
+template <GemmFormat F>
+int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
+                  int32_t tokens, size_t n, float* out, size_t ld_out) {
+  if (tokens <= kMaxTokens || rows < 16) return 0;
+  for (int32_t t0 = 0; t0 < tokens; t0 += kGemmMaxCallTokens) {
+    const int32_t tn = tokens - t0 < kGemmMaxCallTokens ? tokens - t0 : kGemmMaxCallTokens;
+    gemm_rows16<F>(wb, row_bytes, rows, ab + static_cast<size_t>(t0) * act_bytes, act_bytes, tn, n,
+                   out + static_cast<size_t>(t0) * ld_out, ld_out);
+  }
+  return rows / 16 * 16;
+}
+
 template <bool kQ8>
 void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
                  size_t n, float* out, size_t ld_out) {
@@ -910,19 +1114,13 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
   const auto* ab = static_cast<const uint8_t*>(act);
   const size_t nb = n / kQK32;
   if (nb == 0) return zero_out(rows, tokens, out, ld_out);
-  if (tokens > kMaxTokens && rows >= 16) {
-    // Whole vectors of 16 rows through the many-token kernel, the rest below.
-    for (int32_t t0 = 0; t0 < tokens; t0 += kGemmMaxCallTokens) {
-      const int32_t tn = tokens - t0 < kGemmMaxCallTokens ? tokens - t0 : kGemmMaxCallTokens;
-      gemm32<kQ8>(wb, row_bytes, rows, ab + static_cast<size_t>(t0) * act_bytes, act_bytes, tn, n,
-                  out + static_cast<size_t>(t0) * ld_out, ld_out);
-    }
-    const int32_t done = rows / 16 * 16;
-    if (done == rows) return;
-    wb += static_cast<size_t>(done) * row_bytes;
-    out += done;
-    rows -= done;
-  }
+  // Whole vectors of 16 rows of a many-token call, then the rest below.
+  const int32_t done = gemm_rows<kQ8 ? GemmFormat::kQ8_0 : GemmFormat::kQ4_0>(wb, row_bytes, rows, ab, act_bytes,
+                                                                               tokens, n, out, ld_out);
+  if (done == rows) return;
+  wb += static_cast<size_t>(done) * row_bytes;
+  out += done;
+  rows -= done;
   const size_t ng_total = (nb + 15) / 16;
   static constexpr auto kRowFns = q32_row_fns<kQ8>(std::make_integer_sequence<int, kMaxTokens>());
   Group16 buf[kGroupBuffer];
