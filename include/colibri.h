@@ -523,16 +523,21 @@ typedef struct colibri_linear_desc_s {
   int32_t huge_pages;   /* 1 = huge pages for matrices of 4 MiB and more */
   int32_t lock_memory;  /* 1 = mlock the packed rows (best effort; see colibri_last_warning) */
   const char* name;     /* used in messages (e.g. the GGUF tensor name); NULL = "linear" */
+  int32_t groups;       /* 1 (or 0): one matrix. G: weight holds G matrices W_g of out_features x
+                           in_features one after another (bias G x out_features), x rows are
+                           G x in_features and y rows G x out_features: y[g] = x[g] W_g^T + b[g]
+                           (DeepSeek's per-head attn_k_b / attn_v_b) */
 } colibri_linear_desc_t;
 
 /* Defaults: dtype F32, sizes 0, pointers NULL, n_threads 0, exact 0,
- * huge_pages 1, lock_memory 0. */
+ * huge_pages 1, lock_memory 0, groups 1. */
 COLIBRI_API void colibri_linear_desc_default(colibri_linear_desc_t* desc);
 /* Copies and packs the rows. On failure *out is NULL and the message names
  * desc->name. Thread-safe. */
 COLIBRI_API colibri_status_t colibri_linear_create(const colibri_linear_desc_t* desc, colibri_linear_t** out);
-/* y[T][out_features] = x[T][in_features] W^T + b, float32 row-major; y is
- * overwritten and must not overlap x. Calls on one layer are serialised. */
+/* y[T][groups x out_features] = x[T][groups x in_features] W^T + b, float32
+ * row-major (per group, as the desc says); y is overwritten and must not
+ * overlap x. Calls on one layer are serialised. */
 COLIBRI_API colibri_status_t colibri_linear_forward(colibri_linear_t* linear, int32_t n_tokens, const float* x,
                                                     float* y);
 /* Which kernels run it, e.g. "decode int8-avx512, prefill amx-bf16-dequant

@@ -102,6 +102,7 @@ int main(void) {
   FIELD(colibri_linear_desc_t, huge_pages);
   FIELD(colibri_linear_desc_t, lock_memory);
   FIELD(colibri_linear_desc_t, name);
+  FIELD(colibri_linear_desc_t, groups);
   end();
 
   BEGIN(colibri_rope_desc_t);

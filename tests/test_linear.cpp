@@ -115,6 +115,81 @@ TEST(Linear, EveryFormatLevelAndTokenCountAgainstFloat64) {
   }
 }
 
+TEST(Linear, GroupsAreIndependentMatricesAgainstFloat64) {
+  // DeepSeek's per-head attn_k_b (G = heads, 512 x 128) and attn_v_b
+  // (128 x 512) shapes, smaller: each group's slice of x meets only its own
+  // matrix and bias, at every level, in both precisions, at token counts of
+  // the decode, few-token and many-token kernels; a row block never
+  // straddles two groups (96 rows a group, 16 groups).
+  std::mt19937 rng(13);
+  const int32_t G = 16;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (WeightType t : {WeightType::kQ8_0, WeightType::kQ4_0, WeightType::kF32, WeightType::kBF16}) {
+    for (auto [out, in] : {std::pair<int32_t, int32_t>{96, 128}, std::pair<int32_t, int32_t>{32, 512}}) {
+      const Matrix w = random_matrix(t, G * out, in, rng);
+      std::vector<float> bias(static_cast<size_t>(G * out));
+      for (float& b : bias) b = normal(rng);
+      for (kernels::Isa isa : levels()) {
+        for (bool exact : {false, true}) {
+          colibri::LinearOptions o;
+          o.exact = exact;
+          o.isa = static_cast<int>(isa);
+          o.threads = 2;
+          const bool with_bias = exact;
+          colibri::Linear lin(t, out, in, w.stored.data(), w.stored.size(), with_bias ? bias.data() : nullptr, o,
+                              "grouped", nullptr, G);
+          ASSERT_EQ(lin.groups(), G);
+          for (int32_t T : {1, 5, 40}) {
+            const size_t ldx = static_cast<size_t>(G * in) + 3, ldy = static_cast<size_t>(G * out) + 5;
+            std::vector<float> x(static_cast<size_t>(T) * ldx);
+            for (float& v : x) v = normal(rng);
+            std::vector<float> y(static_cast<size_t>(T) * ldy, std::numeric_limits<float>::quiet_NaN());
+            lin.forward(T, x.data(), ldx, y.data(), ldy);
+            std::vector<double> ref;
+            std::vector<float> got;
+            for (int32_t i = 0; i < T; ++i) {
+              for (int32_t g = 0; g < G; ++g) {
+                for (int32_t r = 0; r < out; ++r) {
+                  const size_t row = static_cast<size_t>(g * out + r);
+                  double acc = with_bias ? bias[row] : 0.0;
+                  for (int32_t k = 0; k < in; ++k) {
+                    acc += static_cast<double>(x[static_cast<size_t>(i) * ldx + static_cast<size_t>(g * in + k)]) *
+                           w.values[row * static_cast<size_t>(in) + static_cast<size_t>(k)];
+                  }
+                  ref.push_back(acc);
+                  got.push_back(y[static_cast<size_t>(i) * ldy + row]);
+                }
+              }
+              // The padding past each y row is never written.
+              for (size_t p = static_cast<size_t>(G * out); p < ldy; ++p) {
+                EXPECT_TRUE(std::isnan(y[static_cast<size_t>(i) * ldy + p]));
+              }
+            }
+            EXPECT_LE(relative_l2(got, ref), tolerance(t, exact))
+                << colibri::weight_format(t).name << " " << out << "x" << in << " at " << kernels::isa_name(isa)
+                << (exact ? " exact" : "") << ", T=" << T << " (" << lin.kernels_description() << ")";
+          }
+        }
+      }
+    }
+  }
+  // Bad group counts and sizes are refused with the layer's name.
+  const Matrix w = random_matrix(WeightType::kQ8_0, 4 * 32, 64, rng);
+  colibri::LinearOptions o;
+  try {
+    colibri::Linear bad(WeightType::kQ8_0, 32, 64, w.stored.data(), w.stored.size(), nullptr, o, "kb", nullptr, 0);
+    ADD_FAILURE() << "groups 0 accepted";
+  } catch (const colibri::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("kb: groups must be"), std::string::npos) << e.what();
+  }
+  try {
+    colibri::Linear bad(WeightType::kQ8_0, 32, 64, w.stored.data(), w.stored.size(), nullptr, o, "kb", nullptr, 3);
+    ADD_FAILURE() << "a weight of 4 groups accepted as 3";
+  } catch (const colibri::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("3 q8_0 matrices of 32 x 64 take"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Linear, RowsPaddedToTheStrideAndThreadCountsAgree) {
   // in_features off the 64-byte row alignment (f32 rows of 100 elements
   // pad to 112): the padding must not leak into the products, and results

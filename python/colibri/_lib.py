@@ -300,6 +300,7 @@ class LinearDesc(ctypes.Structure):
         ("huge_pages", c_int32),
         ("lock_memory", c_int32),
         ("name", ctypes.c_char_p),
+        ("groups", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 

@@ -373,8 +373,16 @@ def _latent_attention(f, blk, attn, module, config, linear, tensor, linear_opts,
     if f.has(blk + "attn_kv_b.weight"):
         linear(blk + "attn_kv_b.weight", attn + "kv_b_proj")
         if hasattr(module, "expand_kv"):
+            # k_b's rows here would run across kv_b's blocks: f32 per-head matrices.
             kv_b = f.floats(blk + "attn_kv_b.weight").reshape(heads, nope + v_head, rank)
-            _absorb(module, np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)), kv_b[:, nope:])
+            k_b = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1))  # [heads, rank, nope]
+            v_b = np.ascontiguousarray(kv_b[:, nope:])                      # [heads, v_head, rank]
+            name = blk + "attn_kv_b.weight"
+            _absorb(module,
+                    cnn.Linear(k_b.view(np.uint8), "f32", rank, nope, groups=heads, name=name + " (k_b)",
+                               **linear_opts),
+                    cnn.Linear(v_b.view(np.uint8), "f32", v_head, rank, groups=heads, name=name + " (v_b)",
+                               **linear_opts))
         return
     for name, want in ((blk + "attn_k_b.weight", (heads, rank, nope)), (blk + "attn_v_b.weight", (heads, v_head, rank))):
         if not f.has(name):
@@ -382,11 +390,16 @@ def _latent_attention(f, blk, attn, module, config, linear, tensor, linear_opts,
         if f.shape(name) != want:
             raise ValueError("%s: tensor %s has shape %s, the model's kv_b_proj needs %s"
                              % (f.path, name, f.shape(name), want))
-    k_b = f.floats(blk + "attn_k_b.weight")  # [heads, rank, nope]
-    v_b = f.floats(blk + "attn_v_b.weight")  # [heads, v_head, rank]
-    used.update((blk + "attn_k_b.weight", blk + "attn_v_b.weight"))
+    k_name, v_name = blk + "attn_k_b.weight", blk + "attn_v_b.weight"
+    used.update((k_name, v_name))
     if hasattr(module, "expand_kv"):
-        _absorb(module, k_b, v_b)
+        # The absorbed products as the file stores them: per head, k_b's
+        # rows run along nope and v_b's along the rank, a row kernel's axis.
+        _absorb(module,
+                cnn.Linear(f.raw(k_name), f.dtype(k_name), rank, nope, groups=heads, name=k_name, **linear_opts),
+                cnn.Linear(f.raw(v_name), f.dtype(v_name), v_head, rank, groups=heads, name=v_name, **linear_opts))
+    k_b = f.floats(k_name)  # [heads, rank, nope]
+    v_b = f.floats(v_name)  # [heads, v_head, rank]
     kv_b = np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, rank))
     _set_module(model, attn + "kv_b_proj",
                 cnn.Linear(kv_b.view(np.uint8), "f32", kv_b.shape[0], rank, None,
@@ -401,18 +414,10 @@ def _absorb(module, k_b, v_b):
     forward instead decompresses the whole cache through kv_b_proj at every
     step (its cost grows with the context). Decode steps only: a prefill
     (more than one new token) runs transformers' forward, whose kv_b_proj
-    is the Colibri linear (the absorbed products run in PyTorch and measured
-    0.78x at 512 tokens). k_b [H, rank, nope] and v_b [H, v, rank] are the
-    file's tensors, dequantised once (f32)."""
-    k_b = torch.from_numpy(np.ascontiguousarray(k_b, dtype=np.float32))
-    v_b = torch.from_numpy(np.ascontiguousarray(v_b, dtype=np.float32))
-    # Kept only as the per-head matmuls of a decode step read them
-    # ([H, nope, rank] and [H, rank, v]): einsum over the file's layout
-    # copied both (4 MB a layer at V3's widths) at every step.
-    k_b_t = k_b.transpose(1, 2).contiguous()
-    v_b_t = v_b.transpose(1, 2).contiguous()
-    del k_b, v_b
-    module.__dict__["_colibri_absorbed"] = (k_b_t, v_b_t, module.forward)
+    is the Colibri linear. k_b and v_b are Colibri linears with one matrix
+    per head (groups): k_b maps [T, heads x nope] to [T, heads x rank], v_b
+    [T, heads x rank] to [T, heads x v_head], in the file's format."""
+    module.__dict__["_colibri_absorbed"] = (k_b, v_b, module.forward)
     module.forward = types.MethodType(_absorbed_mla_forward, module)
 
 
@@ -420,7 +425,7 @@ def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
     import inspect
     import sys
 
-    k_b_t, v_b_t, original = self.__dict__["_colibri_absorbed"]
+    k_b, v_b, original = self.__dict__["_colibri_absorbed"]
     if hidden_states.shape[-2] != 1:
         return original(hidden_states, *args, **kwargs)
     if "past_key_values" in kwargs and "cache" not in kwargs:
@@ -450,15 +455,17 @@ def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
     if cache is not None:
         kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=extra)
     S = kv_nope.shape[2]
-    q_lat = torch.matmul(q_nope.float(), k_b_t)                      # [B, H, T, rank]
+    H = q_nope.shape[1]
+    q_lat = k_b(q_nope.transpose(1, 2).reshape(B * T, H * nope).float())     # [B T, H rank]
+    q_lat = q_lat.view(B, T, H, rank).transpose(1, 2)                          # [B, H, T, rank]
     if colibri_attention.fits(q_lat, kv_nope, mask, S):
         # One C call over the cached latents, the rope part as the key's
         # second part, the latents themselves as the values (MQA: one kv head).
         lat = colibri_attention.attention(
             torch.cat([q_lat, q_rot.float()], dim=-1), kv_nope, kv_nope, key2=k_rot, scale=self.scaling,
             mask=None if mask is None else mask[..., :S], threads=self.__dict__.get("_colibri_threads", 0))
-        out = torch.matmul(lat.transpose(1, 2), v_b_t).transpose(1, 2)  # [B, T, H, v]
-        return self.o_proj(out.reshape(B, T, -1).to(hidden_states.dtype)), None
+        out = v_b(lat.reshape(B * T, H * rank))                                # [B T, H v]
+        return self.o_proj(out.view(B, T, -1).to(hidden_states.dtype)), None
     latent = kv_nope[:, 0].float()                                  # [B, S, rank]
     scores = (torch.einsum("bhtr,bsr->bhts", q_lat, latent)
               + torch.einsum("bhtp,bsp->bhts", q_rot.float(), k_rot[:, 0].float())) * self.scaling
@@ -473,9 +480,9 @@ def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
     # A padded query row masks every key: zeros, not NaN (they would reach
     # the real tokens through the next layer's latents).
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.matmul(torch.einsum("bhts,bsr->bhtr", p, latent), v_b_t)   # [B, H, T, v]
-    out = out.transpose(1, 2).reshape(B, T, -1).to(hidden_states.dtype).contiguous()
-    return self.o_proj(out), None
+    lat = torch.einsum("bhts,bsr->bthr", p, latent)                            # [B, T, H, rank]
+    out = v_b(lat.reshape(B * T, H * rank))                                    # [B T, H v]
+    return self.o_proj(out.view(B, T, -1).to(hidden_states.dtype)), None
 
 
 def _unpermute_rows(rows, n_head):

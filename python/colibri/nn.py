@@ -61,6 +61,8 @@ def _stored_rows(rows, dtype, out_features, in_features, quantize_to, name):
             rows = rows.detach().cpu().numpy()
         else:
             floats = rows.detach().to(torch.float32).cpu().numpy()
+            if floats.ndim == 3:  # groups of matrices, one after another
+                floats = floats.reshape(-1, floats.shape[-1])
             if quantize_to is None:
                 raise ValueError("%s: a float weight needs quantize= (the format to store it in, e.g. 'q8_0' or "
                                  "'bf16')" % name)
@@ -90,11 +92,18 @@ class Linear(nn.Module):
     float32 and returned in the input's dtype."""
 
     def __init__(self, rows, dtype, out_features, in_features, bias=None, *, threads=0, exact=False,
-                 huge_pages=True, lock=False, name="linear", quantize=None):
+                 huge_pages=True, lock=False, name="linear", quantize=None, groups=1):
         super().__init__()
-        stored, dtype = _stored_rows(rows, dtype, int(out_features), int(in_features), quantize, name)
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
+        groups = int(groups)
+        if groups < 1:
+            raise ValueError("%s: groups must be at least 1, got %d" % (name, groups))
+        stored, dtype = _stored_rows(rows, dtype, groups * int(out_features), int(in_features), quantize, name)
+        # With groups, `rows` holds that many matrices of out_features x
+        # in_features, and the module maps [..., groups * in_features] to
+        # [..., groups * out_features], each group's slice by its own matrix.
+        self.groups = groups
+        self.in_features = groups * int(in_features)
+        self.out_features = groups * int(out_features)
         self.dtype_name = dtype
         self.name = name
         b = None
@@ -105,8 +114,9 @@ class Linear(nn.Module):
         desc = L.LinearDesc()
         L.fn("colibri_linear_desc_default")(ctypes.byref(desc))
         desc.dtype = dtype_code(dtype)
-        desc.out_features = self.out_features
-        desc.in_features = self.in_features
+        desc.out_features = self.out_features // groups
+        desc.in_features = self.in_features // groups
+        desc.groups = groups
         desc.weight = stored.ctypes.data
         desc.weight_size = stored.nbytes
         desc.bias = b.ctypes.data if b is not None else None
@@ -126,8 +136,9 @@ class Linear(nn.Module):
         _LINEARS[self._handle] = self
 
     def extra_repr(self):
-        return "in_features=%d, out_features=%d, dtype=%s, name=%s" % (
-            self.in_features, self.out_features, self.dtype_name, self.name)
+        return "in_features=%d, out_features=%d, dtype=%s, name=%s%s" % (
+            self.in_features, self.out_features, self.dtype_name, self.name,
+            ", groups=%d" % self.groups if self.groups > 1 else "")
 
     def run(self, x):
         """The C call on a float32 CPU tensor [..., in_features]."""

@@ -238,6 +238,13 @@ def test_latent_attention_with_padding_and_cache(tmp_path, name, monkeypatch):
     plain = plain_model(model, ref, "deepseek2")
     attns = [layer.self_attn for layer in model.model.layers]
     assert all(("_colibri_absorbed" in a.__dict__) == TRANSFORMERS_5 for a in attns)
+    if TRANSFORMERS_5:
+        # The absorbed products are Colibri linears with a matrix per head:
+        # the file's split attn_k_b / attn_v_b as stored, or f32 taken from
+        # an unsplit attn_kv_b (deepseek2-v2's file).
+        k_b, v_b, _ = attns[1].__dict__["_colibri_absorbed"]
+        assert k_b.groups == v_b.groups == 4
+        assert (k_b.dtype_name, v_b.dtype_name) == (("f32", "f32") if name == "deepseek2-v2" else ("q8_0", "q8_0"))
     calls = []
     inner = ca.attention
     monkeypatch.setattr(ca, "attention", lambda q, *a, **k: calls.append(k.get("key2") is not None) or inner(q, *a, **k))
@@ -336,6 +343,29 @@ def test_custom_operators_compile_without_graph_breaks(tmp_path):
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     want = torch.nn.functional.silu((emb_rows[ids] * 2.0) @ w.T)
     assert torch.allclose(compiled(ids), want, atol=1e-4)
+
+
+def test_grouped_linear_is_one_matrix_per_group():
+    """colibri.nn.Linear(groups=G): [..., G * in] -> [..., G * out], each
+    group's slice by its own matrix (DeepSeek's per-head k_b / v_b), in
+    eager code and as the custom operator under torch.compile; bad widths
+    are refused with the layer's name."""
+    import colibri.nn as cnn
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 24, 64, generator=g)  # 4 groups of 24 x 64
+    x = torch.randn(5, 4 * 64, generator=g)
+    want = torch.einsum("tgi,goi->tgo", x.view(5, 4, 64), w).reshape(5, 4 * 24)
+    exact = cnn.Linear(w, None, 24, 64, quantize="f32", groups=4, threads=2, exact=True, name="kb")
+    assert (exact.in_features, exact.out_features, exact.groups) == (256, 96, 4)
+    assert torch.allclose(exact(x), want, atol=1e-4)
+    q8 = cnn.Linear(w, None, 24, 64, quantize="q8_0", groups=4, threads=2, name="kb")
+    assert rel_l2(q8(x), want) <= 2e-2
+    assert torch.equal(torch.compile(lambda t: q8(t), fullgraph=True, backend="eager")(x), q8(x))
+    with pytest.raises(ValueError, match="kb: input of width 64"):
+        exact(x[:, :64])
+    with pytest.raises(ValueError, match="groups must be at least 1"):
+        cnn.Linear(w, None, 24, 64, quantize="f32", groups=0, name="kb")
 
 
 @pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.57's MoE blocks keep their Python routing loop")

@@ -721,6 +721,7 @@ void colibri_linear_desc_default(colibri_linear_desc_t* desc) {
   *desc = colibri_linear_desc_t{};
   desc->dtype = COLIBRI_DTYPE_F32;
   desc->huge_pages = 1;
+  desc->groups = 1;
 }
 
 colibri_status_t colibri_linear_create(const colibri_linear_desc_t* desc, colibri_linear_t** out) {
@@ -741,7 +742,8 @@ colibri_status_t colibri_linear_create(const colibri_linear_desc_t* desc, colibr
     o.lock_memory = desc->lock_memory != 0;
     std::string warnings;
     *out = new colibri_linear{colibri::Linear(to_weight_type(desc->dtype), desc->out_features, desc->in_features,
-                                              desc->weight, desc->weight_size, desc->bias, o, name, &warnings)};
+                                              desc->weight, desc->weight_size, desc->bias, o, name, &warnings,
+                                              desc->groups == 0 ? 1 : desc->groups)};
     if (!warnings.empty()) t_last_warning.set(warnings);
     return COLIBRI_OK;
   });
@@ -757,14 +759,15 @@ colibri_status_t colibri_linear_forward(colibri_linear_t* linear, int32_t n_toke
   if (y == nullptr) return null_argument("colibri_linear_forward", "y");
   colibri::Linear& l = linear->impl;
   const size_t T = static_cast<size_t>(n_tokens);
+  const size_t in = static_cast<size_t>(l.groups()) * static_cast<size_t>(l.in_features());
+  const size_t out = static_cast<size_t>(l.groups()) * static_cast<size_t>(l.out_features());
   const auto xb = reinterpret_cast<uintptr_t>(x);
   const auto yb = reinterpret_cast<uintptr_t>(y);
-  if (xb < yb + T * static_cast<size_t>(l.out_features()) * sizeof(float) &&
-      yb < xb + T * static_cast<size_t>(l.in_features()) * sizeof(float)) {
+  if (xb < yb + T * out * sizeof(float) && yb < xb + T * in * sizeof(float)) {
     return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {"colibri_linear_forward: y overlaps x"});
   }
   return guarded("colibri_linear_forward", [&] {
-    l.forward(n_tokens, x, static_cast<size_t>(l.in_features()), y, static_cast<size_t>(l.out_features()));
+    l.forward(n_tokens, x, in, y, out);
     return COLIBRI_OK;
   });
 }

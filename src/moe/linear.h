@@ -34,21 +34,26 @@ struct LinearOptions {
 
 class Linear {
  public:
-  // `rows` holds out_features rows of in_features elements as the format
-  // stores them (weight_row_bytes(type, in_features) bytes each, `size`
-  // bytes in all; checked); `bias` is out_features floats or null. Both
-  // are copied. `name` appears in errors. Throws colibri::Error.
+  // `rows` holds groups x out_features rows of in_features elements as the
+  // format stores them (weight_row_bytes(type, in_features) bytes each,
+  // `size` bytes in all; checked): `groups` matrices W_g one after another
+  // (DeepSeek's per-head attn_k_b / attn_v_b; 1 for a plain layer).
+  // `bias` is groups x out_features floats or null. Both are copied.
+  // `name` appears in errors. Throws colibri::Error.
   Linear(WeightType type, int32_t out_features, int32_t in_features, const void* rows, size_t size,
-         const float* bias, const LinearOptions& options, const std::string& name, std::string* warnings);
+         const float* bias, const LinearOptions& options, const std::string& name, std::string* warnings,
+         int32_t groups = 1);
 
-  // y[t][o] = sum_i x[t][i] W[o][i] + b[o] for t < n_tokens; x rows ldx
-  // floats apart (>= in_features), y rows ldy apart (>= out_features), y
-  // overwritten. Calls on one layer are serialised; different layers run
-  // one after another on their shared pool.
+  // y[t][g][o] = sum_i x[t][g][i] W_g[o][i] + b[g][o] for t < n_tokens; x
+  // rows (groups x in_features) ldx floats apart, y rows (groups x
+  // out_features) ldy apart, y overwritten. Calls on one layer are
+  // serialised; different layers run one after another on their shared pool.
   void forward(int32_t n_tokens, const float* x, size_t ldx, float* y, size_t ldy);
 
+  // One group's matrix: out_features x in_features.
   int32_t out_features() const { return shape_.d_model; }
   int32_t in_features() const { return shape_.d_ff; }
+  int32_t groups() const { return groups_; }
   WeightType type() const { return shape_.down_type; }
   size_t weight_bytes() const { return weight_bytes_; }
   int threads() const { return pool_->size(); }
@@ -57,6 +62,8 @@ class Linear {
 
  private:
   kernels::ExpertShape shape_;
+  int32_t groups_ = 1;
+  size_t group_bytes_ = 0;  // packed bytes of one group's matrix
   WeightRegion weights_;
   size_t weight_bytes_ = 0;
   std::vector<float> bias_;
