@@ -33,9 +33,10 @@ const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa) {
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   // kAmx decodes with the AVX-512 kernels; without AVX512_VNNI the AVX-512
   // level takes the AVX2-level ones, with AVX-VNNI where the CPU has it.
-  // Formats without an AVX-512 kernel take the AVX2 level's: mxfp4, whose
-  // AVX-512 port of the transposed block-32 kernel (16 blocks, scales by
-  // vpgatherdd) ran a gpt-oss-20b layer 30% slower than these on Zen 4.
+  // Every block format has an AVX-512 table; mxfp4's runs only its
+  // many-token kernel itself and hands fewer tokens to the AVX2 level's
+  // (an AVX-512 port of the transposed block-32 kernel, scales by
+  // vpgatherdd, ran a gpt-oss-20b layer 30% slower than those on Zen 4).
   if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) {
     if (const QuantDotKernels* k = quant_dot_avx512(t)) return k;
   }
