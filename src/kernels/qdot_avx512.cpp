@@ -607,14 +607,7 @@ __attribute__((always_inline)) inline void transpose16_rows(const uint8_t* p, si
     v = _mm512_mask_broadcast_i32x4(v, 0xf000, _mm_loadu_si128(at(i + 12)));
     z[i] = v;
   }
-  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]);
-  const __m512i t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]);
-  const __m512i t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  out[0] = _mm512_unpacklo_epi64(t0, t2);
-  out[1] = _mm512_unpackhi_epi64(t0, t2);
-  out[2] = _mm512_unpacklo_epi64(t1, t3);
-  out[3] = _mm512_unpackhi_epi64(t1, t3);
+  transpose4x4(z, out);
 }
 
 // transpose16_rows at a stride known at compile time (a row's blocks). Kept
@@ -640,14 +633,7 @@ inline void transpose16(const uint8_t* p, __m512i* out, size_t cnt = 16) {
     v = _mm512_mask_broadcast_i32x4(v, 0xf000, _mm_loadu_si128(at(i + 12)));
     z[i] = v;
   }
-  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]);
-  const __m512i t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]);
-  const __m512i t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  out[0] = _mm512_unpacklo_epi64(t0, t2);
-  out[1] = _mm512_unpackhi_epi64(t0, t2);
-  out[2] = _mm512_unpacklo_epi64(t1, t3);
-  out[3] = _mm512_unpackhi_epi64(t1, t3);
+  transpose4x4(z, out);
 }
 
 // Groups [g0, g0 + ng) of one token's activation row (n elements, nb
