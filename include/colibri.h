@@ -54,9 +54,13 @@ typedef enum colibri_status {
 /* Weight types. The block-quantised ones store GGUF's blocks byte for byte
  * (docs/FORMAT.md): q8_0 and q4_0 in blocks of 32 weights (8.5 and 4.5
  * bits per weight), q4_k, q5_k and q6_k in super-blocks of 256 (4.5, 5.5,
- * 6.5625 bits), and mxfp4 (OCP microscaling FP4: 32 E2M1 values with a
- * shared power-of-two scale, 4.25 bits, gpt-oss's format). A row of n weights is ceil(n / block) whole blocks, the
- * last padded with zeros (colibri_dtype_row_bytes). */
+ * 6.5625 bits), mxfp4 (OCP microscaling FP4: 32 E2M1 values with a
+ * shared power-of-two scale, 4.25 bits, gpt-oss's format), the legacy
+ * q4_1, q5_0 and q5_1 (blocks of 32: 5, 5.5 and 6 bits), iq4_nl (q4_0's
+ * layout with a non-uniform table of levels, 4.5 bits) and iq4_xs (eight
+ * iq4_nl blocks under one f16 scale with 6-bit sub-scales, 4.25 bits). A
+ * row of n weights is ceil(n / block) whole blocks, the last padded with
+ * zeros (colibri_dtype_row_bytes). */
 typedef enum colibri_dtype {
   COLIBRI_DTYPE_F32 = 0,
   COLIBRI_DTYPE_F16 = 1,
@@ -66,7 +70,12 @@ typedef enum colibri_dtype {
   COLIBRI_DTYPE_Q4_K = 5,
   COLIBRI_DTYPE_Q5_K = 6,
   COLIBRI_DTYPE_Q6_K = 7,
-  COLIBRI_DTYPE_MXFP4 = 8
+  COLIBRI_DTYPE_MXFP4 = 8,
+  COLIBRI_DTYPE_Q4_1 = 9,
+  COLIBRI_DTYPE_Q5_0 = 10,
+  COLIBRI_DTYPE_Q5_1 = 11,
+  COLIBRI_DTYPE_IQ4_NL = 12,
+  COLIBRI_DTYPE_IQ4_XS = 13
 } colibri_dtype_t;
 
 /* Kind of huge pages backing the packed weights. */

@@ -29,6 +29,11 @@ GGUF_TYPE = {
     "q5_k": Q.Q5_K,
     "q6_k": Q.Q6_K,
     "mxfp4": Q.MXFP4,
+    "q4_1": Q.Q4_1,
+    "q5_0": Q.Q5_0,
+    "q5_1": Q.Q5_1,
+    "iq4_nl": Q.IQ4_NL,
+    "iq4_xs": Q.IQ4_XS,
 }
 
 
@@ -43,7 +48,7 @@ def encode(w: np.ndarray, dtype: str, reference: bool = True) -> tuple[np.ndarra
     if t == Q.F16:
         h = w.astype(np.float16)
         return h, h.astype(np.float32)
-    if t in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4):
+    if t in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q4_1, Q.Q5_0, Q.Q5_1):
         raw = gguf.quants.quantize(w, t)
     else:
         rows = w.reshape(-1, w.shape[-1])
@@ -295,11 +300,13 @@ _ARCH = {
 # A K-format row must be a whole number of 256-value super-blocks, the others
 # of 32-value blocks; a tensor whose rows are not is stored in the fallback
 # (llama.cpp's quantiser falls back likewise, Q6_K -> Q8_0).
-_BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "q4_0": 32, "mxfp4": 32}
+_BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "q4_0": 32, "mxfp4": 32, "q4_1": 32, "q5_0": 32,
+          "q5_1": 32, "iq4_nl": 32, "iq4_xs": 256}
 
 _FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K",
-              "mxfp4": "MOSTLY_MXFP4_MOE"}
+              "mxfp4": "MOSTLY_MXFP4_MOE", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
+              "iq4_nl": "MOSTLY_IQ4_NL", "iq4_xs": "MOSTLY_IQ4_XS"}
 
 
 def _byte_level_vocab(n: int, specials=("<|endoftext|>", "<|startoftext|>")):

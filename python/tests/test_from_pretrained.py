@@ -226,6 +226,41 @@ def test_logits_and_generate_match_plain_transformers(tmp_path, name):
         assert norms and all(isinstance(model.get_submodule(n), cnn.RMSNorm) for n in norms)
 
 
+# Files whose tensors mix the legacy and iq4 formats from tensor to tensor
+# ("dynamic" quantisations): experts, attention, embedding and head each in
+# another type, every one computed as stored.
+MIXED_TYPES = {
+    "qwen3moe": dict(expert_types=("iq4_xs", "iq4_xs", "q5_1"), attn_type="q5_0", embd_type="q4_1",
+                     head_type="iq4_nl"),
+    "deepseek2": dict(expert_types=("q4_1", "q4_1", "iq4_nl"), attn_type="iq4_xs", embd_type="q5_0",
+                      head_type="q5_1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_TYPES))
+def test_mixed_legacy_and_iq4_types_match_plain_transformers(tmp_path, name):
+    path, ref = write(tmp_path, name, **MIXED_TYPES[name])
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(5))
+    plain = None
+    for exact, tol in ((False, 3e-2), (True, 1e-4)):
+        model = ct.from_pretrained(path, threads=2, exact_prefill=exact)
+        if plain is None:
+            plain = plain_model(model, ref, ref["__meta__"]["arch"])
+        import colibri.nn as cnn
+
+        kinds = {m.dtype_name for m in model.modules() if isinstance(m, cnn.Linear)}
+        want = {MIXED_TYPES[name]["attn_type"], MIXED_TYPES[name]["head_type"]}
+        assert want <= kinds, kinds
+        with torch.inference_mode():
+            got, expect = model(ids).logits, plain(ids).logits
+            err = rel_l2(got, expect) if exact else rel_l2_but_worst(got, expect)
+            assert err <= tol, (name, exact, err)
+            if exact:
+                a = model.generate(ids[:1, :6], max_new_tokens=8, do_sample=False, pad_token_id=0)
+                b = plain.generate(ids[:1, :6], max_new_tokens=8, do_sample=False, pad_token_id=0)
+                assert a.tolist() == b.tolist()
+
+
 @pytest.mark.parametrize("name", ["deepseek2", "deepseek2-v2"])
 def test_latent_attention_with_padding_and_cache(tmp_path, name, monkeypatch):
     """DeepSeek's attention (on transformers 5 the absorbed form over the

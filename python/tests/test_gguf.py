@@ -95,6 +95,11 @@ CASES = [
     # fixtures' size, whose fp32 rounding the top-k softmax weights then inherit alike.
     ("gpt-oss", "mxfp4", "mxfp4", dict(top_k=4, router_scale=1 / 6)),
     ("gpt-oss", "bf16", "bf16", dict(router_scale=1 / 6)),
+    # The legacy and iq4 formats, and "dynamic" mixes of them from block to block.
+    ("qwen3moe", "iq4_xs", "iq4_xs", dict(dense_blocks=1)),
+    ("llama", "q5_0", "q5_1", dict()),
+    ("olmoe", "iq4_nl", "q4_1", dict()),
+    ("deepseek2", "iq4_xs", "q5_0", dict(dense_blocks=1, shared_d_ff=256, block_down_dtypes=["q5_0", "iq4_xs"])),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
     ("qwen2moe", "f32", "f32", dict(shared_d_ff=128, router_dtype="bf16")),

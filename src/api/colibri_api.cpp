@@ -121,7 +121,12 @@ static_assert(COLIBRI_DTYPE_F32 == static_cast<int>(colibri::WeightType::kF32) &
               COLIBRI_DTYPE_Q5_K == static_cast<int>(colibri::WeightType::kQ5_K) &&
               COLIBRI_DTYPE_Q6_K == static_cast<int>(colibri::WeightType::kQ6_K) &&
               COLIBRI_DTYPE_MXFP4 == static_cast<int>(colibri::WeightType::kMXFP4) &&
-              colibri::kWeightTypeCount == COLIBRI_DTYPE_MXFP4 + 1);
+              COLIBRI_DTYPE_Q4_1 == static_cast<int>(colibri::WeightType::kQ4_1) &&
+              COLIBRI_DTYPE_Q5_0 == static_cast<int>(colibri::WeightType::kQ5_0) &&
+              COLIBRI_DTYPE_Q5_1 == static_cast<int>(colibri::WeightType::kQ5_1) &&
+              COLIBRI_DTYPE_IQ4_NL == static_cast<int>(colibri::WeightType::kIQ4_NL) &&
+              COLIBRI_DTYPE_IQ4_XS == static_cast<int>(colibri::WeightType::kIQ4_XS) &&
+              colibri::kWeightTypeCount == COLIBRI_DTYPE_IQ4_XS + 1);
 static_assert(COLIBRI_ROUTER_GPT_OSS == colibri::kLastRouterFamily &&
               COLIBRI_ROUTER_DEEPSEEK_V3 == static_cast<int>(colibri::RouterFamily::kDeepseekV3) &&
               COLIBRI_ROUTER_MIXTRAL == static_cast<int>(colibri::RouterFamily::kMixtral) &&
@@ -186,6 +191,11 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
     case COLIBRI_DTYPE_Q5_K: return "q5_k";
     case COLIBRI_DTYPE_Q6_K: return "q6_k";
     case COLIBRI_DTYPE_MXFP4: return "mxfp4";
+    case COLIBRI_DTYPE_Q4_1: return "q4_1";
+    case COLIBRI_DTYPE_Q5_0: return "q5_0";
+    case COLIBRI_DTYPE_Q5_1: return "q5_1";
+    case COLIBRI_DTYPE_IQ4_NL: return "iq4_nl";
+    case COLIBRI_DTYPE_IQ4_XS: return "iq4_xs";
   }
   return "unknown";
 }
@@ -196,7 +206,7 @@ const char* colibri_cpu_isa(void) { return colibri::kernels::isa_name(colibri::k
 
 namespace {
 
-bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_MXFP4; }
+bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_IQ4_XS; }
 
 // Checks a conversion's arguments; the byte count of its rows.
 size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) {

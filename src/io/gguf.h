@@ -46,10 +46,15 @@ namespace ggml_type {
 inline constexpr uint32_t kF32 = 0;
 inline constexpr uint32_t kF16 = 1;
 inline constexpr uint32_t kQ4_0 = 2;
+inline constexpr uint32_t kQ4_1 = 3;
+inline constexpr uint32_t kQ5_0 = 6;
+inline constexpr uint32_t kQ5_1 = 7;
 inline constexpr uint32_t kQ8_0 = 8;
 inline constexpr uint32_t kQ4_K = 12;
 inline constexpr uint32_t kQ5_K = 13;
 inline constexpr uint32_t kQ6_K = 14;
+inline constexpr uint32_t kIQ4_NL = 20;
+inline constexpr uint32_t kIQ4_XS = 23;
 inline constexpr uint32_t kBF16 = 30;
 inline constexpr uint32_t kMXFP4 = 39;
 }  // namespace ggml_type

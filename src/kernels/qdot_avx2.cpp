@@ -39,6 +39,11 @@ struct MaddubsDot {
 const QuantDotKernels kQ8_0 = {"q8_0-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kQ8_0>};
 const QuantDotKernels kQ4_0 = {"q4_0-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kQ4_0>};
 const QuantDotKernels kMxfp4 = {"mxfp4-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kMxfp4>};
+const QuantDotKernels kQ4_1 = {"q4_1-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kQ4_1>};
+const QuantDotKernels kQ5_0 = {"q5_0-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kQ5_0>};
+const QuantDotKernels kQ5_1 = {"q5_1-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kQ5_1>};
+const QuantDotKernels kIq4Nl = {"iq4_nl-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kIq4Nl>};
+const QuantDotKernels kIq4Xs = {"iq4_xs-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kIq4Xs>};
 const QuantDotKernels kQ4_K = {"q4_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ6K>};
@@ -59,6 +64,16 @@ const QuantDotKernels* quant_dot_avx2(WeightType t) {
       return &kQ6_K;
     case WeightType::kMXFP4:
       return &kMxfp4;
+    case WeightType::kQ4_1:
+      return &kQ4_1;
+    case WeightType::kQ5_0:
+      return &kQ5_0;
+    case WeightType::kQ5_1:
+      return &kQ5_1;
+    case WeightType::kIQ4_NL:
+      return &kIq4Nl;
+    case WeightType::kIQ4_XS:
+      return &kIq4Xs;
     default:
       return nullptr;
   }

@@ -497,15 +497,17 @@ void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, 
 // ---------------------------------------------------------------- q8_0 / q4_0
 
 // One token's activations for 8 blocks, transposed: dword j of a[k] holds
-// qs[4k .. 4k+3] of block j; d and off (-offset * sum) lane j likewise.
+// qs[4k .. 4k+3] of block j; d, off (-offset * sum) and ds (d * sum, for
+// the formats with a min) lane j likewise.
 struct Group8 {
   __m256i a[8];
   __m256 d;
   __m256i off;
+  __m256 ds;
 };
-static_assert(sizeof(Group8) == 320);
+static_assert(sizeof(Group8) == 352);
 
-constexpr size_t kGroupBuffer = 144;  // 46 KB
+constexpr size_t kGroupBuffer = 144;  // 50 KB
 
 // Loads 16 bytes at p + min(j, last) * kStride for j < 8 and transposes
 // them: dword j of out[k] is dword k of row min(j, last). A row's last
@@ -552,33 +554,157 @@ void prepare_groups(const uint8_t* act, size_t n, size_t g0, size_t ng, Group8* 
     transpose8<kQK32>(qs, G.a);
     transpose8<kQK32>(qs + 16, G.a + 4);
     G.d = _mm256_load_ps(d);
+    const __m256i s16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums));
     // -offset * (the two 16-element sums of each block).
-    G.off = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(sums)),
-                              _mm256_set1_epi16(static_cast<int16_t>(-kOffset)));
+    G.off = _mm256_madd_epi16(s16, _mm256_set1_epi16(static_cast<int16_t>(-kOffset)));
+    G.ds = _mm256_mul_ps(G.d, _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1))));
   }
 }
 
-// The formats with blocks of 32 and one scale per block.
-enum class Block32 { kQ8_0, kQ4_0, kMxfp4 };
+// The formats with blocks of 32 and one scale per block (iq4_xs: its
+// super-block's eight sub-blocks of 32, each with its own scale, are one
+// group of eight blocks here).
+enum class Block32 { kQ8_0, kQ4_0, kMxfp4, kQ4_1, kQ5_0, kQ5_1, kIq4Nl, kIq4Xs };
+
+// Where a format keeps what the kernels read: the stride from one block's
+// codes to the next's, the bytes of a group of 8 blocks, the codes' offset
+// in a block (in a group for iq4_xs), and q5_0 / q5_1's high bits.
+struct Block32Layout {
+  WeightType type;
+  size_t stride;
+  size_t group_bytes;
+  size_t qs;
+  size_t qh;          // 0: no fifth bit
+  bool min;           // x = d * q + m, m an f16 at byte 2
+  bool iq4;           // codes index kIq4nlValues
+};
+
+template <Block32 B>
+constexpr Block32Layout block32_layout() {
+  switch (B) {
+    case Block32::kQ8_0:
+      return {WeightType::kQ8_0, sizeof(BlockQ8_0), 8 * sizeof(BlockQ8_0), 2, 0, false, false};
+    case Block32::kQ4_0:
+      return {WeightType::kQ4_0, sizeof(BlockQ4_0), 8 * sizeof(BlockQ4_0), 2, 0, false, false};
+    case Block32::kMxfp4:
+      return {WeightType::kMXFP4, sizeof(BlockMxfp4), 8 * sizeof(BlockMxfp4), 1, 0, false, false};
+    case Block32::kQ4_1:
+      return {WeightType::kQ4_1, sizeof(BlockQ4_1), 8 * sizeof(BlockQ4_1), 4, 0, true, false};
+    case Block32::kQ5_0:
+      return {WeightType::kQ5_0, sizeof(BlockQ5_0), 8 * sizeof(BlockQ5_0), 6, 2, false, false};
+    case Block32::kQ5_1:
+      return {WeightType::kQ5_1, sizeof(BlockQ5_1), 8 * sizeof(BlockQ5_1), 8, 4, true, false};
+    case Block32::kIq4Nl:
+      return {WeightType::kIQ4_NL, sizeof(BlockIq4Nl), 8 * sizeof(BlockIq4Nl), 2, 0, false, true};
+    case Block32::kIq4Xs:
+      return {WeightType::kIQ4_XS, kQK32 / 2, sizeof(BlockIq4Xs), 8, 0, false, true};
+  }
+  return {};
+}
 
 template <Block32 B>
 constexpr size_t block32_bytes() {
-  return B == Block32::kQ8_0 ? sizeof(BlockQ8_0) : B == Block32::kQ4_0 ? sizeof(BlockQ4_0) : sizeof(BlockMxfp4);
+  return block32_layout<B>().stride;
 }
 
-// The 4-bit formats' nibbles as unsigned codes: q4_0's as they are (offset
-// 8); mxfp4's through a byte table, its signed values biased by 12 (codes
-// 0..24, offset 12).
-template <Block32 B>
+// The unsigned codes the products take and the offset they carry (its
+// multiple of the activation sums starts each dot): q8_0 as its trait
+// needs (below), q4_0's nibbles (offset 8), q4_1 / q5_1's (0: their
+// offset is the float min), q5_0's five bits (16), mxfp4's values biased
+// by 12 through a byte table (codes 0..24), iq4's levels biased by 128
+// (codes 1..241) where the products go straight into int32, and signed
+// (offset 0, the sign trick) where they pass through int16.
+template <class Dot, Block32 B>
+constexpr int block32_offset() {
+  switch (B) {
+    case Block32::kQ8_0:
+      return Dot::kSaturatesInt16 ? 0 : 128;
+    case Block32::kQ4_0:
+      return 8;
+    case Block32::kMxfp4:
+      return 12;
+    case Block32::kQ5_0:
+      return 16;
+    case Block32::kIq4Nl:
+    case Block32::kIq4Xs:
+      return Dot::kSaturatesInt16 ? 0 : 128;
+    default:
+      return 0;
+  }
+}
+
+template <class Dot, Block32 B>
+constexpr int block32_max_code() {
+  constexpr Block32Layout L = block32_layout<B>();
+  if constexpr (B == Block32::kMxfp4) return 24;
+  if constexpr (L.iq4) return Dot::kSaturatesInt16 ? 127 : 241;
+  return L.qh != 0 ? 31 : 15;
+}
+
+// The nibbles as codes: through a byte table for mxfp4 and the iq4
+// formats (signed levels where the trait saturates), as they are otherwise.
+template <class Dot, Block32 B>
 inline __m256i nibble_codes(__m256i nibbles) {
   if constexpr (B == Block32::kMxfp4) {
     const __m256i biased =
         _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24,
                          12, 11, 10, 9, 8, 6, 4, 0);
     return _mm256_shuffle_epi8(biased, nibbles);
+  } else if constexpr (block32_layout<B>().iq4) {
+    if constexpr (Dot::kSaturatesInt16) {
+      const __m256i levels = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                                              113, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                                              89, 113);
+      return _mm256_shuffle_epi8(levels, nibbles);
+    } else {
+      // The levels + 128 as unsigned bytes.
+      const __m256i biased = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59,
+                                              -39, -15, 1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75,
+                                              -59, -39, -15);
+      return _mm256_shuffle_epi8(biased, nibbles);
+    }
   } else {
     return nibbles;
   }
+}
+
+// q5_0 / q5_1: the fifth bits (as 0x10) of the codes in the transposed
+// nibble vector i (elements 4i .. 4i + 3 of each block, or 16 + those when
+// `high`), from qh (dword j: block j's 32 bits): each dword's byte
+// (4i + 16 * high) / 8 spread over its four bytes, bit 4 (i % 2) + k of byte k tested.
+template <int I, bool kHigh>
+inline __m256i q5_fifth_bits(__m256i qh) {
+  constexpr char c = static_cast<char>(I / 2 + (kHigh ? 2 : 0));
+  const __m256i spread = _mm256_setr_epi8(c, c, c, c, c + 4, c + 4, c + 4, c + 4, c + 8, c + 8, c + 8, c + 8, c + 12,
+                                          c + 12, c + 12, c + 12, c, c, c, c, c + 4, c + 4, c + 4, c + 4, c + 8, c + 8,
+                                          c + 8, c + 8, c + 12, c + 12, c + 12, c + 12);
+  constexpr int b = 4 * (I % 2);
+  const __m256i bit = _mm256_set1_epi32(static_cast<int>((1u << b) | (2u << b << 8) | (4u << b << 16) |
+                                                         (8u << b << 24)));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// The 32-bit words at blk + min(j, last) * kStride + kAt, lane j.
+template <size_t kStride, size_t kAt>
+inline __m256i gather_words(const uint8_t* blk, size_t last) {
+  alignas(32) uint32_t w[8];
+  for (size_t j = 0; j < 8; ++j) std::memcpy(&w[j], blk + min_size(j, last) * kStride + kAt, 4);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(w));
+}
+
+// The f16 values at blk + min(j, last) * kStride + kAt, lane j, as floats.
+template <size_t kStride, size_t kAt>
+inline __m256 gather_f16(const uint8_t* blk, size_t last) {
+  uint64_t lo = 0, hi = 0;
+  for (size_t j = 0; j < 4; ++j) {
+    uint16_t a, b;
+    std::memcpy(&a, blk + min_size(j, last) * kStride + kAt, 2);
+    std::memcpy(&b, blk + min_size(j + 4, last) * kStride + kAt, 2);
+    lo |= static_cast<uint64_t>(a) << (16 * j);
+    hi |= static_cast<uint64_t>(b) << (16 * j);
+  }
+  return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo)));
 }
 
 // The scales of blocks min(j, last) at blk (stride kBytes), lane j.
@@ -596,17 +722,24 @@ inline __m256 block_scales_of(const uint8_t* blk, size_t last) {
     const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
     const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small));
+  } else if constexpr (B == Block32::kIq4Xs) {
+    // One super-block: d * (ls_j - 32), ls_j from scales_l's nibble j % 2
+    // of byte j / 2 and scales_h's bits 2j, 2j + 1.
+    (void)last;
+    const auto* sb = reinterpret_cast<const BlockIq4Xs*>(blk);
+    uint32_t low;
+    std::memcpy(&low, sb->scales_l, 4);
+    const __m256i nib = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(low)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+        _mm256_set1_epi32(0xf));
+    const __m256i top = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(sb->scales_h),
+                                                           _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                         _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(nib, _mm256_slli_epi32(top, 4)), _mm256_set1_epi32(32));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(ls), _mm256_set1_ps(h2f(sb->d)));
   } else {
-    // The 8 f16 scales likewise.
-    uint64_t lo = 0, hi = 0;
-    for (size_t j = 0; j < 4; ++j) {
-      uint16_t a, b;
-      std::memcpy(&a, blk + min_size(j, last) * kB, 2);
-      std::memcpy(&b, blk + min_size(j + 4, last) * kB, 2);
-      lo |= static_cast<uint64_t>(a) << (16 * j);
-      hi |= static_cast<uint64_t>(b) << (16 * j);
-    }
-    return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo)));
+    // The 8 f16 scales likewise (every other format's d is its first field).
+    return gather_f16<kB, 0>(blk, last);
   }
 }
 
@@ -621,11 +754,12 @@ inline __m256 block_scales(const uint8_t* blk, size_t cnt) {
   return _mm256_and_ps(s, _mm256_castsi256_ps(live));
 }
 
-// The cnt (1 .. 8) blocks of a q8_0 / q4_0 / mxfp4 row at blk against NT
-// tokens' groups (whose activations past cnt are zero).
+// The cnt (1 .. 8) blocks of a row at blk against NT tokens' groups (whose
+// activations past cnt are zero).
 template <class Dot, Block32 B, int NT>
 inline void group32(const uint8_t* blk, size_t cnt, const Group8* G, __m256* facc) {
   constexpr size_t kBytes = block32_bytes<B>();
+  constexpr Block32Layout kLayout = block32_layout<B>();
   __m256i acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = G[t].off;
   if constexpr (B == Block32::kQ8_0) {
@@ -647,36 +781,67 @@ inline void group32(const uint8_t* blk, size_t cnt, const Group8* G, __m256* fac
       }
     }
   } else {
-    // q4_0's scale is 2 bytes before the nibbles, mxfp4's exponent 1.
-    constexpr size_t kScaleBytes = B == Block32::kQ4_0 ? 2 : 1;
-    constexpr int kMaxCode = B == Block32::kQ4_0 ? 15 : 24;
+    constexpr int kMaxCode = block32_max_code<Dot, B>();
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256i tv[4], u[8];
-    transpose8<kBytes>(blk + kScaleBytes, tv, cnt - 1);
+    transpose8<kBytes>(blk + kLayout.qs, tv, cnt - 1);
     // Dword j of a[i] (block j's quants 4i .. 4i + 3) meets the low
     // nibbles, of a[i + 4] the high ones.
     for (int i = 0; i < 4; ++i) {
-      u[i] = nibble_codes<B>(_mm256_and_si256(tv[i], m4));
-      u[i + 4] = nibble_codes<B>(_mm256_and_si256(_mm256_srli_epi16(tv[i], 4), m4));
+      u[i] = _mm256_and_si256(tv[i], m4);
+      u[i + 4] = _mm256_and_si256(_mm256_srli_epi16(tv[i], 4), m4);
     }
-    for (int t = 0; t < NT; ++t) acc[t] = Dot::template dot<8, kMaxCode>(acc[t], u, G[t].a);
+    if constexpr (kLayout.qh != 0) {
+      const __m256i qh = gather_words<kBytes, kLayout.qh>(blk, cnt - 1);
+      u[0] = _mm256_or_si256(u[0], q5_fifth_bits<0, false>(qh));
+      u[1] = _mm256_or_si256(u[1], q5_fifth_bits<1, false>(qh));
+      u[2] = _mm256_or_si256(u[2], q5_fifth_bits<2, false>(qh));
+      u[3] = _mm256_or_si256(u[3], q5_fifth_bits<3, false>(qh));
+      u[4] = _mm256_or_si256(u[4], q5_fifth_bits<0, true>(qh));
+      u[5] = _mm256_or_si256(u[5], q5_fifth_bits<1, true>(qh));
+      u[6] = _mm256_or_si256(u[6], q5_fifth_bits<2, true>(qh));
+      u[7] = _mm256_or_si256(u[7], q5_fifth_bits<3, true>(qh));
+    }
+    for (int i = 0; i < 8; ++i) u[i] = nibble_codes<Dot, B>(u[i]);
+    if constexpr (kLayout.iq4 && Dot::kSaturatesInt16) {
+      // Signed levels: |w| times the activations carrying w's sign.
+      __m256i w[8];
+      for (int i = 0; i < 8; ++i) w[i] = _mm256_abs_epi8(u[i]);
+      for (int t = 0; t < NT; ++t) {
+        __m256i a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_sign_epi8(G[t].a[i], u[i]);
+        acc[t] = Dot::template dot<8, kMaxCode>(acc[t], w, a);
+      }
+    } else {
+      for (int t = 0; t < NT; ++t) acc[t] = Dot::template dot<8, kMaxCode>(acc[t], u, G[t].a);
+    }
   }
   const __m256 dw = block_scales<B>(blk, cnt);
   for (int t = 0; t < NT; ++t) {
     facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_mul_ps(dw, G[t].d), facc[t]);
   }
+  if constexpr (kLayout.min) {
+    // + m * d_a * (sum a) per block, lanes past cnt zeroed as the scales are.
+    __m256 mw = gather_f16<kBytes, 2>(blk, cnt - 1);
+    if (cnt < 8) {
+      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cnt)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      mw = _mm256_and_ps(mw, _mm256_castsi256_ps(live));
+    }
+    for (int t = 0; t < NT; ++t) facc[t] = _mm256_fmadd_ps(mw, G[t].ds, facc[t]);
+  }
 }
 
 template <class Dot, Block32 B, int NT>
 void q32_row(const uint8_t* row, size_t g0, size_t ng, size_t nb, const Group8* groups, float* res) {
-  constexpr size_t kBytes = block32_bytes<B>();
+  constexpr size_t kGroupBytes = block32_layout<B>().group_bytes;
   __m256 facc[NT];
   for (int t = 0; t < NT; ++t) facc[t] = _mm256_setzero_ps();
   for (size_t g = 0; g < ng; ++g) {
     const size_t b0 = (g0 + g) * 8;
-    const uint8_t* blk = row + b0 * kBytes;
+    const uint8_t* blk = row + (g0 + g) * kGroupBytes;
     if (b0 + 8 <= nb) {
-      prefetch_block<8 * kBytes>(blk);
+      prefetch_block<kGroupBytes>(blk);
       group32<Dot, B, NT>(blk, 8, groups + g * NT, facc);
     } else {
       // The row's last partial group in place (gpt-oss's 2880 elements end
@@ -698,11 +863,8 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
   const size_t nb = n / kQK32;
   if (nb == 0) return zero_out(rows, tokens, out, ld_out);
   const size_t ng_total = (nb + 7) / 8;
-  // q8_0's codes are signed: 0 with the sign trick, 128 biased.
-  constexpr int kOffset =
-      B == Block32::kQ8_0 ? (Dot::kSaturatesInt16 ? 0 : 128) : B == Block32::kQ4_0 ? 8 : 12;
-  constexpr WeightType kType =
-      B == Block32::kQ8_0 ? WeightType::kQ8_0 : B == Block32::kQ4_0 ? WeightType::kQ4_0 : WeightType::kMXFP4;
+  constexpr int kOffset = block32_offset<Dot, B>();
+  constexpr WeightType kType = block32_layout<B>().type;
   Group8 buf[kGroupBuffer];
   constexpr int kTokens = Dot::max_tokens(kType);
   static_assert(kTokens >= 1 && kTokens <= kMaxTokens);

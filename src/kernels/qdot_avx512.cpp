@@ -1204,7 +1204,7 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
     case WeightType::kMXFP4:
       return &kMxfp4;
     default:
-      return nullptr;
+      return quant_dot_avx512_ymm(t);
   }
 }
 

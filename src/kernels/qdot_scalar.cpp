@@ -87,6 +87,12 @@ void quantize_act(const float* x, size_t n_valid, size_t n, void* out) {
 
 // One weight row against one token's activation row.
 
+// Element j's five-bit code of a q5_0 / q5_1 block (bit j of qh, little-endian, is its high bit).
+int q5_code(const uint8_t* qs, const uint8_t* qh, int j) {
+  const int nibble = j < kQK32 / 2 ? qs[j] & 15 : qs[j - kQK32 / 2] >> 4;
+  return nibble | (((qh[j / 8] >> (j % 8)) & 1) << 4);
+}
+
 float dot_q8_0(const void* row, const void* act, size_t n) {
   const auto* w = static_cast<const BlockQ8_0*>(row);
   const ActRow a = act_row(act, n);
@@ -129,6 +135,82 @@ float dot_mxfp4(const void* row, const void* act, size_t n) {
       isum += kMxfp4Values[w[b].qs[i] & 15] * q[i] + kMxfp4Values[w[b].qs[i] >> 4] * q[i + 16];
     }
     acc += mxfp4_scale(w[b].e) * act_d(a, b) * static_cast<float>(isum);
+  }
+  return acc;
+}
+
+// q4_1 / q5_1: x = d * q + m, so a block's product is
+// da * (d * (q . a) + m * (sum a)).
+template <class Block>
+float dot_min_32(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const Block*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQK32; ++b) {
+    const int8_t* q = a.qs + kQK32 * b;
+    int32_t isum = 0;
+    for (int i = 0; i < kQK32; ++i) {
+      int code;
+      if constexpr (sizeof(Block) == sizeof(BlockQ4_1)) {
+        code = i < 16 ? (w[b].qs[i] & 15) : (w[b].qs[i - 16] >> 4);
+      } else {
+        code = q5_code(w[b].qs, w[b].qh, i);
+      }
+      isum += code * q[i];
+    }
+    const int32_t asum = act_sum16(a, 2 * b) + act_sum16(a, 2 * b + 1);
+    acc += act_d(a, b) * (f16_to_float(w[b].d) * static_cast<float>(isum) +
+                          f16_to_float(w[b].m) * static_cast<float>(asum));
+  }
+  return acc;
+}
+
+float dot_q5_0(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockQ5_0*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQK32; ++b) {
+    const int8_t* q = a.qs + kQK32 * b;
+    int32_t isum = 0;
+    for (int i = 0; i < kQK32; ++i) isum += (q5_code(w[b].qs, w[b].qh, i) - 16) * q[i];
+    acc += f16_to_float(w[b].d) * act_d(a, b) * static_cast<float>(isum);
+  }
+  return acc;
+}
+
+// 32 IQ4_NL codes (16 bytes: low nibbles elements 0-15, high 16-31) against
+// one activation block: the exact integer product of the table's levels.
+int32_t iq4_block_dot(const uint8_t* qs, const int8_t* q) {
+  int32_t isum = 0;
+  for (int i = 0; i < 16; ++i) {
+    isum += kIq4nlValues[qs[i] & 15] * q[i] + kIq4nlValues[qs[i] >> 4] * q[i + 16];
+  }
+  return isum;
+}
+
+float dot_iq4_nl(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockIq4Nl*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQK32; ++b) {
+    acc += f16_to_float(w[b].d) * act_d(a, b) * static_cast<float>(iq4_block_dot(w[b].qs, a.qs + kQK32 * b));
+  }
+  return acc;
+}
+
+// IQ4_XS: sub-block j of super-block b is activation block 8b + j, with
+// the weight scale d * (ls_j - 32).
+float dot_iq4_xs(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockIq4Xs*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    const float d = f16_to_float(w[b].d);
+    for (int j = 0; j < kQKK / 32; ++j) {
+      const size_t ab = 8 * b + static_cast<size_t>(j);
+      const float dl = d * static_cast<float>(iq4_xs_scale(&w[b], j) - 32);
+      acc += dl * act_d(a, ab) * static_cast<float>(iq4_block_dot(w[b].qs + 16 * j, a.qs + kActBlock * ab));
+    }
   }
   return acc;
 }
@@ -250,6 +332,11 @@ constexpr QuantDotKernels kQ4_K = {"q4_k-scalar", quantize_act, dot_rows<dot_qk4
 constexpr QuantDotKernels kQ5_K = {"q5_k-scalar", quantize_act, dot_rows<dot_qk45<true>>};
 constexpr QuantDotKernels kQ6_K = {"q6_k-scalar", quantize_act, dot_rows<dot_q6_k>};
 constexpr QuantDotKernels kMxfp4 = {"mxfp4-scalar", quantize_act, dot_rows<dot_mxfp4>};
+constexpr QuantDotKernels kQ4_1 = {"q4_1-scalar", quantize_act, dot_rows<dot_min_32<BlockQ4_1>>};
+constexpr QuantDotKernels kQ5_0 = {"q5_0-scalar", quantize_act, dot_rows<dot_q5_0>};
+constexpr QuantDotKernels kQ5_1 = {"q5_1-scalar", quantize_act, dot_rows<dot_min_32<BlockQ5_1>>};
+constexpr QuantDotKernels kIq4Nl = {"iq4_nl-scalar", quantize_act, dot_rows<dot_iq4_nl>};
+constexpr QuantDotKernels kIq4Xs = {"iq4_xs-scalar", quantize_act, dot_rows<dot_iq4_xs>};
 
 }  // namespace
 
@@ -267,6 +354,16 @@ const QuantDotKernels* quant_dot_scalar(WeightType t) {
       return &kQ6_K;
     case WeightType::kMXFP4:
       return &kMxfp4;
+    case WeightType::kQ4_1:
+      return &kQ4_1;
+    case WeightType::kQ5_0:
+      return &kQ5_0;
+    case WeightType::kQ5_1:
+      return &kQ5_1;
+    case WeightType::kIQ4_NL:
+      return &kIq4Nl;
+    case WeightType::kIQ4_XS:
+      return &kIq4Xs;
     default:
       return nullptr;
   }

@@ -15,6 +15,11 @@ bool is_quantized(WeightType t) {
     case WeightType::kQ5_K:
     case WeightType::kQ6_K:
     case WeightType::kMXFP4:
+    case WeightType::kQ4_1:
+    case WeightType::kQ5_0:
+    case WeightType::kQ5_1:
+    case WeightType::kIQ4_NL:
+    case WeightType::kIQ4_XS:
       return true;
     default:
       return false;

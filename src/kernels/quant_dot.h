@@ -85,6 +85,10 @@ const QuantDotKernels* quant_dot_avx2(WeightType t);
 const QuantDotKernels* quant_dot_avx_vnni(WeightType t);
 // Needs AVX512_VNNI (cpu_has_avx512_vnni()).
 const QuantDotKernels* quant_dot_avx512(WeightType t);
+// qdot_avx512vl.cpp: the AVX2-level kernels with EVEX vpdpbusd on ymm, for
+// the formats qdot_avx512.cpp has no kernels of its own for (it hands them
+// these); needs AVX512_VNNI.
+const QuantDotKernels* quant_dot_avx512_ymm(WeightType t);
 #endif
 
 }  // namespace colibri::kernels

@@ -18,7 +18,10 @@ constexpr uint32_t type_bit(WeightType t) { return 1u << static_cast<unsigned>(t
 constexpr uint32_t kFloatTypes = type_bit(WeightType::kF32) | type_bit(WeightType::kF16) | type_bit(WeightType::kBF16);
 constexpr uint32_t kBlockTypes = type_bit(WeightType::kQ8_0) | type_bit(WeightType::kQ4_0) |
                                  type_bit(WeightType::kQ4_K) | type_bit(WeightType::kQ5_K) |
-                                 type_bit(WeightType::kQ6_K) | type_bit(WeightType::kMXFP4);
+                                 type_bit(WeightType::kQ6_K) | type_bit(WeightType::kMXFP4) |
+                                 type_bit(WeightType::kQ4_1) | type_bit(WeightType::kQ5_0) |
+                                 type_bit(WeightType::kQ5_1) | type_bit(WeightType::kIQ4_NL) |
+                                 type_bit(WeightType::kIQ4_XS);
 
 constexpr uint8_t precision_bit(PrefillPrecision p) { return static_cast<uint8_t>(1u << static_cast<unsigned>(p)); }
 constexpr uint8_t kDefaultPrecision = precision_bit(PrefillPrecision::kDefault);

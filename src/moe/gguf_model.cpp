@@ -49,6 +49,21 @@ bool weight_type_of(uint32_t ggml, WeightType* out) {
     case ggml_type::kMXFP4:
       *out = WeightType::kMXFP4;
       return true;
+    case ggml_type::kQ4_1:
+      *out = WeightType::kQ4_1;
+      return true;
+    case ggml_type::kQ5_0:
+      *out = WeightType::kQ5_0;
+      return true;
+    case ggml_type::kQ5_1:
+      *out = WeightType::kQ5_1;
+      return true;
+    case ggml_type::kIQ4_NL:
+      *out = WeightType::kIQ4_NL;
+      return true;
+    case ggml_type::kIQ4_XS:
+      *out = WeightType::kIQ4_XS;
+      return true;
     default:
       return false;
   }
@@ -300,7 +315,8 @@ class Loader {
     if (!weight_type_of(e.tensor->type, &t)) {
       bad_tensor(*e.file, e.tensor->name,
                  "is " + ggml_type_name(e.tensor->type) +
-                     ", a type Colibri does not compute (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4)",
+                     ", a type Colibri does not compute (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, "
+                     "MXFP4, IQ4_NL, IQ4_XS)",
                  Status::kUnsupported);
     }
     return t;

@@ -1,6 +1,8 @@
 // Byte layouts of the block-quantised weight formats, exactly as GGUF
-// stores them (ggml's block_q8_0, block_q4_0, block_q4_K, block_q5_K,
-// block_q6_K, block_mxfp4), so model files, GGUF tensors and memory hold the same bytes.
+// stores them (ggml's block_q8_0, block_q4_0, block_q4_1, block_q5_0,
+// block_q5_1, block_q4_K, block_q5_K, block_q6_K, block_mxfp4,
+// block_iq4_nl, block_iq4_xs), so model files, GGUF tensors and memory
+// hold the same bytes.
 // docs/FORMAT.md describes every field; weight_format.h owns the sizes.
 #pragma once
 
@@ -20,6 +22,27 @@ struct BlockQ8_0 {
 // x[i] = d * ((qs[i] & 15) - 8), x[i + 16] = d * ((qs[i] >> 4) - 8), i < 16
 struct BlockQ4_0 {
   uint16_t d;  // f16
+  uint8_t qs[kQK32 / 2];
+};
+// x[i] = d * (qs[i] & 15) + m, x[i + 16] = d * (qs[i] >> 4) + m, i < 16
+struct BlockQ4_1 {
+  uint16_t d;  // f16
+  uint16_t m;  // f16
+  uint8_t qs[kQK32 / 2];
+};
+// As q4_0 with a fifth bit per weight: bit i of qh (little-endian) is the
+// high bit of element i, so q = nibble + 16 * bit (0..31) and
+// x = d * (q - 16).
+struct BlockQ5_0 {
+  uint16_t d;  // f16
+  uint8_t qh[4];
+  uint8_t qs[kQK32 / 2];
+};
+// q5_0's codes with q4_1's offset: x = d * q + m.
+struct BlockQ5_1 {
+  uint16_t d;  // f16
+  uint16_t m;  // f16
+  uint8_t qh[4];
   uint8_t qs[kQK32 / 2];
 };
 // 8 sub-blocks of 32; sub-block j has a 6-bit scale sc_j and min m_j packed
@@ -61,9 +84,34 @@ struct BlockMxfp4 {
 };
 inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+// IQ4_NL: q4_0's layout with the nibbles indexing a non-uniform table of
+// signed levels: x[i] = d * kIq4nlValues[qs[i] & 15],
+// x[i + 16] = d * kIq4nlValues[qs[i] >> 4].
+struct BlockIq4Nl {
+  uint16_t d;  // f16
+  uint8_t qs[kQK32 / 2];
+};
+inline constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                            1,    13,   25,  38,  53,  69,  89,  113};
+// IQ4_XS: 8 IQ4_NL sub-blocks of 32 sharing one f16 d, each with a 6-bit
+// scale ls_j (low 4 bits in nibble j % 2 of scales_l[j / 2], high 2 bits
+// at bit 2j of scales_h): sub-block j is an IQ4_NL block with scale
+// d * (ls_j - 32) and codes qs[16j .. 16j + 15].
+struct BlockIq4Xs {
+  uint16_t d;  // f16
+  uint16_t scales_h;
+  uint8_t scales_l[kQKK / 64];
+  uint8_t qs[kQKK / 2];
+};
+
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockMxfp4) == 17);
 static_assert(sizeof(BlockQ4_0) == 18);
+static_assert(sizeof(BlockQ4_1) == 20);
+static_assert(sizeof(BlockQ5_0) == 22);
+static_assert(sizeof(BlockQ5_1) == 24);
+static_assert(sizeof(BlockIq4Nl) == 18);
+static_assert(sizeof(BlockIq4Xs) == 136);
 static_assert(sizeof(BlockQ4K) == 144);
 static_assert(sizeof(BlockQ5K) == 176);
 static_assert(sizeof(BlockQ6K) == 210);

@@ -316,6 +316,22 @@ void quantize_k_scales(const float* x, int nmax, float rmin, float rdelta, int n
   pack_scales_mins(ls, lm, scales_out);
 }
 
+// The signed value of largest magnitude of a 32-element block, the first
+// if tied (q4_0, q5_0). Starting from src[0] rather than ggml's 0.0f is
+// gguf's argmax: the two differ only in the sign of a zero scale when
+// src[0] is -0.0 and the block is all zeros.
+float signed_extreme(const float* src) {
+  float max = src[0];
+  float amax = std::fabs(src[0]);
+  for (int j = 1; j < kQK32; ++j) {
+    if (std::fabs(src[j]) > amax) {
+      amax = std::fabs(src[j]);
+      max = src[j];
+    }
+  }
+  return max;
+}
+
 }  // namespace
 
 void dequantize_q8_0(const void* src, float* dst, size_t n) {
@@ -398,6 +414,83 @@ void dequantize_mxfp4(const void* src, float* dst, size_t n) {
   }
 }
 
+void dequantize_q4_1(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ4_1*>(src);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, dst += kQK32) {
+    const float d = f16_to_float(b->d);
+    const float m = f16_to_float(b->m);
+    for (int j = 0; j < kQK32 / 2; ++j) {
+      const float lo = d * static_cast<float>(b->qs[j] & 0xf);
+      const float hi = d * static_cast<float>(b->qs[j] >> 4);
+      dst[j] = lo + m;
+      dst[j + kQK32 / 2] = hi + m;
+    }
+  }
+}
+
+namespace {
+
+// Element j's five-bit code of a q5_0 / q5_1 block.
+int q5_code(const uint8_t* qs, const uint8_t* qh, int j) {
+  uint32_t h;
+  std::memcpy(&h, qh, sizeof h);
+  const int nibble = j < kQK32 / 2 ? qs[j] & 0xf : qs[j - kQK32 / 2] >> 4;
+  return nibble | static_cast<int>(((h >> j) & 1u) << 4);
+}
+
+}  // namespace
+
+void dequantize_q5_0(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ5_0*>(src);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, dst += kQK32) {
+    const float d = f16_to_float(b->d);
+    for (int j = 0; j < kQK32; ++j) dst[j] = d * static_cast<float>(q5_code(b->qs, b->qh, j) - 16);
+  }
+}
+
+void dequantize_q5_1(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ5_1*>(src);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, dst += kQK32) {
+    const float d = f16_to_float(b->d);
+    const float m = f16_to_float(b->m);
+    for (int j = 0; j < kQK32; ++j) {
+      const float scaled = d * static_cast<float>(q5_code(b->qs, b->qh, j));
+      dst[j] = scaled + m;
+    }
+  }
+}
+
+void dequantize_iq4_nl(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockIq4Nl*>(src);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, dst += kQK32) {
+    const float d = f16_to_float(b->d);
+    for (int j = 0; j < kQK32 / 2; ++j) {
+      dst[j] = d * static_cast<float>(kIq4nlValues[b->qs[j] & 0xf]);
+      dst[j + kQK32 / 2] = d * static_cast<float>(kIq4nlValues[b->qs[j] >> 4]);
+    }
+  }
+}
+
+int iq4_xs_scale(const void* block, int j) {
+  const auto* b = static_cast<const BlockIq4Xs*>(block);
+  return ((b->scales_l[j / 2] >> (4 * (j % 2))) & 0xf) | (((b->scales_h >> (2 * j)) & 3) << 4);
+}
+
+void dequantize_iq4_xs(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockIq4Xs*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int j = 0; j < kQKK / 32; ++j, dst += 32) {
+      const float dl = d * static_cast<float>(iq4_xs_scale(b, j) - 32);
+      const uint8_t* qs = b->qs + 16 * j;
+      for (int l = 0; l < 16; ++l) {
+        dst[l] = dl * static_cast<float>(kIq4nlValues[qs[l] & 0xf]);
+        dst[l + 16] = dl * static_cast<float>(kIq4nlValues[qs[l] >> 4]);
+      }
+    }
+  }
+}
+
 void dequantize_q6_k(const void* src, float* dst, size_t n) {
   const auto* b = static_cast<const BlockQ6K*>(src);
   for (size_t i = 0; i < n / kQKK; ++i, ++b) {
@@ -443,18 +536,7 @@ void quantize_q8_0(const float* src, void* dst, size_t n) {
 void quantize_q4_0(const float* src, void* dst, size_t n) {
   auto* b = static_cast<BlockQ4_0*>(dst);
   for (size_t i = 0; i < n / kQK32; ++i, ++b, src += kQK32) {
-    // The signed value of largest magnitude, the first if tied. Starting
-    // from src[0] rather than ggml's 0.0f is gguf's argmax: the two differ
-    // only in the sign of a zero scale when src[0] is -0.0 and the block is
-    // all zeros.
-    float max = src[0];
-    float amax = std::fabs(src[0]);
-    for (int j = 1; j < kQK32; ++j) {
-      if (std::fabs(src[j]) > amax) {
-        amax = std::fabs(src[j]);
-        max = src[j];
-      }
-    }
+    const float max = signed_extreme(src);
     // Negative d maps the extreme to level 0 (-8), leaving 15 levels (+7)
     // for the other side: one more level where the largest weight is.
     float d = max / -8;
@@ -588,6 +670,198 @@ void quantize_mxfp4(const float* src, void* dst, size_t n) {
     for (int j = 0; j < kQK32 / 2; ++j) {
       b->qs[j] = static_cast<uint8_t>(level(src[j]) | (level(src[j + kQK32 / 2]) << 4));
     }
+  }
+}
+
+namespace {
+
+// q4_1 / q5_1: levels 0..nmax between the block's minimum and maximum
+// (gguf's quantize_blocks and ggml's quantize_row_q4_1_ref: the level is
+// the truncation of (x - min) / d + 0.5, clipped).
+template <class Block>
+void quantize_min_max(const float* src, Block* b, int nmax, uint8_t* L) {
+  float lo = src[0];
+  float hi = src[0];
+  for (int j = 1; j < kQK32; ++j) {
+    lo = src[j] < lo ? src[j] : lo;
+    hi = src[j] > hi ? src[j] : hi;
+  }
+  float d = (hi - lo) / static_cast<float>(nmax);
+  b->d = f16_scale(d);
+  b->m = f16_scale(lo);
+  if (std::fabs(d) >= kF16Overflow) d = f16_to_float(b->d);
+  const float id = d != 0 ? 1.0f / d : 0.0f;
+  for (int j = 0; j < kQK32; ++j) {
+    const float shifted = (src[j] - lo) * id;
+    const float v = shifted + 0.5f;
+    L[j] = static_cast<uint8_t>(!(v >= 0) ? 0 : (v >= static_cast<float>(nmax) ? nmax : static_cast<int>(v)));
+  }
+}
+
+// Packs 32 five-bit levels into q5_0 / q5_1's nibbles and high bits.
+void pack_q5(const uint8_t* L, uint8_t* qs, uint8_t* qh) {
+  uint32_t h = 0;
+  for (int j = 0; j < kQK32 / 2; ++j) {
+    qs[j] = static_cast<uint8_t>((L[j] & 0xf) | ((L[j + kQK32 / 2] & 0xf) << 4));
+  }
+  for (int j = 0; j < kQK32; ++j) h |= static_cast<uint32_t>(L[j] >> 4) << j;
+  std::memcpy(qh, &h, sizeof h);
+}
+
+// ggml's best_index_int8: the index of the level nearest x in the
+// ascending table (the upper one of a tie).
+int best_index_iq4(float x) {
+  const int8_t* v = kIq4nlValues;
+  if (x <= v[0]) return 0;
+  if (x >= v[15]) return 15;
+  int lo = 0, hi = 15;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (x < v[mid]) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  return x - v[hi - 1] < v[hi] - x ? hi - 1 : hi;
+}
+
+// ggml's quantize_row_iq4_nl_impl without an importance matrix (weights
+// x^2) and with seven trials each side: the scale of each 32-element block
+// of x[0, super) that minimises the weighted error, then (iq4_xs, super =
+// 256) the blocks' scales as 6-bit multiples of one f16 d. Writes d, the
+// packed codes and, for iq4_xs, the scales.
+void quantize_iq4(const float* x, int super, uint16_t* dh, uint8_t* q4, uint16_t* scales_h, uint8_t* scales_l) {
+  constexpr int kTrials = 7;
+  const int blocks = super / 32;
+  float scales[kQKK / 32];
+  uint8_t L[kQKK];
+  std::memset(q4, 0, static_cast<size_t>(super) / 2);
+  *dh = float_to_f16(0.0f);
+  float max_scale = 0, amax_scale = 0;
+  for (int ib = 0; ib < blocks; ++ib) {
+    const float* xb = x + 32 * ib;
+    uint8_t* Lb = L + 32 * ib;
+    float amax = 0, max = 0;
+    for (int j = 0; j < 32; ++j) {
+      if (std::fabs(xb[j]) > amax) {
+        amax = std::fabs(xb[j]);
+        max = xb[j];
+      }
+    }
+    if (amax < kGroupMaxEps) {
+      scales[ib] = 0;
+      for (int j = 0; j < 32; ++j) Lb[j] = static_cast<uint8_t>(best_index_iq4(0.0f));
+      continue;
+    }
+    float d = -max / kIq4nlValues[0];
+    float id = 1 / d;
+    float sumqx = 0, sumq2 = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int l = best_index_iq4(id * xb[j]);
+      Lb[j] = static_cast<uint8_t>(l);
+      const float q = kIq4nlValues[l];
+      const float w = xb[j] * xb[j];
+      sumqx += w * q * xb[j];
+      sumq2 += w * q * q;
+    }
+    d = sumqx / sumq2;
+    float best = d * sumqx;
+    for (int itry = -kTrials; itry <= kTrials; ++itry) {
+      id = static_cast<float>(itry + kIq4nlValues[0]) / max;
+      sumqx = sumq2 = 0;
+      for (int j = 0; j < 32; ++j) {
+        const float q = kIq4nlValues[best_index_iq4(id * xb[j])];
+        const float w = xb[j] * xb[j];
+        sumqx += w * q * xb[j];
+        sumq2 += w * q * q;
+      }
+      if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+        d = sumqx / sumq2;
+        best = d * sumqx;
+      }
+    }
+    scales[ib] = d;
+    if (std::fabs(d) > amax_scale) {
+      amax_scale = std::fabs(d);
+      max_scale = d;
+    }
+  }
+  if (blocks > 1) {
+    *scales_h = 0;
+    const float d = -max_scale / 32;
+    *dh = f16_scale(d);
+    const float id = d != 0 ? 1 / d : 0.0f;
+    for (int ib = 0; ib < blocks; ++ib) {
+      const int l = clamp_int(nearest_int(id * scales[ib]), -32, 31);
+      const float dl = d * static_cast<float>(l);
+      const float idl = dl != 0 ? 1 / dl : 0.0f;
+      for (int j = 0; j < 32; ++j) L[32 * ib + j] = static_cast<uint8_t>(best_index_iq4(idl * x[32 * ib + j]));
+      const int u = l + 32;
+      if (ib % 2 == 0) {
+        scales_l[ib / 2] = static_cast<uint8_t>(u & 0xf);
+      } else {
+        scales_l[ib / 2] = static_cast<uint8_t>(scales_l[ib / 2] | ((u & 0xf) << 4));
+      }
+      *scales_h = static_cast<uint16_t>(*scales_h | ((u >> 4) << (2 * ib)));
+    }
+  } else {
+    *dh = f16_scale(scales[0]);
+    const float id = scales[0] != 0 ? 1 / scales[0] : 0.0f;
+    for (int j = 0; j < 32; ++j) L[j] = static_cast<uint8_t>(best_index_iq4(id * x[j]));
+  }
+  for (int i = 0; i < super / 32; ++i) {
+    for (int j = 0; j < 16; ++j) q4[16 * i + j] = static_cast<uint8_t>(L[32 * i + j] | (L[32 * i + 16 + j] << 4));
+  }
+}
+
+}  // namespace
+
+void quantize_q4_1(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ4_1*>(dst);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, src += kQK32) {
+    uint8_t L[kQK32];
+    quantize_min_max(src, b, 15, L);
+    for (int j = 0; j < kQK32 / 2; ++j) b->qs[j] = static_cast<uint8_t>(L[j] | (L[j + kQK32 / 2] << 4));
+  }
+}
+
+void quantize_q5_1(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ5_1*>(dst);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, src += kQK32) {
+    uint8_t L[kQK32];
+    quantize_min_max(src, b, 31, L);
+    pack_q5(L, b->qs, b->qh);
+  }
+}
+
+void quantize_q5_0(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ5_0*>(dst);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, src += kQK32) {
+    // As q4_0: the extreme maps to level 0.
+    float d = signed_extreme(src) / -16;
+    b->d = f16_scale(d);
+    if (std::fabs(d) >= kF16Overflow) d = f16_to_float(b->d);
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    uint8_t L[kQK32];
+    for (int j = 0; j < kQK32; ++j) {
+      const float shifted = src[j] * id;
+      const float v = shifted + 16.5f;
+      L[j] = static_cast<uint8_t>(!(v >= 0) ? 0 : (v >= 31 ? 31 : static_cast<int>(v)));
+    }
+    pack_q5(L, b->qs, b->qh);
+  }
+}
+
+void quantize_iq4_nl(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockIq4Nl*>(dst);
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, src += kQK32) quantize_iq4(src, kQK32, &b->d, b->qs, nullptr, nullptr);
+}
+
+void quantize_iq4_xs(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockIq4Xs*>(dst);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b, src += kQKK) {
+    quantize_iq4(src, kQKK, &b->d, b->qs, &b->scales_h, b->scales_l);
   }
 }
 

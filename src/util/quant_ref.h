@@ -2,7 +2,8 @@
 // (quant_blocks.h), following ggml's reference code (quantize_row_*_ref,
 // dequantize_row_*), so the bytes equal what llama.cpp and the gguf
 // package write and read. n is a multiple of the format's block size
-// (32 for q8_0 / q4_0 / mxfp4, 256 for the K formats); dst holds n / block blocks.
+// (32 for q8_0 / q4_0 / q4_1 / q5_0 / q5_1 / mxfp4 / iq4_nl, 256 for the
+// K formats and iq4_xs); dst holds n / block blocks.
 // These are the formats' WeightFormat::to_float / from_float.
 #pragma once
 
@@ -17,6 +18,13 @@ void dequantize_q4_k(const void* src, float* dst, size_t n);
 void dequantize_q5_k(const void* src, float* dst, size_t n);
 void dequantize_q6_k(const void* src, float* dst, size_t n);
 void dequantize_mxfp4(const void* src, float* dst, size_t n);
+void dequantize_q4_1(const void* src, float* dst, size_t n);
+void dequantize_q5_0(const void* src, float* dst, size_t n);
+void dequantize_q5_1(const void* src, float* dst, size_t n);
+void dequantize_iq4_nl(const void* src, float* dst, size_t n);
+void dequantize_iq4_xs(const void* src, float* dst, size_t n);
+// An IQ4_XS sub-block's 6-bit scale ls_j (0..63; the scale is d * (ls_j - 32)).
+int iq4_xs_scale(const void* block, int j);
 
 // An MXFP4 block's scale, 2^(e - 128) exactly (ggml's
 // ggml_e8m0_to_fp32_half; subnormal for e < 2).
@@ -28,5 +36,14 @@ void quantize_q4_k(const float* src, void* dst, size_t n);
 void quantize_q5_k(const float* src, void* dst, size_t n);
 void quantize_q6_k(const float* src, void* dst, size_t n);
 void quantize_mxfp4(const float* src, void* dst, size_t n);
+void quantize_q4_1(const float* src, void* dst, size_t n);
+void quantize_q5_0(const float* src, void* dst, size_t n);
+void quantize_q5_1(const float* src, void* dst, size_t n);
+// ggml's quantize_row_iq4_nl_ref / quantize_row_iq4_xs_ref (no importance
+// matrix: weights x^2, seven scale trials a block). The gguf package has
+// no quantiser for these to check the bytes against; llama.cpp's files are
+// read as stored whatever made them.
+void quantize_iq4_nl(const float* src, void* dst, size_t n);
+void quantize_iq4_xs(const float* src, void* dst, size_t n);
 
 }  // namespace colibri

@@ -47,6 +47,11 @@ constexpr WeightFormat kFormats[kWeightTypeCount] = {
     {WeightType::kQ5_K, "q5_k", kQKK, sizeof(BlockQ5K), dequantize_q5_k, quantize_q5_k, true},
     {WeightType::kQ6_K, "q6_k", kQKK, sizeof(BlockQ6K), dequantize_q6_k, quantize_q6_k, true},
     {WeightType::kMXFP4, "mxfp4", kQK32, sizeof(BlockMxfp4), dequantize_mxfp4, quantize_mxfp4, true},
+    {WeightType::kQ4_1, "q4_1", kQK32, sizeof(BlockQ4_1), dequantize_q4_1, quantize_q4_1, true},
+    {WeightType::kQ5_0, "q5_0", kQK32, sizeof(BlockQ5_0), dequantize_q5_0, quantize_q5_0, true},
+    {WeightType::kQ5_1, "q5_1", kQK32, sizeof(BlockQ5_1), dequantize_q5_1, quantize_q5_1, true},
+    {WeightType::kIQ4_NL, "iq4_nl", kQK32, sizeof(BlockIq4Nl), dequantize_iq4_nl, quantize_iq4_nl, true},
+    {WeightType::kIQ4_XS, "iq4_xs", kQKK, sizeof(BlockIq4Xs), dequantize_iq4_xs, quantize_iq4_xs, true},
 };
 
 }  // namespace

@@ -27,8 +27,13 @@ enum class WeightType : uint8_t {
   kQ5_K = 6,
   kQ6_K = 7,
   kMXFP4 = 8,
+  kQ4_1 = 9,
+  kQ5_0 = 10,
+  kQ5_1 = 11,
+  kIQ4_NL = 12,
+  kIQ4_XS = 13,
 };
-inline constexpr int kWeightTypeCount = 9;
+inline constexpr int kWeightTypeCount = 14;
 
 struct WeightFormat {
   WeightType type;

@@ -1,0 +1,59 @@
+// The AVX2-level integer dot-product kernels (qdot_avx2_impl.h) with
+// vpdpbusd on ymm in its EVEX encoding (AVX512_VNNI + AVX512VL), for the
+// block formats that have no kernel of their own in qdot_avx512.cpp:
+// q4_1, q5_0, q5_1, iq4_nl and iq4_xs. On CPUs with AVX512_VNNI but not
+// AVX-VNNI (Zen 4, Ice Lake, Cascade Lake) the products then go straight
+// into int32, as on qdot_avxvnni.cpp's CPUs, instead of through
+// vpmaddubsw's int16 pair sums; 256-bit vectors, as the AVX2 level's, for
+// the formats' byte tables and transposed blocks.
+//
+// Everything lives in an anonymous namespace (tests/isa_linkage.sh).
+#include "kernels/qdot_avx2_impl.h"
+
+#if !defined(__AVX512VNNI__) || !defined(__AVX512VL__)
+#error "qdot_avx512vl.cpp needs -mavx512vnni -mavx512vl"
+#endif
+
+namespace colibri::kernels {
+namespace {
+
+struct EvexVnniDot {
+  static constexpr bool kSaturatesInt16 = false;
+
+  template <int K, int kMaxCode>
+  static __m256i dot(__m256i acc, const __m256i* u, const __m256i* s) {
+    static_assert(kMaxCode <= 255, "vpdpbusd takes unsigned bytes");
+    for (int k = 0; k < K; ++k) acc = _mm256_dpbusd_epi32(acc, u[k], s[k]);
+    return acc;
+  }
+
+  // As qdot_avxvnni.cpp's trait: 8 tokens a pass.
+  static constexpr int max_tokens(WeightType) { return 8; }
+};
+
+const QuantDotKernels kQ4_1 = {"q4_1-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ4_1>};
+const QuantDotKernels kQ5_0 = {"q5_0-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ5_0>};
+const QuantDotKernels kQ5_1 = {"q5_1-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ5_1>};
+const QuantDotKernels kIq4Nl = {"iq4_nl-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kIq4Nl>};
+const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kIq4Xs>};
+
+}  // namespace
+
+const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
+  switch (t) {
+    case WeightType::kQ4_1:
+      return &kQ4_1;
+    case WeightType::kQ5_0:
+      return &kQ5_0;
+    case WeightType::kQ5_1:
+      return &kQ5_1;
+    case WeightType::kIQ4_NL:
+      return &kIq4Nl;
+    case WeightType::kIQ4_XS:
+      return &kIq4Xs;
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace colibri::kernels
