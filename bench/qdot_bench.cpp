@@ -96,9 +96,9 @@ int main(int argc, char** argv) {
   // qwen3-moe, olmoe, gpt-oss-20b (the benchmark suite's shapes).
   const int32_t shapes[][2] = {{2048, 768}, {2048, 1024}, {2880, 2880}};
   for (const Table& table : tables) {
-    for (WeightType t : {WeightType::kQ4_K, WeightType::kQ8_0, WeightType::kQ4_0, WeightType::kQ5_K, WeightType::kQ6_K,
-                         WeightType::kMXFP4}) {
-      if (table.get(t) == nullptr) continue;  // the level has no kernels for t
+    for (int type = 0; type < colibri::kWeightTypeCount; ++type) {
+      const auto t = static_cast<WeightType>(type);
+      if (!colibri::weight_format(t).quantized || table.get(t) == nullptr) continue;
       for (const auto& shape : shapes) {
         const std::string name = std::string(table.name) + "/" + colibri::weight_format(t).name + "/" +
                                  std::to_string(shape[0]) + "x" + std::to_string(shape[1]);

@@ -812,6 +812,10 @@ inline void group32(const uint8_t* blk, size_t cnt, const Group8* G, __m256* fac
         for (int i = 0; i < 8; ++i) a[i] = _mm256_sign_epi8(G[t].a[i], u[i]);
         acc[t] = Dot::template dot<8, kMaxCode>(acc[t], w, a);
       }
+    } else if constexpr (NT == 1 && !Dot::kSaturatesInt16) {
+      // One token: two chains of vpdpbusd, not one of eight waiting on each other.
+      const __m256i lo = Dot::template dot<4, kMaxCode>(acc[0], u, G[0].a);
+      acc[0] = _mm256_add_epi32(lo, Dot::template dot<4, kMaxCode>(_mm256_setzero_si256(), u + 4, G[0].a + 4));
     } else {
       for (int t = 0; t < NT; ++t) acc[t] = Dot::template dot<8, kMaxCode>(acc[t], u, G[t].a);
     }
