@@ -96,7 +96,7 @@ struct Args {
 
 void usage() {
     std::fprintf(stderr,
-        "usage: llamacpp_moe [--type f16|bf16|f32|q8_0|q4_0|q4_K] [--experts E] [--top-k K]\n"
+        "usage: llamacpp_moe [--type f16|bf16|f32|q8_0|q4_0|q4_1|q5_0|q5_1|q2_K|q3_K|q4_K|iq4_nl|iq4_xs|mxfp4] [--experts E] [--top-k K]\n"
         "                    [--d-model D] [--d-ff F] [--seed S] [--shape NAME] [--check] [--serve] [--gpt-oss]\n"
         "  --gpt-oss         the experts as llama.cpp's gpt-oss graph computes them: biases on gate,\n"
         "                    up and down (ggml_add_id) and ggml_swiglu_oai(alpha 1.702, limit 7)\n"
@@ -184,7 +184,15 @@ ggml_type parse_type(const std::string & s) {
     if (l == "q4_0") return GGML_TYPE_Q4_0;
     if (l == "q4_k") return GGML_TYPE_Q4_K;
     if (l == "mxfp4") return GGML_TYPE_MXFP4;
-    die("unsupported --type %s (f16, bf16, f32, q8_0, q4_0, q4_K, mxfp4)", s.c_str());
+    if (l == "q4_1") return GGML_TYPE_Q4_1;
+    if (l == "q5_0") return GGML_TYPE_Q5_0;
+    if (l == "q5_1") return GGML_TYPE_Q5_1;
+    if (l == "iq4_nl") return GGML_TYPE_IQ4_NL;
+    if (l == "iq4_xs") return GGML_TYPE_IQ4_XS;
+    if (l == "q2_k") return GGML_TYPE_Q2_K;
+    if (l == "q3_k") return GGML_TYPE_Q3_K;
+    die("unsupported --type %s (f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, iq4_nl, iq4_xs, mxfp4)",
+        s.c_str());
 }
 
 std::string json_str(const std::string & s) {

@@ -47,7 +47,9 @@ SMOKE_SHAPES = {"peer-smoke": (8, 2, 256, 512, [1, 16])}  # q4_K needs multiples
 QUANT_TYPES = ["q8_0", "q4_0", "q4_K"]
 FLOAT_TYPES = ["f16", "bf16"]
 # ggml's type names -> Colibri's dtype names
-COLIBRI_DTYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_K": "q4_k", "mxfp4": "mxfp4", "f16": "f16", "bf16": "bf16", "f32": "f32"}
+COLIBRI_DTYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_K": "q4_k", "mxfp4": "mxfp4", "f16": "f16", "bf16": "bf16", "f32": "f32",
+                 "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "iq4_nl": "iq4_nl", "iq4_xs": "iq4_xs",
+                 "q2_K": "q2_k", "q3_K": "q3_k"}
 
 T0 = time.time()
 

@@ -58,7 +58,9 @@ typedef enum colibri_status {
  * shared power-of-two scale, 4.25 bits, gpt-oss's format), the legacy
  * q4_1, q5_0 and q5_1 (blocks of 32: 5, 5.5 and 6 bits), iq4_nl (q4_0's
  * layout with a non-uniform table of levels, 4.5 bits) and iq4_xs (eight
- * iq4_nl blocks under one f16 scale with 6-bit sub-scales, 4.25 bits). A
+ * iq4_nl blocks under one f16 scale with 6-bit sub-scales, 4.25 bits),
+ * q2_k and q3_k (super-blocks of 256 in sub-blocks of 16: 2.625 and 3.4375
+ * bits). A
  * row of n weights is ceil(n / block) whole blocks, the last padded with
  * zeros (colibri_dtype_row_bytes). */
 typedef enum colibri_dtype {
@@ -75,7 +77,9 @@ typedef enum colibri_dtype {
   COLIBRI_DTYPE_Q5_0 = 10,
   COLIBRI_DTYPE_Q5_1 = 11,
   COLIBRI_DTYPE_IQ4_NL = 12,
-  COLIBRI_DTYPE_IQ4_XS = 13
+  COLIBRI_DTYPE_IQ4_XS = 13,
+  COLIBRI_DTYPE_Q2_K = 14,
+  COLIBRI_DTYPE_Q3_K = 15
 } colibri_dtype_t;
 
 /* Kind of huge pages backing the packed weights. */

@@ -324,7 +324,7 @@ TEST_F(CliTest, QuantizeInfoVerifyAndExact) {
   RunResult over = run("quantize --model " + f16 + " --out " + q + " --dtype q8_0");
   EXPECT_NE(over.exit_code, 0);
   EXPECT_NE(over.err.find("already holds a model"), std::string::npos) << over.err;
-  RunResult bad = run("quantize --model " + f16 + " --out " + again + " --dtype q3_k");
+  RunResult bad = run("quantize --model " + f16 + " --out " + again + " --dtype q7_k");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_FALSE(exists(again + "/colibri.json"));
 

@@ -37,7 +37,8 @@ using colibri::kernels::QuantDotKernels;
 
 constexpr WeightType kTypes[] = {WeightType::kQ8_0,  WeightType::kQ4_0,  WeightType::kQ4_K,   WeightType::kQ5_K,
                                  WeightType::kQ6_K,  WeightType::kMXFP4, WeightType::kQ4_1,   WeightType::kQ5_0,
-                                 WeightType::kQ5_1,  WeightType::kIQ4_NL, WeightType::kIQ4_XS};
+                                 WeightType::kQ5_1,  WeightType::kIQ4_NL, WeightType::kIQ4_XS, WeightType::kQ2_K,
+                                 WeightType::kQ3_K};
 
 // Formats whose dot products the AVX-512 level leaves to the AVX2 level's
 // kernels (quant_dot_avx512 gives nullptr).
@@ -46,7 +47,7 @@ bool avx2_level_only(WeightType /*t*/) { return false; }
 // Formats without a bf16 dequantiser (the AMX tier passes them by).
 bool no_bf16_dequant(WeightType t) {
   return t == WeightType::kQ4_1 || t == WeightType::kQ5_0 || t == WeightType::kQ5_1 || t == WeightType::kIQ4_NL ||
-         t == WeightType::kIQ4_XS;
+         t == WeightType::kIQ4_XS || t == WeightType::kQ2_K || t == WeightType::kQ3_K;
 }
 
 const char* type_name(WeightType t) { return colibri::weight_format(t).name; }
@@ -127,6 +128,15 @@ std::vector<uint8_t> random_weights(WeightType t, size_t n, int rows, size_t row
           // d over the 6-bit sub-scales (ls - 32 in -32 .. 31, random bytes).
           h[0] = random_scale(rng, 1e-5f, 1e-4f, true);
           std::memcpy(blk, h, 2);
+          break;
+        case WeightType::kQ2_K:
+          h[0] = random_scale(rng, 1e-4f, 4e-3f, false);
+          h[1] = random_scale(rng, 1e-4f, 4e-3f, (rng() & 7u) == 0);
+          std::memcpy(blk + offsetof(colibri::BlockQ2K, d), h, 4);
+          break;
+        case WeightType::kQ3_K:
+          h[0] = random_scale(rng, 1e-4f, 1e-3f, true);
+          std::memcpy(blk + offsetof(colibri::BlockQ3K, d), h, 2);
           break;
         case WeightType::kQ4_1:
         case WeightType::kQ5_1:
@@ -290,9 +300,15 @@ void decode_row(WeightType t, const uint8_t* row, size_t n, double* w, double* m
         // |d q| + |m| for the formats with a min, whose kernels round both parts.
         std::vector<float> f(block_elements(t));
         colibri::weight_format(t).to_float(blk, f.data(), f.size());
-        double m = 0.0;
-        if (t == WeightType::kQ4_1 || t == WeightType::kQ5_1) m = colibri::f16_to_float(reinterpret_cast<const uint16_t*>(blk)[1]);
         for (size_t i = 0; i < f.size(); ++i) {
+          // The min of element i's (sub-)block: q4_1 / q5_1's m, q2_K's dmin * m_s.
+          double m = 0.0;
+          if (t == WeightType::kQ4_1 || t == WeightType::kQ5_1) {
+            m = colibri::f16_to_float(reinterpret_cast<const uint16_t*>(blk)[1]);
+          } else if (t == WeightType::kQ2_K) {
+            const auto* q = reinterpret_cast<const colibri::BlockQ2K*>(blk);
+            m = -static_cast<double>(colibri::f16_to_float(q->dmin)) * (q->scales[i / 16] >> 4);
+          }
           y[i] = f[i];
           g[i] = std::fabs(f[i] - m) + std::fabs(m);
         }

@@ -47,7 +47,10 @@ const Case kCases[] = {
     {"q5_0", COLIBRI_DTYPE_Q5_0, COLIBRI_DTYPE_Q5_0},    {"q5_1", COLIBRI_DTYPE_Q5_1, COLIBRI_DTYPE_Q5_1},
     {"iq4_nl", COLIBRI_DTYPE_IQ4_NL, COLIBRI_DTYPE_IQ4_NL}, {"iq4_xs", COLIBRI_DTYPE_IQ4_XS, COLIBRI_DTYPE_IQ4_XS},
     // A dynamic mix: iq4_xs gate/up with q5_0 down.
-    {"iq4_xs_q5_0", COLIBRI_DTYPE_IQ4_XS, COLIBRI_DTYPE_Q5_0},
+    {"iq4_xs_q5_0", COLIBRI_DTYPE_IQ4_XS, COLIBRI_DTYPE_Q5_0}, {"q2_k", COLIBRI_DTYPE_Q2_K, COLIBRI_DTYPE_Q2_K},
+    {"q3_k", COLIBRI_DTYPE_Q3_K, COLIBRI_DTYPE_Q3_K},
+    // llama.cpp's Q2_K mix: q2_K gate/up with q3_K or q4_K down.
+    {"q2_k_q3_k", COLIBRI_DTYPE_Q2_K, COLIBRI_DTYPE_Q3_K},
 };
 
 using Opened = colibri_test::OpenedModel;
@@ -217,7 +220,7 @@ TEST(QuantModelFiles, ManifestRules) {
   refused(R"("version": 2, "dtype": "q4_k"})", "version");
   refused(R"("version": 3, "dtype": "f16", "down_dtype": "q4_k"})", "down_dtype");
   refused(R"("version": 3, "dtype": "q4_k", "down_dtype": "bf16"})", "down_dtype");
-  refused(R"("version": 3, "dtype": "q3_k"})", "dtype");
+  refused(R"("version": 3, "dtype": "q7_k"})", "dtype");
   refused(R"("version": 5, "dtype": "q4_k"})", "version");
 
   // Per-layer types (layer_dtypes): n_layers entries of block formats, the

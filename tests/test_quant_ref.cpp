@@ -51,7 +51,9 @@ constexpr Format kIq4Nl{"iq4_nl", WeightType::kIQ4_NL, kQK32, sizeof(BlockIq4Nl)
                         dequantize_iq4_nl};
 constexpr Format kIq4Xs{"iq4_xs", WeightType::kIQ4_XS, kQKK, sizeof(BlockIq4Xs), quantize_iq4_xs,
                         dequantize_iq4_xs};
-const Format kFormats[] = {kQ8_0, kQ4_0, kQ4K, kQ5K, kQ6K, kMxfp4, kQ4_1, kQ5_0, kQ5_1, kIq4Nl, kIq4Xs};
+constexpr Format kQ2K{"q2_k", WeightType::kQ2_K, kQKK, sizeof(BlockQ2K), quantize_q2_k, dequantize_q2_k};
+constexpr Format kQ3K{"q3_k", WeightType::kQ3_K, kQKK, sizeof(BlockQ3K), quantize_q3_k, dequantize_q3_k};
+const Format kFormats[] = {kQ8_0, kQ4_0, kQ4K, kQ5K, kQ6K, kMxfp4, kQ4_1, kQ5_0, kQ5_1, kIq4Nl, kIq4Xs, kQ2K, kQ3K};
 
 constexpr size_t kGuard = 64;
 
@@ -296,7 +298,8 @@ TEST(QuantRefLayout, Q6K) {
 // quantize_row_*_ref wrote for these inputs, and of the floats its
 // dequantize_row_* produced from random blocks (ggml-org/ggml d99724f,
 // ggml-quants.c built with -O2 -ffp-contract=off; the q8_0 / q4_0 bytes are
-// also gguf 0.19.0's).
+// also gguf 0.19.0's; the formats added since, from the ggml that
+// llama-cpp-python 0.3.36 vendors, built the same way).
 
 std::vector<float> golden_input(int which, size_t n) {
   Lcg g(static_cast<uint64_t>(which) + 1);
@@ -332,6 +335,16 @@ TEST(QuantRefGgml, QuantizeBytes) {
       {&kQ4K, {0x95d2c8780eeb019bull, 0x77925fb0d4865a65ull, 0x2fddac47a330b141ull, 0xe5fb57991dbb6cd7ull}},
       {&kQ5K, {0x212a4d5a994a647aull, 0x8a5a54be531abd85ull, 0xbf062d66eba1ca3cull, 0xc99d4f5052d760b6ull}},
       {&kQ6K, {0xa21d51ab78932b75ull, 0x641c459e44c53beaull, 0xe6c3d84d79288ab9ull, 0x2b9561f7059a3d16ull}},
+      // llama.cpp 0.3.36's vendored ggml (ggml 0.25.3), same build flags.
+      {&kQ4_1, {0xd61d996cfbd2c319ull, 0xabc0050dda39378dull, 0x349acdae34f11aaaull, 0x94f481e325a2256cull}},
+      {&kQ5_0, {0xdc1dc75288bd1d5aull, 0x189837a8f3b1a74dull, 0x4f0b05220c23c004ull, 0xcc3c0f3198acd8e8ull}},
+      {&kQ5_1, {0xbf488d7345d6d350ull, 0xc52bbc7c79b3a13eull, 0xac1421dcf6f99c1cull, 0x7765a1605e22f638ull}},
+      // iq4_nl: ggml's quantize_iq4_nl without an importance matrix (what
+      // llama-quantize writes; its quantize_row_iq4_nl_ref skips the scale search).
+      {&kIq4Nl, {0xde127e7b96dc1371ull, 0xfda40b588c415cfeull, 0xd751fb34dd24a3b9ull, 0x6fbfb9d08ca30eb5ull}},
+      {&kIq4Xs, {0x4e7326014e008c15ull, 0xd03489bc0e4511b9ull, 0x568b18a94604ed98ull, 0x333ce1e8e22aa07aull}},
+      {&kQ2K, {0x476f163ae9052cbfull, 0xfe99129eec52af9eull, 0xfc475c3514d36616ull, 0x5af20433247efd96ull}},
+      {&kQ3K, {0xc2bcf38b5bbfc22full, 0x5818d38c15937a0bull, 0xc40600024401c7bfull, 0x598223549aafb800ull}},
   };
   for (const Golden& g : kGolden) {
     for (int which = 0; which < 4; ++which) {
@@ -347,11 +360,16 @@ std::vector<uint8_t> random_blocks(const Format& f, size_t blocks, uint64_t seed
   Lcg g(seed);
   std::vector<uint8_t> raw(blocks * f.bytes);
   for (uint8_t& byte : raw) byte = static_cast<uint8_t>(g.next() >> 56);
-  std::vector<size_t> fields;
-  if (f.bytes == sizeof(BlockQ6K)) {
+  std::vector<size_t> fields;  // the f16 scale fields of a block
+  if (f.type == WeightType::kQ6_K) {
     fields = {offsetof(BlockQ6K, d)};
-  } else if (f.block == kQKK) {
-    fields = {0, 2};  // d, dmin
+  } else if (f.type == WeightType::kQ3_K) {
+    fields = {offsetof(BlockQ3K, d)};
+  } else if (f.type == WeightType::kQ2_K) {
+    fields = {offsetof(BlockQ2K, d), offsetof(BlockQ2K, dmin)};
+  } else if (f.type == WeightType::kQ4_K || f.type == WeightType::kQ5_K || f.type == WeightType::kQ4_1 ||
+             f.type == WeightType::kQ5_1) {
+    fields = {0, 2};  // d, dmin / m
   } else {
     fields = {0};
   }
@@ -374,6 +392,10 @@ TEST(QuantRefGgml, DequantizeRandomBlocks) {
   const Golden kGolden[] = {
       {&kQ8_0, 0xeb272a8693422c7eull}, {&kQ4_0, 0x8fa679c27d5c9561ull}, {&kQ4K, 0xf6d99785bb4c638eull},
       {&kQ5K, 0xc3dbcc0c40c4f726ull},  {&kQ6K, 0x8287abfcfa62b2d3ull},
+      // llama.cpp 0.3.36's vendored ggml.
+      {&kQ4_1, 0x874e7067f68900e3ull}, {&kQ5_0, 0xd2c88d2fabfa1c96ull}, {&kQ5_1, 0x0b764fd6fbe88b06ull},
+      {&kIq4Nl, 0xd2be4bb2f1a3ca1cull}, {&kIq4Xs, 0x879f53c43ab3484bull}, {&kQ2K, 0x42ed37be6ebe4a68ull},
+      {&kQ3K, 0xa2ff919f35d0c5fdull},
   };
   for (const Golden& g : kGolden) {
     const std::vector<float> y = dequantize(*g.f, random_blocks(*g.f, 2048 / g.f->block, 11));
@@ -444,7 +466,7 @@ std::vector<float> random_data(Dist d, size_t n, uint32_t seed) {
 }
 
 // Indexed by format (kFormats order), then Dist.
-constexpr double kRoundTripBound[11][7] = {
+constexpr double kRoundTripBound[13][7] = {
     // normal uniform heavy  negative outlier small  large
     {0.008, 0.0057, 0.017, 0.0078, 0.018, 0.0083, 0.008},  // q8_0
     {0.13, 0.098, 0.17, 0.126, 0.165, 0.13, 0.13},         // q4_0
@@ -457,6 +479,8 @@ constexpr double kRoundTripBound[11][7] = {
     {0.04, 0.03, 0.051, 0.02, 0.053, 0.039, 0.038},         // q5_1
     {0.077, 0.065, 0.094, 0.073, 0.109, 0.077, 0.076},      // iq4_nl
     {0.078, 0.065, 0.099, 0.074, 0.112, 0.081, 0.077},      // iq4_xs
+    {0.305, 0.24, 0.315, 0.17, 0.215, 0.305, 0.3},          // q2_k (four levels)
+    {0.156, 0.128, 0.156, 0.149, 0.097, 0.157, 0.154},      // q3_k
 };
 static_assert(std::size(kRoundTripBound) == std::size(kFormats));
 
@@ -608,13 +632,21 @@ TEST(QuantRefRoundTrip, Idempotence) {
 bool scales_finite(const Format& f, const std::vector<uint8_t>& q) {
   for (size_t b = 0; b < q.size() / f.bytes; ++b) {
     const uint8_t* p = q.data() + b * f.bytes;
+    // The f16 fields: d first, and a second scale (dmin, m) where there is one.
     uint16_t h[2];
     int count = 1;
     if (f.type == WeightType::kQ6_K) {
       std::memcpy(&h[0], p + offsetof(BlockQ6K, d), 2);
+    } else if (f.type == WeightType::kQ3_K) {
+      std::memcpy(&h[0], p + offsetof(BlockQ3K, d), 2);
+    } else if (f.type == WeightType::kQ2_K) {
+      std::memcpy(h, p + offsetof(BlockQ2K, d), 4);
+      count = 2;
     } else {
       std::memcpy(&h[0], p, 2);
-      if (f.block == kQKK) {
+      const bool two = f.type == WeightType::kQ4_K || f.type == WeightType::kQ5_K || f.type == WeightType::kQ4_1 ||
+                       f.type == WeightType::kQ5_1;
+      if (two) {
         std::memcpy(&h[1], p + 2, 2);
         count = 2;
       }

@@ -61,8 +61,8 @@ _DTYPES = {
 }
 
 
-_BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4", "iq4_nl", "iq4_xs",
-                 "q4_k_m")
+_BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4", "iq4_nl",
+                 "iq4_xs", "q4_k_m")
 
 
 def _colibri_dtype(dtype, like=None):

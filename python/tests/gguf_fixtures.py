@@ -34,6 +34,8 @@ GGUF_TYPE = {
     "q5_1": Q.Q5_1,
     "iq4_nl": Q.IQ4_NL,
     "iq4_xs": Q.IQ4_XS,
+    "q2_k": Q.Q2_K,
+    "q3_k": Q.Q3_K,
 }
 
 
@@ -301,12 +303,12 @@ _ARCH = {
 # of 32-value blocks; a tensor whose rows are not is stored in the fallback
 # (llama.cpp's quantiser falls back likewise, Q6_K -> Q8_0).
 _BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "q4_0": 32, "mxfp4": 32, "q4_1": 32, "q5_0": 32,
-          "q5_1": 32, "iq4_nl": 32, "iq4_xs": 256}
+          "q5_1": 32, "iq4_nl": 32, "iq4_xs": 256, "q2_k": 256, "q3_k": 256}
 
 _FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K",
               "mxfp4": "MOSTLY_MXFP4_MOE", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
-              "iq4_nl": "MOSTLY_IQ4_NL", "iq4_xs": "MOSTLY_IQ4_XS"}
+              "iq4_nl": "MOSTLY_IQ4_NL", "iq4_xs": "MOSTLY_IQ4_XS", "q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_M"}
 
 
 def _byte_level_vocab(n: int, specials=("<|endoftext|>", "<|startoftext|>")):

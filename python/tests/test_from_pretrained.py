@@ -234,6 +234,7 @@ MIXED_TYPES = {
                      head_type="iq4_nl"),
     "deepseek2": dict(expert_types=("q4_1", "q4_1", "iq4_nl"), attn_type="iq4_xs", embd_type="q5_0",
                       head_type="q5_1"),
+    "llama": dict(expert_types=("q2_k", "q2_k", "q3_k"), attn_type="q3_k", embd_type="q2_k", head_type="q6_k"),
 }
 
 

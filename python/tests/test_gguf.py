@@ -100,6 +100,9 @@ CASES = [
     ("llama", "q5_0", "q5_1", dict()),
     ("olmoe", "iq4_nl", "q4_1", dict()),
     ("deepseek2", "iq4_xs", "q5_0", dict(dense_blocks=1, shared_d_ff=256, block_down_dtypes=["q5_0", "iq4_xs"])),
+    # Q2_K / Q3_K as llama.cpp's Q2_K and Q3_K_M mixes lay them out.
+    ("deepseek2", "q2_k", "q3_k", dict(dense_blocks=1, shared_d_ff=256, block_down_dtypes=["q3_k", "q4_k"])),
+    ("qwen3moe", "q3_k", "q3_k", dict()),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
     ("qwen2moe", "f32", "f32", dict(shared_d_ff=128, router_dtype="bf16")),
@@ -380,10 +383,12 @@ def test_gguf_inconsistent_files_name_the_tensor_or_key(tmp_path):
     half = np.zeros((4, 32, 64), np.float16)
     refused(lambda w, t: t.update({"blk.0.ffn_up_exps.weight": half}),
             r"ffn_up_exps\.weight is F16 but blk\.0\.ffn_gate_exps\.weight is F32; gate and up must share a type")
-    q4_1 = gguf.quants.quantize(np.zeros((4, 32, 64), np.float32), gguf.GGMLQuantizationType.Q4_1)
-    refused(lambda w, t: t.update({"blk.0.ffn_gate_exps.weight": (q4_1, gguf.GGMLQuantizationType.Q4_1),
-                                   "blk.0.ffn_up_exps.weight": (q4_1, gguf.GGMLQuantizationType.Q4_1)}),
-            r"tensor blk\.0\.ffn_gate_exps\.weight is Q4_1, a type Colibri does not compute")
+    # Q8_1 (ggml's activation type, 40 bytes a block of 32): in the table of
+    # types, computed by nobody's weights.
+    q8_1 = np.zeros((4, 32, 64 // 32 * 40), np.uint8)
+    refused(lambda w, t: t.update({"blk.0.ffn_gate_exps.weight": (q8_1, gguf.GGMLQuantizationType.Q8_1),
+                                   "blk.0.ffn_up_exps.weight": (q8_1, gguf.GGMLQuantizationType.Q8_1)}),
+            r"tensor blk\.0\.ffn_gate_exps\.weight is Q8_1, a type Colibri does not compute")
     # Not an MoE model, and an architecture without a router rule.
     def dense(w, t):
         t.clear()

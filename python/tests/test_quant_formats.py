@@ -37,12 +37,15 @@ FORMATS = {
     "q5_1": (GGMLQuantizationType.Q5_1, 32, 24, (0, 2)),
     "iq4_nl": (GGMLQuantizationType.IQ4_NL, 32, 18, (0,)),
     "iq4_xs": (GGMLQuantizationType.IQ4_XS, 256, 136, (0,)),
+    "q2_k": (GGMLQuantizationType.Q2_K, 256, 84, (80, 82)),
+    "q3_k": (GGMLQuantizationType.Q3_K, 256, 110, (108,)),
 }
 GGUF_QUANTIZES = ("q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
 # Loose round-trip bounds on normal data, a sanity check on the bindings
 # (test_quant_ref.cpp holds the tight ones).
 ROUND_TRIP_BOUND = {"q8_0": 0.01, "q4_0": 0.15, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03, "mxfp4": 0.2,
-                    "q4_1": 0.15, "q5_0": 0.08, "q5_1": 0.08, "iq4_nl": 0.12, "iq4_xs": 0.12}
+                    "q4_1": 0.15, "q5_0": 0.08, "q5_1": 0.08, "iq4_nl": 0.12, "iq4_xs": 0.12, "q2_k": 0.45,
+                    "q3_k": 0.22}
 
 KINDS = ("normal", "uniform", "heavy", "negative", "outliers", "small", "large", "sparse", "zeros")
 

@@ -126,7 +126,9 @@ static_assert(COLIBRI_DTYPE_F32 == static_cast<int>(colibri::WeightType::kF32) &
               COLIBRI_DTYPE_Q5_1 == static_cast<int>(colibri::WeightType::kQ5_1) &&
               COLIBRI_DTYPE_IQ4_NL == static_cast<int>(colibri::WeightType::kIQ4_NL) &&
               COLIBRI_DTYPE_IQ4_XS == static_cast<int>(colibri::WeightType::kIQ4_XS) &&
-              colibri::kWeightTypeCount == COLIBRI_DTYPE_IQ4_XS + 1);
+              COLIBRI_DTYPE_Q2_K == static_cast<int>(colibri::WeightType::kQ2_K) &&
+              COLIBRI_DTYPE_Q3_K == static_cast<int>(colibri::WeightType::kQ3_K) &&
+              colibri::kWeightTypeCount == COLIBRI_DTYPE_Q3_K + 1);
 static_assert(COLIBRI_ROUTER_GPT_OSS == colibri::kLastRouterFamily &&
               COLIBRI_ROUTER_DEEPSEEK_V3 == static_cast<int>(colibri::RouterFamily::kDeepseekV3) &&
               COLIBRI_ROUTER_MIXTRAL == static_cast<int>(colibri::RouterFamily::kMixtral) &&
@@ -196,6 +198,8 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
     case COLIBRI_DTYPE_Q5_1: return "q5_1";
     case COLIBRI_DTYPE_IQ4_NL: return "iq4_nl";
     case COLIBRI_DTYPE_IQ4_XS: return "iq4_xs";
+    case COLIBRI_DTYPE_Q2_K: return "q2_k";
+    case COLIBRI_DTYPE_Q3_K: return "q3_k";
   }
   return "unknown";
 }
@@ -206,7 +210,7 @@ const char* colibri_cpu_isa(void) { return colibri::kernels::isa_name(colibri::k
 
 namespace {
 
-bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_IQ4_XS; }
+bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_Q3_K; }
 
 // Checks a conversion's arguments; the byte count of its rows.
 size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) {

@@ -44,6 +44,8 @@ const QuantDotKernels kQ5_0 = {"q5_0-avx2", quantize_act, dot_rows_32<MaddubsDot
 const QuantDotKernels kQ5_1 = {"q5_1-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kQ5_1>};
 const QuantDotKernels kIq4Nl = {"iq4_nl-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kIq4Nl>};
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kIq4Xs>};
+const QuantDotKernels kQ2_K = {"q2_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ2K>};
+const QuantDotKernels kQ3_K = {"q3_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ3K>};
 const QuantDotKernels kQ4_K = {"q4_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ6K>};
@@ -74,6 +76,10 @@ const QuantDotKernels* quant_dot_avx2(WeightType t) {
       return &kIq4Nl;
     case WeightType::kIQ4_XS:
       return &kIq4Xs;
+    case WeightType::kQ2_K:
+      return &kQ2_K;
+    case WeightType::kQ3_K:
+      return &kQ3_K;
     default:
       return nullptr;
   }

@@ -266,8 +266,37 @@ constexpr size_t kK45PrepBytes = 256 + 64 + 32;
 constexpr size_t kQ6PrepBytes = 256 + 64 + 64;
 constexpr size_t kActBufferBytes = 64 * 1024;
 
-template <bool kQ6>
+// The K formats: 32-element sub-blocks with a min (q4_K, q5_K), and
+// 16-element ones: q6_K and q3_K with an offset (32, 4), q2_K with a min.
+enum class Kind { kQ4K, kQ5K, kQ6K, kQ3K, kQ2K };
+
+constexpr WeightType weight_type(Kind k) {
+  switch (k) {
+    case Kind::kQ4K:
+      return WeightType::kQ4_K;
+    case Kind::kQ5K:
+      return WeightType::kQ5_K;
+    case Kind::kQ6K:
+      return WeightType::kQ6_K;
+    case Kind::kQ3K:
+      return WeightType::kQ3_K;
+    case Kind::kQ2K:
+      return WeightType::kQ2_K;
+  }
+  return WeightType::kQ6_K;
+}
+
+// q6_K's sub-block layout: 16 elements, four code vectors a half.
+constexpr bool sixteen(Kind k) { return k == Kind::kQ6K || k == Kind::kQ3K || k == Kind::kQ2K; }
+
+// Per token and super-block: q2_K keeps 16 floats, da * (sum a) per
+// sub-block in `s` for its mins; q6_K / q3_K 16 int32 in `init` for their
+// offsets; q4_K / q5_K 8 floats in `s`.
+constexpr size_t prep_bytes(Kind k) { return sixteen(k) ? kQ6PrepBytes : kK45PrepBytes; }
+
+template <Kind K>
 void prepare_k(const uint8_t* act, size_t n, size_t sb0, size_t cn, const KPrep& p, const KConsts& k) {
+  constexpr bool kQ6 = sixteen(K);
   const uint8_t* dsrc = act_d(act, n);
   const uint8_t* ssrc = act_sums(act, n);
   for (size_t i = 0; i < cn; ++i) {
@@ -289,11 +318,19 @@ void prepare_k(const uint8_t* act, size_t n, size_t sb0, size_t cn, const KPrep&
     if constexpr (kQ6) {
       for (int g = 0; g < 2; ++g) {
         _mm256_storeu_ps(dx + 8 * g, _mm256_permutevar8x32_ps(dx8, k.q6_dx[g]));
-        const __m256i s = _mm256_permutevar8x32_epi32(
-            _mm256_cvtepi16_epi32(g == 0 ? _mm256_castsi256_si128(s16) : _mm256_extracti128_si256(s16, 1)),
-            k.q6_lanes);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.init + 16 * i + 8 * g),
-                            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s, 5)));
+        const __m256i s_nat =
+            _mm256_cvtepi16_epi32(g == 0 ? _mm256_castsi256_si128(s16) : _mm256_extracti128_si256(s16, 1));
+        if constexpr (K == Kind::kQ2K) {
+          // Natural order: sub-block 8g + v, activation block 4g + v / 2.
+          const __m256 da = _mm256_permutevar8x32_ps(dx8, g == 0 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                                                 : _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+          _mm256_storeu_ps(p.s + 16 * i + 8 * g, _mm256_mul_ps(da, _mm256_cvtepi32_ps(s_nat)));
+        } else {
+          const __m256i s = _mm256_permutevar8x32_epi32(s_nat, k.q6_lanes);
+          const __m256i off = K == Kind::kQ6K ? _mm256_slli_epi32(s, 5) : _mm256_slli_epi32(s, 2);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.init + 16 * i + 8 * g),
+                              _mm256_sub_epi32(_mm256_setzero_si256(), off));
+        }
       }
     } else {
       _mm256_storeu_ps(dx, _mm256_permutevar8x32_ps(dx8, k.dx_lo));
@@ -387,27 +424,103 @@ void qk45_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& 
 // products summed from -32 * (sum a) (the codes' offset), then one
 // conversion, one multiply by the activation scales and one FMA with d * sc
 // per token.
-template <class Dot, int NT>
-void q6k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m256* facc_io) {
+// q3_K's 16 sub-block scales (sc - 32, signed bytes) from its 12 packed
+// bytes: low nibbles of bytes 0-7 (sub-blocks 0-7) and their high nibbles
+// (8-15), two more bits of each from byte 8 + s % 4 at bit 2 (s / 4).
+inline __m128i q3k_scales(const uint8_t* packed) {
+  uint8_t raw[16] = {};
+  std::memcpy(raw, packed, 12);
+  const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw));
+  const __m128i m4 = _mm_set1_epi8(0x0f);
+  const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(r, m4), _mm_and_si128(_mm_srli_epi16(r, 4), m4));
+  const __m128i hb = _mm_shuffle_epi8(r, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
+  const __m128i m3 = _mm_set1_epi8(3);
+  const __m128i q0 = _mm_and_si128(hb, m3);
+  const __m128i q1 = _mm_and_si128(_mm_srli_epi16(hb, 2), m3);
+  const __m128i q2 = _mm_and_si128(_mm_srli_epi16(hb, 4), m3);
+  const __m128i q3 = _mm_and_si128(_mm_srli_epi16(hb, 6), m3);
+  // Bytes 0-3 from q0, 4-7 from q1, 8-11 from q2, 12-15 from q3.
+  const __m128i high = _mm_blend_epi32(_mm_blend_epi32(q0, q1, 0x2), _mm_blend_epi32(q2, q3, 0x8), 0xc);
+  return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+}
+
+// q6_K, q3_K and q2_K super-blocks of one row against NT tokens: per half
+// the four code vectors (32 elements each, two 16-element sub-blocks in
+// their 128-bit lanes) transposed, so lane 4l + v holds sub-block
+// 8h + 2v + l; the products summed from the offset's -c * (sum a) (q6_K
+// 32, q3_K 4, q2_K none), then one conversion, one multiply by the
+// activation scales and one FMA with d * sc per token; q2_K's mins one
+// more pair of FMAs per super-block.
+template <class Dot, Kind K, int NT>
+void q16_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m256* facc_io) {
+  constexpr size_t kBytes = K == Kind::kQ6K ? sizeof(BlockQ6K) : K == Kind::kQ3K ? sizeof(BlockQ3K) : sizeof(BlockQ2K);
+  constexpr int kMaxCode = K == Kind::kQ6K ? 63 : K == Kind::kQ3K ? 7 : 3;
   __m256 facc[NT];
   for (int t = 0; t < NT; ++t) facc[t] = facc_io[t];
   const __m256i m4 = _mm256_set1_epi8(0x0f);
   const __m256i m30 = _mm256_set1_epi8(0x30);
+  const __m256i m3 = _mm256_set1_epi8(3);
   for (size_t s = 0; s < nsb; ++s) {
-    const auto* b = reinterpret_cast<const BlockQ6K*>(row) + s;
-    prefetch_block<sizeof(BlockQ6K)>(reinterpret_cast<const uint8_t*>(b));
-    const __m128i sc8 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)), k.q6_sc);
-    const __m256 vd = _mm256_set1_ps(h2f(b->d));
+    const uint8_t* blk = row + s * kBytes;
+    prefetch_block<kBytes>(blk);
+    __m128i sc16;
+    uint16_t d16;
+    if constexpr (K == Kind::kQ6K) {
+      const auto* b = reinterpret_cast<const BlockQ6K*>(blk);
+      sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales));
+      d16 = b->d;
+    } else if constexpr (K == Kind::kQ3K) {
+      const auto* b = reinterpret_cast<const BlockQ3K*>(blk);
+      sc16 = q3k_scales(b->scales);
+      d16 = b->d;
+    } else {
+      const auto* b = reinterpret_cast<const BlockQ2K*>(blk);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales));
+      sc16 = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
+      d16 = b->d;
+      // The mins: -dmin * m_s * (da * sum a)_s over the 16 sub-blocks.
+      const __m128i mins = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
+      const __m256 vdm = _mm256_set1_ps(h2f(b->dmin));
+      const __m256 m_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)), vdm);
+      const __m256 m_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8))), vdm);
+      for (int t = 0; t < NT; ++t) {
+        facc[t] = _mm256_fnmadd_ps(m_lo, _mm256_loadu_ps(prep[t].s + 16 * s), facc[t]);
+        facc[t] = _mm256_fnmadd_ps(m_hi, _mm256_loadu_ps(prep[t].s + 16 * s + 8), facc[t]);
+      }
+    }
+    const __m128i sc8 = _mm_shuffle_epi8(sc16, k.q6_sc);
+    const __m256 vd = _mm256_set1_ps(h2f(d16));
     for (int h = 0; h < 2; ++h) {
-      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * h));
-      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * h));
       __m256i c[4], x[4];
-      c[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-      c[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-      c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
-      c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+      if constexpr (K == Kind::kQ6K) {
+        const auto* b = reinterpret_cast<const BlockQ6K*>(blk);
+        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * h));
+        c[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        c[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+        c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+      } else {
+        const uint8_t* qs =
+            K == Kind::kQ3K ? reinterpret_cast<const BlockQ3K*>(blk)->qs : reinterpret_cast<const BlockQ2K*>(blk)->qs;
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * h));
+        c[0] = _mm256_and_si256(q, m3);
+        c[1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), m3);
+        c[2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m3);
+        c[3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), m3);
+        if constexpr (K == Kind::kQ3K) {
+          // The third bit of pair j of half h: bit 4h + j of hmask, as 4.
+          const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const BlockQ3K*>(blk)->hmask));
+          const __m256i hs = h == 0 ? hm : _mm256_srli_epi16(hm, 4);
+          const __m256i four = _mm256_set1_epi8(4);
+          c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(hs, 2), four));
+          c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(hs, 1), four));
+          c[2] = _mm256_or_si256(c[2], _mm256_and_si256(hs, four));
+          c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(hs, 1), four));
+        }
+      }
       transpose4x4(c, x);
       const __m256 wf =
           _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h == 0 ? sc8 : _mm_srli_si128(sc8, 8))), vd);
@@ -415,8 +528,10 @@ void q6k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k
         const int8_t* a = prep[t].qs + 256 * s + 128 * h;
         __m256i av[4];
         for (int j = 0; j < 4; ++j) av[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j));
-        const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(prep[t].init + 16 * s + 8 * h));
-        const __m256i d = Dot::template dot<4, 63>(init, x, av);
+        const __m256i init =
+            K == Kind::kQ2K ? _mm256_setzero_si256()
+                            : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(prep[t].init + 16 * s + 8 * h));
+        const __m256i d = Dot::template dot<4, kMaxCode>(init, x, av);
         const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(prep[t].dx + 16 * s + 8 * h));
         facc[t] = _mm256_fmadd_ps(p, wf, facc[t]);
       }
@@ -425,16 +540,10 @@ void q6k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k
   for (int t = 0; t < NT; ++t) facc_io[t] = facc[t];
 }
 
-enum class Kind { kQ4K, kQ5K, kQ6K };
-
-constexpr WeightType weight_type(Kind k) {
-  return k == Kind::kQ4K ? WeightType::kQ4_K : k == Kind::kQ5K ? WeightType::kQ5_K : WeightType::kQ6_K;
-}
-
 template <class Dot, Kind K, int NT>
 inline void k_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& k, __m256* facc) {
-  if constexpr (K == Kind::kQ6K) {
-    q6k_sbs<Dot, NT>(row, nsb, prep, k, facc);
+  if constexpr (sixteen(K)) {
+    q16_sbs<Dot, K, NT>(row, nsb, prep, k, facc);
   } else {
     qk45_sbs<Dot, K == Kind::kQ5K, NT>(row, nsb, prep, k, facc);
   }
@@ -447,9 +556,12 @@ template <class Dot, Kind K>
 void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
                 size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
-  constexpr bool kQ6 = K == Kind::kQ6K;
-  constexpr size_t kBytes = kQ6 ? sizeof(BlockQ6K) : K == Kind::kQ5K ? sizeof(BlockQ5K) : sizeof(BlockQ4K);
-  constexpr size_t kPrepBytes = kQ6 ? kQ6PrepBytes : kK45PrepBytes;
+  constexpr size_t kBytes = K == Kind::kQ6K   ? sizeof(BlockQ6K)
+                            : K == Kind::kQ3K ? sizeof(BlockQ3K)
+                            : K == Kind::kQ2K ? sizeof(BlockQ2K)
+                            : K == Kind::kQ5K ? sizeof(BlockQ5K)
+                                              : sizeof(BlockQ4K);
+  constexpr size_t kPrepBytes = prep_bytes(K);
   const KConsts& k = kconsts();
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* ab = static_cast<const uint8_t*>(act);
@@ -470,14 +582,14 @@ void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, 
         q += cn * 256;
         prep[t].dx = reinterpret_cast<float*>(q);
         q += cn * 64;
-        if constexpr (kQ6) {
+        if constexpr (K == Kind::kQ6K || K == Kind::kQ3K) {
           prep[t].init = reinterpret_cast<int32_t*>(q);
           q += cn * 64;
         } else {
           prep[t].s = reinterpret_cast<float*>(q);
-          q += cn * 32;
+          q += cn * (K == Kind::kQ2K ? 64 : 32);
         }
-        prepare_k<kQ6>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, c0, cn, prep[t], k);
+        prepare_k<K>(ab + static_cast<size_t>(t0 + t) * act_bytes, n, c0, cn, prep[t], k);
       }
       for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
         const uint8_t* row = wb + r * row_bytes + c0 * kBytes;

@@ -1,7 +1,7 @@
 // The AVX2-level integer dot-product kernels (qdot_avx2_impl.h) with
 // vpdpbusd on ymm in its EVEX encoding (AVX512_VNNI + AVX512VL), for the
 // block formats that have no kernel of their own in qdot_avx512.cpp:
-// q4_1, q5_0, q5_1, iq4_nl and iq4_xs. On CPUs with AVX512_VNNI but not
+// q4_1, q5_0, q5_1, q2_k, q3_k, iq4_nl and iq4_xs. On CPUs with AVX512_VNNI but not
 // AVX-VNNI (Zen 4, Ice Lake, Cascade Lake) the products then go straight
 // into int32, as on qdot_avxvnni.cpp's CPUs, instead of through
 // vpmaddubsw's int16 pair sums; 256-bit vectors, as the AVX2 level's, for
@@ -27,8 +27,10 @@ struct EvexVnniDot {
     return acc;
   }
 
-  // As qdot_avxvnni.cpp's trait: 8 tokens a pass.
-  static constexpr int max_tokens(WeightType) { return 8; }
+  // As qdot_avxvnni.cpp's trait: 8 tokens a pass, 4 for q6_K's kernel.
+  static constexpr int max_tokens(WeightType t) {
+    return t == WeightType::kQ6_K || t == WeightType::kQ3_K || t == WeightType::kQ2_K ? 4 : 8;
+  }
 };
 
 const QuantDotKernels kQ4_1 = {"q4_1-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ4_1>};
@@ -36,6 +38,8 @@ const QuantDotKernels kQ5_0 = {"q5_0-avx512-vnni", quantize_act, dot_rows_32<Eve
 const QuantDotKernels kQ5_1 = {"q5_1-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ5_1>};
 const QuantDotKernels kIq4Nl = {"iq4_nl-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kIq4Nl>};
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kIq4Xs>};
+const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act, dot_rows_k<EvexVnniDot, Kind::kQ2K>};
+const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act, dot_rows_k<EvexVnniDot, Kind::kQ3K>};
 
 }  // namespace
 
@@ -51,6 +55,10 @@ const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
       return &kIq4Nl;
     case WeightType::kIQ4_XS:
       return &kIq4Xs;
+    case WeightType::kQ2_K:
+      return &kQ2_K;
+    case WeightType::kQ3_K:
+      return &kQ3_K;
     default:
       return nullptr;
   }

@@ -313,6 +313,61 @@ float dot_q6_k(const void* row, const void* act, size_t n) {
   return acc;
 }
 
+// q2_K and q3_K: sub-block s (16 elements) of super-block b is half
+// h = s / 8, bit pair j = (s % 8) / 2, elements 16 (s % 2) + l of the
+// half's 32 code bytes (quant_blocks.h); it lies in activation block
+// 8b + s / 2, whose scale multiplies its integer products.
+int q23_code(const uint8_t* qs, const uint8_t* hmask, int s, int l) {
+  const int j = (s % 8) / 2;
+  const int low = (qs[32 * (s / 8) + 16 * (s % 2) + l] >> (2 * j)) & 3;
+  if (hmask == nullptr) return low;
+  return low | (((hmask[16 * (s % 2) + l] >> (4 * (s / 8) + j)) & 1) << 2);
+}
+
+// q2_K: da * (d * sc_s * (q . a)_s - dmin * m_s * (sum a)_s) per sub-block.
+float dot_q2_k(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockQ2K*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    const float d = f16_to_float(w[b].d);
+    const float dmin = f16_to_float(w[b].dmin);
+    const int8_t* aq = a.qs + kQKK * b;
+    for (int s = 0; s < 16; ++s) {
+      int32_t dot = 0;
+      for (int l = 0; l < 16; ++l) dot += q23_code(w[b].qs, nullptr, s, l) * aq[16 * s + l];
+      const int32_t asum = act_sum16(a, 16 * b + static_cast<size_t>(s));
+      const float da = act_d(a, 8 * b + static_cast<size_t>(s / 2));
+      acc += da * (d * static_cast<float>((w[b].scales[s] & 15) * dot) -
+                   dmin * static_cast<float>((w[b].scales[s] >> 4) * asum));
+    }
+  }
+  return acc;
+}
+
+// q3_K: d * da * sum_s (sc_s - 32) * ((q . a)_s - 4 (sum a)_s), q 0..7.
+float dot_q3_k(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockQ3K*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    int8_t sc[16];
+    q3_k_scales(w[b].scales, sc);
+    const float d = f16_to_float(w[b].d);
+    const int8_t* aq = a.qs + kQKK * b;
+    for (int j = 0; j < 8; ++j) {
+      int32_t isum = 0;
+      for (int s = 2 * j; s < 2 * j + 2; ++s) {
+        int32_t dot = 0;
+        for (int l = 0; l < 16; ++l) dot += q23_code(w[b].qs, w[b].hmask, s, l) * aq[16 * s + l];
+        isum += sc[s] * (dot - 4 * act_sum16(a, 16 * b + static_cast<size_t>(s)));
+      }
+      acc += d * act_d(a, 8 * b + static_cast<size_t>(j)) * static_cast<float>(isum);
+    }
+  }
+  return acc;
+}
+
 template <float (*Dot)(const void*, const void*, size_t)>
 void dot_rows(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
               size_t n, float* out, size_t ld_out) {
@@ -337,6 +392,8 @@ constexpr QuantDotKernels kQ5_0 = {"q5_0-scalar", quantize_act, dot_rows<dot_q5_
 constexpr QuantDotKernels kQ5_1 = {"q5_1-scalar", quantize_act, dot_rows<dot_min_32<BlockQ5_1>>};
 constexpr QuantDotKernels kIq4Nl = {"iq4_nl-scalar", quantize_act, dot_rows<dot_iq4_nl>};
 constexpr QuantDotKernels kIq4Xs = {"iq4_xs-scalar", quantize_act, dot_rows<dot_iq4_xs>};
+constexpr QuantDotKernels kQ2_K = {"q2_k-scalar", quantize_act, dot_rows<dot_q2_k>};
+constexpr QuantDotKernels kQ3_K = {"q3_k-scalar", quantize_act, dot_rows<dot_q3_k>};
 
 }  // namespace
 
@@ -364,6 +421,10 @@ const QuantDotKernels* quant_dot_scalar(WeightType t) {
       return &kIq4Nl;
     case WeightType::kIQ4_XS:
       return &kIq4Xs;
+    case WeightType::kQ2_K:
+      return &kQ2_K;
+    case WeightType::kQ3_K:
+      return &kQ3_K;
     default:
       return nullptr;
   }

@@ -20,6 +20,8 @@ bool is_quantized(WeightType t) {
     case WeightType::kQ5_1:
     case WeightType::kIQ4_NL:
     case WeightType::kIQ4_XS:
+    case WeightType::kQ2_K:
+    case WeightType::kQ3_K:
       return true;
     default:
       return false;

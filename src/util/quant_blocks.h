@@ -1,6 +1,6 @@
 // Byte layouts of the block-quantised weight formats, exactly as GGUF
 // stores them (ggml's block_q8_0, block_q4_0, block_q4_1, block_q5_0,
-// block_q5_1, block_q4_K, block_q5_K, block_q6_K, block_mxfp4,
+// block_q5_1, block_q2_K, block_q3_K, block_q4_K, block_q5_K, block_q6_K, block_mxfp4,
 // block_iq4_nl, block_iq4_xs), so model files, GGUF tensors and memory
 // hold the same bytes.
 // docs/FORMAT.md describes every field; weight_format.h owns the sizes.
@@ -44,6 +44,26 @@ struct BlockQ5_1 {
   uint16_t m;  // f16
   uint8_t qh[4];
   uint8_t qs[kQK32 / 2];
+};
+// 16 sub-blocks of 16 (ggml's dequantize_row_q2_K order: sub-block s of
+// half h = s / 8 takes element l (< 16) from bits 2 * ((s % 8) / 2) of
+// qs[32 h + 16 (s % 2) + l]); scales[s]: a 4-bit scale (low nibble) and
+// min (high): x = d * sc * q - dmin * m, q 0..3.
+struct BlockQ2K {
+  uint8_t scales[kQKK / 16];
+  uint8_t qs[kQKK / 4];
+  uint16_t d;     // f16
+  uint16_t dmin;  // f16
+};
+// q2_K's sub-blocks and two-bit codes with a third bit in hmask (bit
+// 4 h + (s % 8) / 2 of hmask[16 (s % 2) + l], set: +4) and a signed 6-bit
+// scale per sub-block (sc - 32, packed in 12 bytes: low nibbles in bytes
+// 0-7, high bit pairs in bytes 8-11): x = d * (sc - 32) * (q - 4), q 0..7.
+struct BlockQ3K {
+  uint8_t hmask[kQKK / 8];
+  uint8_t qs[kQKK / 4];
+  uint8_t scales[12];
+  uint16_t d;  // f16
 };
 // 8 sub-blocks of 32; sub-block j has a 6-bit scale sc_j and min m_j packed
 // in `scales` (ggml's get_scale_min_k4): x = d * sc_j * q - dmin * m_j.
@@ -113,6 +133,8 @@ static_assert(sizeof(BlockQ5_1) == 24);
 static_assert(sizeof(BlockIq4Nl) == 18);
 static_assert(sizeof(BlockIq4Xs) == 136);
 static_assert(sizeof(BlockQ4K) == 144);
+static_assert(sizeof(BlockQ2K) == 84);
+static_assert(sizeof(BlockQ3K) == 110);
 static_assert(sizeof(BlockQ5K) == 176);
 static_assert(sizeof(BlockQ6K) == 210);
 

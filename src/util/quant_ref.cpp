@@ -79,15 +79,14 @@ void pack_scales_mins(const uint8_t* ls, const uint8_t* lm, uint8_t* s) {
   }
 }
 
-// ggml's make_qkx2_quants (without the mean-absolute-deviation option, which
-// no reference quantiser uses): fits x ~ scale * L - neg_min with L in
+// ggml's make_qkx2_quants: fits x ~ scale * L - neg_min with L in
 // [0, nmax] and a min no greater than 0, minimising the weighted squared
-// error. It starts from the plain min/max mapping, then tries nstep + 1
+// error (the weighted absolute error with `mad`, as q2_K asks). It starts from the plain min/max mapping, then tries nstep + 1
 // stretched grids (rmin + rdelta * k steps wider), solving the weighted
 // least-squares scale and min for each grid's assignment. The float
 // expressions keep ggml's operand order so the chosen grid is the same.
 float fit_scale_min(const float* x, const float* w, int n, int nmax, float rmin, float rdelta, int nstep,
-                    uint8_t* L, float* neg_min) {
+                    uint8_t* L, float* neg_min, bool mad = false) {
   float min = x[0];
   float max = x[0];
   float sum_w = w[0];
@@ -115,7 +114,7 @@ float fit_scale_min(const float* x, const float* w, int n, int nmax, float rmin,
     L[i] = static_cast<uint8_t>(clamp_int(nearest_int(iscale * t), 0, nmax));
     const float fit = scale * L[i];
     const float diff = fit + min - x[i];
-    const float e = diff * diff;
+    const float e = mad ? std::fabs(diff) : diff * diff;
     best_error += w[i] * e;
   }
   uint8_t trial[32];
@@ -153,7 +152,7 @@ float fit_scale_min(const float* x, const float* w, int n, int nmax, float rmin,
     for (int i = 0; i < n; ++i) {
       const float fit = this_scale * trial[i];
       const float diff = fit + this_min - x[i];
-      const float e = diff * diff;
+      const float e = mad ? std::fabs(diff) : diff * diff;
       error += w[i] * e;
     }
     if (error < best_error) {
@@ -486,6 +485,52 @@ void dequantize_iq4_xs(const void* src, float* dst, size_t n) {
       for (int l = 0; l < 16; ++l) {
         dst[l] = dl * static_cast<float>(kIq4nlValues[qs[l] & 0xf]);
         dst[l + 16] = dl * static_cast<float>(kIq4nlValues[qs[l] >> 4]);
+      }
+    }
+  }
+}
+
+void dequantize_q2_k(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ2K*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    const float dmin = f16_to_float(b->dmin);
+    for (int s = 0; s < kSub16; ++s, dst += 16) {
+      const float dl = d * static_cast<float>(b->scales[s] & 0xf);
+      const float ml = dmin * static_cast<float>(b->scales[s] >> 4);
+      const uint8_t* q = b->qs + 32 * (s / 8) + 16 * (s % 2);
+      const int shift = 2 * ((s % 8) / 2);
+      for (int l = 0; l < 16; ++l) {
+        const float scaled = dl * static_cast<float>((q[l] >> shift) & 3);
+        dst[l] = scaled - ml;
+      }
+    }
+  }
+}
+
+void q3_k_scales(const uint8_t* packed, int8_t* out) {
+  for (int s = 0; s < kSub16; ++s) {
+    const int low = s < 8 ? packed[s] & 0xf : packed[s - 8] >> 4;
+    const int high = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
+    out[s] = static_cast<int8_t>((low | (high << 4)) - 32);
+  }
+}
+
+void dequantize_q3_k(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockQ3K*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    int8_t sc[kSub16];
+    q3_k_scales(b->scales, sc);
+    for (int s = 0; s < kSub16; ++s, dst += 16) {
+      const float dl = d * static_cast<float>(sc[s]);
+      const int j = (s % 8) / 2;  // the bit pair in qs
+      const uint8_t* q = b->qs + 32 * (s / 8) + 16 * (s % 2);
+      const uint8_t* hm = b->hmask + 16 * (s % 2);
+      const int bit = 4 * (s / 8) + j;
+      for (int l = 0; l < 16; ++l) {
+        const int v = ((q[l] >> (2 * j)) & 3) - (((hm[l] >> bit) & 1) ? 0 : 4);
+        dst[l] = dl * static_cast<float>(v);
       }
     }
   }
@@ -862,6 +907,183 @@ void quantize_iq4_xs(const float* src, void* dst, size_t n) {
   auto* b = static_cast<BlockIq4Xs*>(dst);
   for (size_t i = 0; i < n / kQKK; ++i, ++b, src += kQKK) {
     quantize_iq4(src, kQKK, &b->d, b->qs, &b->scales_h, b->scales_l);
+  }
+}
+
+void quantize_q2_k(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ2K*>(dst);
+  constexpr float kLevels = 15.f;  // 4-bit scales and mins
+  for (size_t i = 0; i < n / kQKK; ++i, ++b, src += kQKK) {
+    float x[kQKK];
+    load_clamped(src, x);
+    uint8_t L[kQKK];
+    float scales[kSub16];
+    float mins[kSub16];
+    float weights[16];
+    float max_scale = 0;
+    float max_min = 0;
+    for (int j = 0; j < kSub16; ++j) {
+      for (int l = 0; l < 16; ++l) weights[l] = std::fabs(x[16 * j + l]);
+      scales[j] = fit_scale_min(x + 16 * j, weights, 16, 3, -0.5f, 0.1f, 15, L + 16 * j, &mins[j], true);
+      if (scales[j] > max_scale) max_scale = scales[j];
+      if (mins[j] > max_min) max_min = mins[j];
+    }
+    // ggml stores nearest_int's value as a byte unclamped; the fit keeps
+    // every scale and min within [0, max], so it lies in 0..15.
+    if (max_scale > 0) {
+      const float iscale = kLevels / max_scale;
+      for (int j = 0; j < kSub16; ++j) b->scales[j] = static_cast<uint8_t>(clamp_int(nearest_int(iscale * scales[j]), 0, 15));
+      b->d = f16_scale(max_scale / kLevels);
+    } else {
+      std::memset(b->scales, 0, sizeof b->scales);
+      b->d = float_to_f16(0.f);
+    }
+    if (max_min > 0) {
+      const float iscale = kLevels / max_min;
+      for (int j = 0; j < kSub16; ++j) {
+        b->scales[j] = static_cast<uint8_t>(b->scales[j] | (clamp_int(nearest_int(iscale * mins[j]), 0, 15) << 4));
+      }
+      b->dmin = f16_scale(max_min / kLevels);
+    } else {
+      b->dmin = float_to_f16(0.f);
+    }
+    for (int j = 0; j < kSub16; ++j) {
+      const float d = f16_to_float(b->d) * static_cast<float>(b->scales[j] & 0xf);
+      if (d == 0) continue;
+      const float dm = f16_to_float(b->dmin) * static_cast<float>(b->scales[j] >> 4);
+      for (int l = 0; l < 16; ++l) {
+        const float shifted = x[16 * j + l] + dm;
+        L[16 * j + l] = static_cast<uint8_t>(clamp_int(nearest_int(shifted / d), 0, 3));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* q = L + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        b->qs[32 * h + l] = static_cast<uint8_t>(q[l] | (q[l + 32] << 2) | (q[l + 64] << 4) | (q[l + 96] << 6));
+      }
+    }
+  }
+}
+
+namespace {
+
+// ggml's make_q3_quants with its least-squares refinement: levels in
+// [-nmax, nmax) anchored so the largest magnitude maps to -nmax, then up to
+// five passes moving single levels while the x^2-weighted fit improves.
+// L gets the levels + nmax; returns the scale.
+float fit_q3_scale(const float* x, int n, int nmax, int8_t* L) {
+  float max = 0;
+  float amax = 0;
+  for (int i = 0; i < n; ++i) {
+    if (std::fabs(x[i]) > amax) {
+      amax = std::fabs(x[i]);
+      max = x[i];
+    }
+  }
+  if (amax < kGroupMaxEps) {
+    std::memset(L, 0, static_cast<size_t>(n));
+    return 0.0f;
+  }
+  const float iscale = static_cast<float>(-nmax) / max;
+  float sumlx = 0;
+  float suml2 = 0;
+  for (int i = 0; i < n; ++i) {
+    const int l = clamp_int(nearest_int(iscale * x[i]), -nmax, nmax - 1);
+    L[i] = static_cast<int8_t>(l);
+    const float w = x[i] * x[i];
+    const float wx = w * x[i];
+    sumlx += wx * static_cast<float>(l);
+    const float wl = w * static_cast<float>(l);
+    suml2 += wl * static_cast<float>(l);
+  }
+  for (int pass = 0; pass < 5; ++pass) {
+    int changed = 0;
+    for (int i = 0; i < n; ++i) {
+      const float w = x[i] * x[i];
+      const float wx = w * x[i];
+      float slx = sumlx - wx * static_cast<float>(L[i]);
+      if (!(slx > 0)) continue;
+      const float wl = w * static_cast<float>(L[i]);
+      float sl2 = suml2 - wl * static_cast<float>(L[i]);
+      const float target = x[i] * sl2;
+      const int l = clamp_int(nearest_int(target / slx), -nmax, nmax - 1);
+      if (l == L[i]) continue;
+      slx += wx * static_cast<float>(l);
+      const float wnew = w * static_cast<float>(l);
+      sl2 += wnew * static_cast<float>(l);
+      const float lhs = slx * slx * suml2;
+      const float rhs = sumlx * sumlx * sl2;
+      if (sl2 > 0 && lhs > rhs) {
+        L[i] = static_cast<int8_t>(l);
+        sumlx = slx;
+        suml2 = sl2;
+        ++changed;
+      }
+    }
+    if (changed == 0) break;
+  }
+  for (int i = 0; i < n; ++i) L[i] = static_cast<int8_t>(L[i] + nmax);
+  return suml2 > 0 ? sumlx / suml2 : 0.0f;
+}
+
+}  // namespace
+
+void quantize_q3_k(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockQ3K*>(dst);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b, src += kQKK) {
+    float x[kQKK];
+    load_clamped(src, x);
+    int8_t L[kQKK];
+    float scales[kSub16];
+    float max_scale = 0;
+    float amax = 0;
+    for (int j = 0; j < kSub16; ++j) {
+      scales[j] = fit_q3_scale(x + 16 * j, 16, 4, L + 16 * j);
+      if (std::fabs(scales[j]) > amax) {
+        amax = std::fabs(scales[j]);
+        max_scale = scales[j];
+      }
+    }
+    std::memset(b->scales, 0, sizeof b->scales);
+    if (max_scale != 0) {
+      const float iscale = -32.f / max_scale;
+      for (int j = 0; j < kSub16; ++j) {
+        const int l = clamp_int(nearest_int(iscale * scales[j]), -32, 31) + 32;
+        if (j < 8) {
+          b->scales[j] = static_cast<uint8_t>(l & 0xf);
+        } else {
+          b->scales[j - 8] = static_cast<uint8_t>(b->scales[j - 8] | ((l & 0xf) << 4));
+        }
+        b->scales[8 + j % 4] = static_cast<uint8_t>(b->scales[8 + j % 4] | ((l >> 4) << (2 * (j / 4))));
+      }
+      b->d = f16_scale(1 / iscale);
+    } else {
+      b->d = float_to_f16(0.f);
+    }
+    int8_t sc[kSub16];
+    q3_k_scales(b->scales, sc);
+    for (int j = 0; j < kSub16; ++j) {
+      const float d = f16_to_float(b->d) * static_cast<float>(sc[j]);
+      if (d == 0) continue;
+      for (int l = 0; l < 16; ++l) {
+        L[16 * j + l] = static_cast<int8_t>(clamp_int(nearest_int(x[16 * j + l] / d), -4, 3) + 4);
+      }
+    }
+    // The third bit: element e of a half goes to bit 4 h + e / 32 of
+    // hmask[e % 32], the two low bits stay in L.
+    std::memset(b->hmask, 0, sizeof b->hmask);
+    for (int e = 0; e < kQKK; ++e) {
+      if (L[e] > 3) {
+        b->hmask[e % 32] = static_cast<uint8_t>(b->hmask[e % 32] | (1u << (e / 32)));
+        L[e] = static_cast<int8_t>(L[e] - 4);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int8_t* q = L + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        b->qs[32 * h + l] = static_cast<uint8_t>(q[l] | (q[l + 32] << 2) | (q[l + 64] << 4) | (q[l + 96] << 6));
+      }
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 // package write and read. n is a multiple of the format's block size
 // (32 for q8_0 / q4_0 / q4_1 / q5_0 / q5_1 / mxfp4 / iq4_nl, 256 for the
 // K formats and iq4_xs); dst holds n / block blocks.
+
 // These are the formats' WeightFormat::to_float / from_float.
 #pragma once
 
@@ -23,6 +24,11 @@ void dequantize_q5_0(const void* src, float* dst, size_t n);
 void dequantize_q5_1(const void* src, float* dst, size_t n);
 void dequantize_iq4_nl(const void* src, float* dst, size_t n);
 void dequantize_iq4_xs(const void* src, float* dst, size_t n);
+void dequantize_q2_k(const void* src, float* dst, size_t n);
+void dequantize_q3_k(const void* src, float* dst, size_t n);
+// A q3_K super-block's 16 sub-block scales, sc - 32 (-32 .. 31), from its
+// 12 packed bytes.
+void q3_k_scales(const uint8_t* packed, int8_t* out);
 // An IQ4_XS sub-block's 6-bit scale ls_j (0..63; the scale is d * (ls_j - 32)).
 int iq4_xs_scale(const void* block, int j);
 
@@ -39,10 +45,13 @@ void quantize_mxfp4(const float* src, void* dst, size_t n);
 void quantize_q4_1(const float* src, void* dst, size_t n);
 void quantize_q5_0(const float* src, void* dst, size_t n);
 void quantize_q5_1(const float* src, void* dst, size_t n);
-// ggml's quantize_row_iq4_nl_ref / quantize_row_iq4_xs_ref (no importance
-// matrix: weights x^2, seven scale trials a block). The gguf package has
-// no quantiser for these to check the bytes against; llama.cpp's files are
-// read as stored whatever made them.
+void quantize_q2_k(const float* src, void* dst, size_t n);
+void quantize_q3_k(const float* src, void* dst, size_t n);
+// ggml's quantize_iq4_nl / quantize_iq4_xs without an importance matrix
+// (weights x^2, seven scale trials a block): the bytes llama-quantize
+// writes (ggml's quantize_row_iq4_nl_ref skips the trials). The gguf
+// package has no quantiser for these; tests/test_quant_ref.cpp pins the
+// bytes to ggml's.
 void quantize_iq4_nl(const float* src, void* dst, size_t n);
 void quantize_iq4_xs(const float* src, void* dst, size_t n);
 

@@ -52,6 +52,8 @@ constexpr WeightFormat kFormats[kWeightTypeCount] = {
     {WeightType::kQ5_1, "q5_1", kQK32, sizeof(BlockQ5_1), dequantize_q5_1, quantize_q5_1, true},
     {WeightType::kIQ4_NL, "iq4_nl", kQK32, sizeof(BlockIq4Nl), dequantize_iq4_nl, quantize_iq4_nl, true},
     {WeightType::kIQ4_XS, "iq4_xs", kQKK, sizeof(BlockIq4Xs), dequantize_iq4_xs, quantize_iq4_xs, true},
+    {WeightType::kQ2_K, "q2_k", kQKK, sizeof(BlockQ2K), dequantize_q2_k, quantize_q2_k, true},
+    {WeightType::kQ3_K, "q3_k", kQKK, sizeof(BlockQ3K), dequantize_q3_k, quantize_q3_k, true},
 };
 
 }  // namespace

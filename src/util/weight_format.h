@@ -32,8 +32,10 @@ enum class WeightType : uint8_t {
   kQ5_1 = 11,
   kIQ4_NL = 12,
   kIQ4_XS = 13,
+  kQ2_K = 14,
+  kQ3_K = 15,
 };
-inline constexpr int kWeightTypeCount = 14;
+inline constexpr int kWeightTypeCount = 16;
 
 struct WeightFormat {
   WeightType type;
