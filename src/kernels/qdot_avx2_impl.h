@@ -425,12 +425,12 @@ void qk45_sbs(const uint8_t* row, size_t nsb, const KPrep* prep, const KConsts& 
 // conversion, one multiply by the activation scales and one FMA with d * sc
 // per token.
 // q3_K's 16 sub-block scales (sc - 32, signed bytes) from its 12 packed
-// bytes: low nibbles of bytes 0-7 (sub-blocks 0-7) and their high nibbles
+// bytes (`packed` = BlockQ3K::scales): low nibbles of bytes 0-7 (sub-blocks 0-7) and their high nibbles
 // (8-15), two more bits of each from byte 8 + s % 4 at bit 2 (s / 4).
 inline __m128i q3k_scales(const uint8_t* packed) {
-  uint8_t raw[16] = {};
-  std::memcpy(raw, packed, 12);
-  const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw));
+  // One load from two bytes before the scales (the end of qs), which stays
+  // inside the block; a copy to a 16-byte buffer stalled store forwarding.
+  const __m128i r = _mm_srli_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed - 2)), 2);
   const __m128i m4 = _mm_set1_epi8(0x0f);
   const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(r, m4), _mm_and_si128(_mm_srli_epi16(r, 4), m4));
   const __m128i hb = _mm_shuffle_epi8(r, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
