@@ -17,12 +17,14 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kernels/kernels.h"
 #include "kernels/quant_dot.h"
+#include "util/half.h"
 #include "util/weight_format.h"
 
 namespace {
@@ -32,6 +34,15 @@ using colibri::kernels::QuantDotKernels;
 
 // rows x n weights of type t, quantised from N(0, 0.02).
 std::vector<uint8_t> random_weights(WeightType t, size_t rows, size_t n, std::mt19937* rng) {
+  const colibri::WeightFormat& f = colibri::weight_format(t);
+  if (f.from_float == nullptr) {
+    // A format read, not made (iq2_xxs): random blocks, each led by an f16 scale of 1e-3.
+    std::vector<uint8_t> w(rows * colibri::weight_row_bytes(t, n));
+    for (uint8_t& b : w) b = static_cast<uint8_t>((*rng)());
+    const uint16_t d = colibri::float_to_f16(1e-3f);
+    for (size_t o = 0; o < w.size(); o += f.block_bytes) std::memcpy(w.data() + o, &d, sizeof d);
+    return w;
+  }
   std::normal_distribution<float> normal(0.0f, 0.02f);
   std::vector<float> x(rows * n);
   for (float& v : x) v = normal(*rng);

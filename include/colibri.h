@@ -60,7 +60,8 @@ typedef enum colibri_status {
  * layout with a non-uniform table of levels, 4.5 bits) and iq4_xs (eight
  * iq4_nl blocks under one f16 scale with 6-bit sub-scales, 4.25 bits),
  * q2_k and q3_k (super-blocks of 256 in sub-blocks of 16: 2.625 and 3.4375
- * bits). A
+ * bits), and iq2_xxs (256 weights in 66 bytes, 2.06 bits: grid points of
+ * 8 values with sign bits; read as stored, not made). A
  * row of n weights is ceil(n / block) whole blocks, the last padded with
  * zeros (colibri_dtype_row_bytes). */
 typedef enum colibri_dtype {
@@ -79,7 +80,8 @@ typedef enum colibri_dtype {
   COLIBRI_DTYPE_IQ4_NL = 12,
   COLIBRI_DTYPE_IQ4_XS = 13,
   COLIBRI_DTYPE_Q2_K = 14,
-  COLIBRI_DTYPE_Q3_K = 15
+  COLIBRI_DTYPE_Q3_K = 15,
+  COLIBRI_DTYPE_IQ2_XXS = 16
 } colibri_dtype_t;
 
 /* Kind of huge pages backing the packed weights. */

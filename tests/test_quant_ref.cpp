@@ -401,6 +401,12 @@ TEST(QuantRefGgml, DequantizeRandomBlocks) {
     const std::vector<float> y = dequantize(*g.f, random_blocks(*g.f, 2048 / g.f->block, 11));
     EXPECT_EQ(fnv1a(y.data(), y.size() * sizeof(float)), g.hash) << g.f->name;
   }
+  // The formats read, not made (no quantiser): their dequantiser alone.
+  const Format iq2_xxs{"iq2_xxs", WeightType::kIQ2_XXS, kQKK, sizeof(BlockIq2Xxs), nullptr, dequantize_iq2_xxs};
+  EXPECT_EQ(weight_format(WeightType::kIQ2_XXS).from_float, nullptr);
+  EXPECT_EQ(weight_format(WeightType::kIQ2_XXS).to_float, dequantize_iq2_xxs);
+  const std::vector<float> y = dequantize(iq2_xxs, random_blocks(iq2_xxs, 2048 / kQKK, 11));
+  EXPECT_EQ(fnv1a(y.data(), y.size() * sizeof(float)), 0xe3b58efc1d8a69cdull) << "iq2_xxs";
 }
 
 // ---------------------------------------------------------------------------
@@ -701,7 +707,9 @@ TEST(QuantRefDegenerate, TinyValuesNeverWorseThanZero) {
       // to one subnormal step while every level rounds to 0. Their bytes
       // are llama.cpp's; the check keeps them finite.
       const bool min_format = f.type == WeightType::kQ4_1 || f.type == WeightType::kQ5_1;
-      if (!(min_format && scale < 1e-6f)) EXPECT_LE(rel_l2(y, x), 1.0) << f.name << " scale " << scale;
+      if (!(min_format && scale < 1e-6f)) {
+        EXPECT_LE(rel_l2(y, x), 1.0) << f.name << " scale " << scale;
+      }
     }
   }
 }

@@ -36,7 +36,21 @@ GGUF_TYPE = {
     "iq4_xs": Q.IQ4_XS,
     "q2_k": Q.Q2_K,
     "q3_k": Q.Q3_K,
+    "iq2_xxs": Q.IQ2_XXS,
 }
+
+
+def _random_iq2_xxs(shape, magnitude, seed=7):
+    """uint8 [..., n / 256 * 66]: IQ2_XXS blocks of random grid points,
+    signs and sub-scales, d such that the mean magnitude is about `magnitude`
+    (a grid value averages about 20, a sub-scale (0.5 + ls) / 4 about 2)."""
+    rng = np.random.default_rng(seed + int(np.prod(shape)))
+    rows = int(np.prod(shape[:-1]))
+    blocks = rows * (shape[-1] // 256)
+    raw = rng.integers(0, 256, (blocks, 66), dtype=np.uint8)
+    d = np.full(blocks, magnitude / 40.0, np.float16)
+    raw[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(*shape[:-1], -1)
 
 
 def encode(w: np.ndarray, dtype: str, reference: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -52,6 +66,11 @@ def encode(w: np.ndarray, dtype: str, reference: bool = True) -> tuple[np.ndarra
         return h, h.astype(np.float32)
     if t in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q4_1, Q.Q5_0, Q.Q5_1):
         raw = gguf.quants.quantize(w, t)
+    elif t == Q.IQ2_XXS:
+        # Read, not made (no quantiser without an importance matrix): random
+        # grid blocks with a scale that gives values of w's magnitude; the
+        # reference is what they dequantise to.
+        raw = _random_iq2_xxs(w.shape, float(np.abs(w).mean()) if w.size else 0.0)
     else:
         rows = w.reshape(-1, w.shape[-1])
         raw = colibri.quantize(rows, dtype).reshape(*w.shape[:-1], -1)
@@ -303,12 +322,13 @@ _ARCH = {
 # of 32-value blocks; a tensor whose rows are not is stored in the fallback
 # (llama.cpp's quantiser falls back likewise, Q6_K -> Q8_0).
 _BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "q4_0": 32, "mxfp4": 32, "q4_1": 32, "q5_0": 32,
-          "q5_1": 32, "iq4_nl": 32, "iq4_xs": 256, "q2_k": 256, "q3_k": 256}
+          "q5_1": 32, "iq4_nl": 32, "iq4_xs": 256, "q2_k": 256, "q3_k": 256, "iq2_xxs": 256}
 
 _FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K",
               "mxfp4": "MOSTLY_MXFP4_MOE", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
-              "iq4_nl": "MOSTLY_IQ4_NL", "iq4_xs": "MOSTLY_IQ4_XS", "q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_M"}
+              "iq4_nl": "MOSTLY_IQ4_NL", "iq4_xs": "MOSTLY_IQ4_XS", "q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_M",
+              "iq2_xxs": "MOSTLY_IQ2_XXS"}
 
 
 def _byte_level_vocab(n: int, specials=("<|endoftext|>", "<|startoftext|>")):

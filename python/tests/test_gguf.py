@@ -103,6 +103,8 @@ CASES = [
     # Q2_K / Q3_K as llama.cpp's Q2_K and Q3_K_M mixes lay them out.
     ("deepseek2", "q2_k", "q3_k", dict(dense_blocks=1, shared_d_ff=256, block_down_dtypes=["q3_k", "q4_k"])),
     ("qwen3moe", "q3_k", "q3_k", dict()),
+    # IQ2_XXS experts (random grid blocks: the format is read, not made) with Q3_K down.
+    ("qwen3moe", "iq2_xxs", "q3_k", dict()),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
     ("qwen2moe", "f32", "f32", dict(shared_d_ff=128, router_dtype="bf16")),

@@ -41,6 +41,11 @@ FORMATS = {
     "q3_k": (GGMLQuantizationType.Q3_K, 256, 110, (108,)),
 }
 GGUF_QUANTIZES = ("q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
+# Formats read as stored, never made (their quantisers need an importance
+# matrix): only their random blocks are compared, and quantising is refused.
+READ_ONLY = {
+    "iq2_xxs": (GGMLQuantizationType.IQ2_XXS, 256, 66, (0,)),
+}
 # Loose round-trip bounds on normal data, a sanity check on the bindings
 # (test_quant_ref.cpp holds the tight ones).
 ROUND_TRIP_BOUND = {"q8_0": 0.01, "q4_0": 0.15, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03, "mxfp4": 0.2,
@@ -159,7 +164,7 @@ def clear_zero_sign(q, block_bytes, offset):
 def random_blocks(dtype, rows, blocks_per_row, seed):
     """Random bytes, every f16 scale field a random finite value (subnormals,
     zeros and negatives included: an all-ones exponent loses its top bit)."""
-    _, _, block_bytes, fields = FORMATS[dtype]
+    _, _, block_bytes, fields = {**FORMATS, **READ_ONLY}[dtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows * blocks_per_row, block_bytes), dtype=np.uint8)
     for off in fields:
@@ -173,11 +178,17 @@ def random_blocks(dtype, rows, blocks_per_row, seed):
     return raw.reshape(rows, blocks_per_row * block_bytes)
 
 
-@pytest.mark.parametrize("dtype", list(FORMATS))
+@pytest.mark.parametrize("dtype", list(FORMATS) + list(READ_ONLY))
 def test_random_blocks_dequantize_like_gguf(dtype):
-    qtype, block, _, _ = FORMATS[dtype]
+    qtype, block, _, _ = {**FORMATS, **READ_ONLY}[dtype]
     for seed in range(3):
         raw = random_blocks(dtype, 4, 4096 // block, seed)
         ours = colibri.dequantize(raw, dtype, 4096)
         assert_same_floats(ours, gguf_dequantize(raw, qtype), "%s random blocks, seed %d" % (dtype, seed))
         assert np.isfinite(ours).all()
+
+
+@pytest.mark.parametrize("dtype", list(READ_ONLY))
+def test_read_only_formats_refuse_to_quantize(dtype):
+    with pytest.raises(colibri.ColibriError, match="importance matrix"):
+        colibri.quantize(np.ones((1, 256), np.float32), dtype)

@@ -128,7 +128,8 @@ static_assert(COLIBRI_DTYPE_F32 == static_cast<int>(colibri::WeightType::kF32) &
               COLIBRI_DTYPE_IQ4_XS == static_cast<int>(colibri::WeightType::kIQ4_XS) &&
               COLIBRI_DTYPE_Q2_K == static_cast<int>(colibri::WeightType::kQ2_K) &&
               COLIBRI_DTYPE_Q3_K == static_cast<int>(colibri::WeightType::kQ3_K) &&
-              colibri::kWeightTypeCount == COLIBRI_DTYPE_Q3_K + 1);
+              COLIBRI_DTYPE_IQ2_XXS == static_cast<int>(colibri::WeightType::kIQ2_XXS) &&
+              colibri::kWeightTypeCount == COLIBRI_DTYPE_IQ2_XXS + 1);
 static_assert(COLIBRI_ROUTER_GPT_OSS == colibri::kLastRouterFamily &&
               COLIBRI_ROUTER_DEEPSEEK_V3 == static_cast<int>(colibri::RouterFamily::kDeepseekV3) &&
               COLIBRI_ROUTER_MIXTRAL == static_cast<int>(colibri::RouterFamily::kMixtral) &&
@@ -200,6 +201,7 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
     case COLIBRI_DTYPE_IQ4_XS: return "iq4_xs";
     case COLIBRI_DTYPE_Q2_K: return "q2_k";
     case COLIBRI_DTYPE_Q3_K: return "q3_k";
+    case COLIBRI_DTYPE_IQ2_XXS: return "iq2_xxs";
   }
   return "unknown";
 }
@@ -210,7 +212,7 @@ const char* colibri_cpu_isa(void) { return colibri::kernels::isa_name(colibri::k
 
 namespace {
 
-bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_Q3_K; }
+bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_IQ2_XXS; }
 
 // Checks a conversion's arguments; the byte count of its rows.
 size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) {

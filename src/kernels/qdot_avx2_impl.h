@@ -57,6 +57,7 @@
 
 #include "kernels/quant_dot.h"
 #include "kernels/x86_intrinsics.h"
+#include "util/iq_grids.h"
 #include "util/quant_blocks.h"
 
 namespace colibri::kernels {
@@ -1002,6 +1003,78 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
           *o = g0 == 0 ? res[t] : *o + res[t];
         }
       }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- grid i-quants
+
+// IQ2_XXS rows against up to Dot::max_tokens tokens a pass: per 32-element
+// sub-block the four grid points (8 magnitudes each) loaded by index into one
+// vector, the sign bits spread to a +-1 byte per value and put on the
+// activations (vpsignb), one product vector per token converted and added
+// with the sub-block's scale d * (0.5 + ls) / 4 times the token's; one
+// horizontal sum per row and token at the end. The activations are read
+// as quantised (no per-call preparation).
+template <class Dot, int NT>
+void iq2xxs_row(const uint8_t* row, size_t nsb, const uint8_t* const* acts, size_t n, float* res) {
+  __m256 facc[NT];
+  for (int t = 0; t < NT; ++t) facc[t] = _mm256_setzero_ps();
+  const __m256i bits = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  const __m256i one = _mm256_set1_epi8(1);
+  const uint64_t* grid = kIqTables.iq2xxs_grid;
+  const uint8_t* signs = kIqTables.iq2_signs;
+  for (size_t s = 0; s < nsb; ++s) {
+    const auto* b = reinterpret_cast<const BlockIq2Xxs*>(row) + s;
+    prefetch_block<sizeof(BlockIq2Xxs)>(reinterpret_cast<const uint8_t*>(b));
+    const float d = h2f(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      uint32_t words[2];
+      std::memcpy(words, b->qs + 4 * ib, sizeof words);
+      const __m256i w = _mm256_setr_epi64x(static_cast<long long>(grid[words[0] & 0xff]),
+                                           static_cast<long long>(grid[(words[0] >> 8) & 0xff]),
+                                           static_cast<long long>(grid[(words[0] >> 16) & 0xff]),
+                                           static_cast<long long>(grid[words[0] >> 24]));
+      const __m256i sb = _mm256_setr_epi64x(
+          static_cast<long long>(signs[words[1] & 127] * 0x0101010101010101ull),
+          static_cast<long long>(signs[(words[1] >> 7) & 127] * 0x0101010101010101ull),
+          static_cast<long long>(signs[(words[1] >> 14) & 127] * 0x0101010101010101ull),
+          static_cast<long long>(signs[(words[1] >> 21) & 127] * 0x0101010101010101ull));
+      // -1 where the value is negative, +1 elsewhere.
+      const __m256i sgn = _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(sb, bits), bits), one);
+      const float scale = d * (0.5f + static_cast<float>(words[1] >> 28)) * 0.25f;
+      const size_t blk = 8 * s + static_cast<size_t>(ib);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acts[t] + 32 * blk)), sgn);
+        const __m256i p = Dot::template dot<1, 43>(_mm256_setzero_si256(), &w, &a);
+        float da;
+        std::memcpy(&da, act_d(acts[t], n) + blk * sizeof(float), sizeof da);
+        facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale * da), facc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t] = hsum_ps(facc[t]);
+}
+
+template <class Dot>
+void dot_rows_iq2xxs(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
+                     size_t n, float* out, size_t ld_out) {
+  if (rows <= 0 || tokens <= 0) return;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* ab = static_cast<const uint8_t*>(act);
+  const size_t nsb = n / kQKK;
+  if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
+  constexpr int kTokens = Dot::max_tokens(WeightType::kIQ2_XXS);
+  static_assert(kTokens >= 1 && kTokens <= kMaxTokens);
+  for (int32_t t0 = 0; t0 < tokens; t0 += kTokens) {
+    const int nt = tokens - t0 < kTokens ? tokens - t0 : kTokens;
+    const uint8_t* acts[kMaxTokens];
+    for (int t = 0; t < nt; ++t) acts[t] = ab + static_cast<size_t>(t0 + t) * act_bytes;
+    for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
+      const uint8_t* row = wb + r * row_bytes;
+      float res[kMaxTokens];
+      with_token_count<kTokens>(nt, [&]<int NT>() { iq2xxs_row<Dot, NT>(row, nsb, acts, n, res); });
+      for (int t = 0; t < nt; ++t) out[static_cast<size_t>(t0 + t) * ld_out + r] = res[t];
     }
   }
 }

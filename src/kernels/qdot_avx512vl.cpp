@@ -40,6 +40,7 @@ const QuantDotKernels kIq4Nl = {"iq4_nl-avx512-vnni", quantize_act, dot_rows_32<
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kIq4Xs>};
 const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act, dot_rows_k<EvexVnniDot, Kind::kQ2K>};
 const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act, dot_rows_k<EvexVnniDot, Kind::kQ3K>};
+const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx512-vnni", quantize_act, dot_rows_iq2xxs<EvexVnniDot>};
 
 }  // namespace
 
@@ -59,6 +60,8 @@ const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
       return &kQ2_K;
     case WeightType::kQ3_K:
       return &kQ3_K;
+    case WeightType::kIQ2_XXS:
+      return &kIq2Xxs;
     default:
       return nullptr;
   }

@@ -47,6 +47,7 @@ const QuantDotKernels kIq4Nl = {"iq4_nl-avx2-vnni", quantize_act, dot_rows_32<Vn
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx2-vnni", quantize_act, dot_rows_32<VnniDot, Block32::kIq4Xs>};
 const QuantDotKernels kQ2_K = {"q2_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ2K>};
 const QuantDotKernels kQ3_K = {"q3_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ3K>};
+const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx2-vnni", quantize_act, dot_rows_iq2xxs<VnniDot>};
 const QuantDotKernels kQ4_K = {"q4_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ6K>};
@@ -81,6 +82,8 @@ const QuantDotKernels* quant_dot_avx_vnni(WeightType t) {
       return &kQ2_K;
     case WeightType::kQ3_K:
       return &kQ3_K;
+    case WeightType::kIQ2_XXS:
+      return &kIq2Xxs;
     default:
       return nullptr;
   }

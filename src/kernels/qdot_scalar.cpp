@@ -11,6 +11,7 @@
 
 #include "kernels/quant_dot.h"
 #include "util/half.h"
+#include "util/iq_grids.h"
 #include "util/quant_blocks.h"
 #include "util/quant_ref.h"
 
@@ -368,6 +369,34 @@ float dot_q3_k(const void* row, const void* act, size_t n) {
   return acc;
 }
 
+// IQ2_XXS: per sub-block of 32 (activation block 8b + ib) the signed grid
+// values' integer product, times d * (0.5 + ls) / 4 and the activation scale.
+float dot_iq2_xxs(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockIq2Xxs*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    const float d = f16_to_float(w[b].d);
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      uint32_t words[2];
+      std::memcpy(words, w[b].qs + 4 * ib, sizeof words);
+      const int8_t* aq = a.qs + kQKK * b + 32 * static_cast<size_t>(ib);
+      int32_t isum = 0;
+      for (int g = 0; g < 4; ++g) {
+        const uint64_t grid = kIqTables.iq2xxs_grid[(words[0] >> (8 * g)) & 0xff];
+        const uint8_t signs = kIqTables.iq2_signs[(words[1] >> (7 * g)) & 127];
+        for (int j = 0; j < 8; ++j) {
+          const int v = static_cast<int>((grid >> (8 * j)) & 0xff);
+          isum += ((signs >> j) & 1 ? -v : v) * aq[8 * g + j];
+        }
+      }
+      const float scale = d * (0.5f + static_cast<float>(words[1] >> 28)) * 0.25f;
+      acc += scale * act_d(a, 8 * b + static_cast<size_t>(ib)) * static_cast<float>(isum);
+    }
+  }
+  return acc;
+}
+
 template <float (*Dot)(const void*, const void*, size_t)>
 void dot_rows(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
               size_t n, float* out, size_t ld_out) {
@@ -394,6 +423,7 @@ constexpr QuantDotKernels kIq4Nl = {"iq4_nl-scalar", quantize_act, dot_rows<dot_
 constexpr QuantDotKernels kIq4Xs = {"iq4_xs-scalar", quantize_act, dot_rows<dot_iq4_xs>};
 constexpr QuantDotKernels kQ2_K = {"q2_k-scalar", quantize_act, dot_rows<dot_q2_k>};
 constexpr QuantDotKernels kQ3_K = {"q3_k-scalar", quantize_act, dot_rows<dot_q3_k>};
+constexpr QuantDotKernels kIq2Xxs = {"iq2_xxs-scalar", quantize_act, dot_rows<dot_iq2_xxs>};
 
 }  // namespace
 
@@ -425,6 +455,8 @@ const QuantDotKernels* quant_dot_scalar(WeightType t) {
       return &kQ2_K;
     case WeightType::kQ3_K:
       return &kQ3_K;
+    case WeightType::kIQ2_XXS:
+      return &kIq2Xxs;
     default:
       return nullptr;
   }

@@ -22,6 +22,7 @@ bool is_quantized(WeightType t) {
     case WeightType::kIQ4_XS:
     case WeightType::kQ2_K:
     case WeightType::kQ3_K:
+    case WeightType::kIQ2_XXS:
       return true;
     default:
       return false;

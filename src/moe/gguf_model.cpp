@@ -70,6 +70,9 @@ bool weight_type_of(uint32_t ggml, WeightType* out) {
     case ggml_type::kQ3_K:
       *out = WeightType::kQ3_K;
       return true;
+    case ggml_type::kIQ2_XXS:
+      *out = WeightType::kIQ2_XXS;
+      return true;
     default:
       return false;
   }
@@ -322,7 +325,7 @@ class Loader {
       bad_tensor(*e.file, e.tensor->name,
                  "is " + ggml_type_name(e.tensor->type) +
                      ", a type Colibri does not compute (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, "
-                     "Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS)",
+                     "Q5_K, Q6_K, MXFP4, IQ2_XXS, IQ4_NL, IQ4_XS)",
                  Status::kUnsupported);
     }
     return t;

@@ -124,7 +124,18 @@ struct BlockIq4Xs {
   uint8_t qs[kQKK / 2];
 };
 
+// IQ2_XXS (2.0625 bits): per 32-element sub-block ib, two little-endian
+// words at qs[4 ib]: the first holds 4 grid indices (a byte each, 8
+// values each, iq_grids.h), the second 4 sign indices of 7 bits (bits
+// 7g .. 7g + 6, through kIqTables.iq2_signs) and a 4-bit scale ls in bits
+// 28-31: x = d * (0.5 + ls) / 4 * grid value * sign.
+struct BlockIq2Xxs {
+  uint16_t d;  // f16
+  uint16_t qs[kQKK / 8];
+};
+
 static_assert(sizeof(BlockQ8_0) == 34);
+static_assert(sizeof(BlockIq2Xxs) == 66);
 static_assert(sizeof(BlockMxfp4) == 17);
 static_assert(sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ4_1) == 20);

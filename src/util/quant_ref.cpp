@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "util/half.h"
+#include "util/iq_grids.h"
 #include "util/quant_blocks.h"
 
 namespace colibri {
@@ -503,6 +504,27 @@ void dequantize_q2_k(const void* src, float* dst, size_t n) {
       for (int l = 0; l < 16; ++l) {
         const float scaled = dl * static_cast<float>((q[l] >> shift) & 3);
         dst[l] = scaled - ml;
+      }
+    }
+  }
+}
+
+void dequantize_iq2_xxs(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockIq2Xxs*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      uint32_t words[2];
+      std::memcpy(words, b->qs + 4 * ib, sizeof words);
+      const float ls = 0.5f + static_cast<float>(words[1] >> 28);
+      const float db = d * ls * 0.25f;
+      for (int g = 0; g < 4; ++g, dst += 8) {
+        const uint64_t grid = kIqTables.iq2xxs_grid[(words[0] >> (8 * g)) & 0xff];
+        const uint8_t signs = kIqTables.iq2_signs[(words[1] >> (7 * g)) & 127];
+        for (int j = 0; j < 8; ++j) {
+          const float v = db * static_cast<float>((grid >> (8 * j)) & 0xff);
+          dst[j] = (signs >> j) & 1 ? -v : v;
+        }
       }
     }
   }

@@ -25,6 +25,7 @@ void dequantize_q5_1(const void* src, float* dst, size_t n);
 void dequantize_iq4_nl(const void* src, float* dst, size_t n);
 void dequantize_iq4_xs(const void* src, float* dst, size_t n);
 void dequantize_q2_k(const void* src, float* dst, size_t n);
+void dequantize_iq2_xxs(const void* src, float* dst, size_t n);
 void dequantize_q3_k(const void* src, float* dst, size_t n);
 // A q3_K super-block's 16 sub-block scales, sc - 32 (-32 .. 31), from its
 // 12 packed bytes.

@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "util/error.h"
 #include "util/half.h"
 #include "util/quant_blocks.h"
 #include "util/quant_ref.h"
@@ -54,6 +55,7 @@ constexpr WeightFormat kFormats[kWeightTypeCount] = {
     {WeightType::kIQ4_XS, "iq4_xs", kQKK, sizeof(BlockIq4Xs), dequantize_iq4_xs, quantize_iq4_xs, true},
     {WeightType::kQ2_K, "q2_k", kQKK, sizeof(BlockQ2K), dequantize_q2_k, quantize_q2_k, true},
     {WeightType::kQ3_K, "q3_k", kQKK, sizeof(BlockQ3K), dequantize_q3_k, quantize_q3_k, true},
+    {WeightType::kIQ2_XXS, "iq2_xxs", kQKK, sizeof(BlockIq2Xxs), dequantize_iq2_xxs, nullptr, true},
 };
 
 }  // namespace
@@ -105,6 +107,11 @@ int conversion_threads() {
 
 void convert_rows_from_float(WeightType t, const float* src, size_t rows, size_t n, void* dst, int threads) {
   const WeightFormat& f = weight_format(t);
+  if (f.from_float == nullptr) {
+    fail(Status::kUnsupported, std::string(f.name) +
+                                   " is read as stored, not made: its quantiser needs an importance matrix "
+                                   "(llama.cpp's llama-quantize --imatrix)");
+  }
   const size_t padded = (n + f.block_elements - 1) / f.block_elements * f.block_elements;
   const size_t row_bytes = weight_row_bytes(t, n);
   auto* out = static_cast<uint8_t*>(dst);

@@ -34,8 +34,9 @@ enum class WeightType : uint8_t {
   kIQ4_XS = 13,
   kQ2_K = 14,
   kQ3_K = 15,
+  kIQ2_XXS = 16,
 };
-inline constexpr int kWeightTypeCount = 16;
+inline constexpr int kWeightTypeCount = 17;
 
 struct WeightFormat {
   WeightType type;
@@ -45,7 +46,9 @@ struct WeightFormat {
   // The scalar reference: n elements (a multiple of block_elements) of a
   // row, widened or dequantised to float. The SIMD kernels must agree.
   void (*to_float)(const void* src, float* dst, size_t n);
-  // The nearest representable values (round to nearest even), n as above.
+  // The nearest representable values (round to nearest even), n as above;
+  // nullptr for the formats that are read, not made (the i-quants whose
+  // quantisers need an importance matrix).
   void (*from_float)(const float* src, void* dst, size_t n);
   // Block-quantised (the integer kernels, quant_dot.h) rather than a float type.
   bool quantized;
@@ -61,7 +64,8 @@ size_t weight_row_bytes(WeightType t, size_t n);
 
 // rows x n floats to rows of type t (weight_row_bytes(t, n) each; the
 // last block of a row padded with zeros), and back (the padding dropped).
-// May allocate one row of scratch. convert_rows_from_float splits the rows
+// May allocate one row of scratch; throws Error (kUnsupported) for a type
+// without from_float. convert_rows_from_float splits the rows
 // among up to `threads` threads (the caller's among them; fewer when a
 // thread cannot be started): the block quantisers run at about 10 M
 // weights per second per core, so a Mixtral-sized layer takes minutes on

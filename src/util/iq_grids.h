@@ -1,0 +1,24 @@
+// Codebooks of the grid i-quant formats (quant_blocks.h): each grid index
+// names 8 magnitudes, which the block's sign bits then negate one by one.
+// One aggregate of plain arrays, defined out of line (iq_grids.cpp), so the
+// instruction-set files read the tables without emitting symbols of their
+// own (tests/isa_linkage.sh).
+#pragma once
+
+#include <cstdint>
+
+namespace colibri {
+
+struct IqTables {
+  // IQ2_XXS: 256 grid points of 8 values from {8, 25, 43}, 8 bytes each
+  // (byte j = value j), as ggml's iq2xxs_grid.
+  uint64_t iq2xxs_grid[256];
+  // The sign bytes of the IQ2 formats: 7 stored bits and an eighth that
+  // makes the count of set bits even (bit j set: value j is negative), as
+  // ggml's ksigns_iq2xs.
+  uint8_t iq2_signs[128];
+};
+
+extern const IqTables kIqTables;
+
+}  // namespace colibri
