@@ -509,7 +509,7 @@ constexpr KRowFns k_row_fns(std::integer_sequence<int, I...>) {
 
 // The many-token kernel (below): runs whole vectors of 16 rows of a call
 // with more than kMaxTokens tokens and returns how many rows it did.
-enum class GemmFormat { kQ8_0, kQ4_0, kMXFP4, kQ4K, kQ5K, kQ6K };
+enum class GemmFormat { kQ8_0, kQ4_0, kMXFP4, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS };
 template <GemmFormat F>
 int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                   int32_t tokens, size_t n, float* out, size_t ld_out);
@@ -784,9 +784,15 @@ inline __m512i dword_byte_u(__m512i x, int i) {
 template <GemmFormat F>
 void prepare_gemm_acts(const uint8_t* ab, size_t act_bytes, size_t ta, size_t tap, size_t n, size_t b0, size_t nbc,
                        GemmActs& A) {
-  // The codes' offsets: q8_0's bias, q4_0's 8, mxfp4's table values + 12.
-  constexpr int kOffset = F == GemmFormat::kQ8_0 ? 128 : F == GemmFormat::kMXFP4 ? 12 : 8;
-  constexpr bool kBlock32 = F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0 || F == GemmFormat::kMXFP4;
+  // The codes' offsets: q8_0's bias, q4_0's 8, mxfp4's table values + 12,
+  // the iq4 formats' levels + 128.
+  constexpr int kOffset = F == GemmFormat::kQ8_0 || F == GemmFormat::kIQ4NL || F == GemmFormat::kIQ4XS ? 128
+                          : F == GemmFormat::kMXFP4                                                    ? 12
+                                                                                                       : 8;
+  // One scale per activation block and an offset (iq4_xs's scales are per
+  // sub-block of 32, its activation blocks likewise).
+  constexpr bool kBlock32 = F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0 || F == GemmFormat::kMXFP4 ||
+                            F == GemmFormat::kIQ4NL || F == GemmFormat::kIQ4XS;
   for (size_t t0 = 0; t0 < ta; t0 += 16) {
     const uint8_t* a0 = ab + t0 * act_bytes;
     const size_t valid = min_size(16, ta - t0);
@@ -886,6 +892,53 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
       const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
       const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
       W.ws[b] = _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, sub));
+    }
+  } else if constexpr (F == GemmFormat::kIQ4NL || F == GemmFormat::kIQ4XS) {
+    // The nibbles looked up as the levels + 128 (codes 1..241, offset 128).
+    alignas(16) static constexpr uint8_t lut[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+    static_assert([] {
+      for (int i = 0; i < 16; ++i) {
+        if (lut[i] != kIq4nlValues[i] + 128) return false;
+      }
+      return true;
+    }());
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(lut)));
+    if constexpr (F == GemmFormat::kIQ4NL) {
+      for (size_t b = 0; b < nbc; ++b) {
+        const uint8_t* blk = rows + (kGemmBlocks * c + b) * sizeof(BlockIq4Nl);
+        __m512i* v = W.v + 8 * b;
+        __m512i t[4];
+        transpose16_rows(blk + offsetof(BlockIq4Nl, qs), row_bytes, t);
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm512_shuffle_epi8(table, _mm512_and_si512(t[i], m4));
+          v[i + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m4));
+        }
+        W.ws[b] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, blk, 1)));
+      }
+    } else {
+      // Chunk c is super-block c: sub-block b's codes at qs + 16 b, its
+      // scale d * (ls_b - 32) from scales_l's nibble b % 2 of byte b / 2
+      // and scales_h's bits 2b, 2b + 1.
+      const uint8_t* blk = rows + c * sizeof(BlockIq4Xs);
+      for (size_t b = 0; b < kGemmBlocks; ++b) {
+        __m512i* v = W.v + 8 * b;
+        __m512i t[4];
+        transpose16_rows(blk + offsetof(BlockIq4Xs, qs) + 16 * b, row_bytes, t);
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm512_shuffle_epi8(table, _mm512_and_si512(t[i], m4));
+          v[i + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m4));
+        }
+      }
+      const __m512i head = _mm512_i32gather_epi32(idx, blk, 1);  // d | scales_h << 16
+      const __m512i low = _mm512_i32gather_epi32(idx, blk + offsetof(BlockIq4Xs, scales_l), 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+      const __m512i high = _mm512_srli_epi32(head, 16);
+      for (int b = 0; b < 8; ++b) {
+        const __m512i ls = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi32(low, static_cast<unsigned>(4 * b)), _mm512_set1_epi32(0xf)),
+            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, static_cast<unsigned>(2 * b)), _mm512_set1_epi32(3)), 4));
+        W.ws[b] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+      }
     }
   } else if constexpr (F == GemmFormat::kQ4K || F == GemmFormat::kQ5K) {
     constexpr bool kFive = F == GemmFormat::kQ5K;
@@ -1002,7 +1055,8 @@ void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, s
         facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[t]), _mm512_mul_ps(W.ws[2 * b + 1], da), facc[t]);
       }
     } else {
-      constexpr bool kInit = F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0 || F == GemmFormat::kMXFP4;
+      constexpr bool kInit = F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0 || F == GemmFormat::kMXFP4 ||
+                             F == GemmFormat::kIQ4NL || F == GemmFormat::kIQ4XS;
       __m512i acc[NT];
       for (int t = 0; t < NT; ++t) {
         acc[t] = kInit ? _mm512_set1_epi32(A.i0[at + static_cast<size_t>(t)]) : _mm512_setzero_si512();
@@ -1055,6 +1109,10 @@ constexpr size_t gemm_block_bytes() {
       return sizeof(BlockQ5K);
     case GemmFormat::kQ6K:
       return sizeof(BlockQ6K);
+    case GemmFormat::kIQ4NL:
+      return sizeof(BlockIq4Nl);
+    case GemmFormat::kIQ4XS:
+      return sizeof(BlockIq4Xs);
   }
   return 0;
 }
@@ -1064,7 +1122,7 @@ constexpr size_t gemm_block_bytes() {
 template <GemmFormat F>
 void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                  int32_t tokens, size_t n, float* out, size_t ld_out) {
-  constexpr bool kK = F == GemmFormat::kQ4K || F == GemmFormat::kQ5K || F == GemmFormat::kQ6K;
+  constexpr bool kK = F == GemmFormat::kQ4K || F == GemmFormat::kQ5K || F == GemmFormat::kQ6K || F == GemmFormat::kIQ4XS;
   // Bytes of one chunk of a row: 8 blocks of 32, or one super-block.
   constexpr size_t kChunkBytes = kK ? gemm_block_bytes<F>() : kGemmBlocks * gemm_block_bytes<F>();
   constexpr int kPassTokens = gemm_pass_tokens<F>();
@@ -1187,6 +1245,27 @@ const QuantDotKernels kQ5_K = {"q5_k-avx512-vnni", quantize_act, dot_rows_k<Kind
 const QuantDotKernels kQ6_K = {"q6_k-avx512-vnni", quantize_act, dot_rows_k<Kind::kQ6K>};
 const QuantDotKernels kMxfp4 = {"mxfp4-avx512-vnni", quantize_act, dot_rows_mxfp4};
 
+// iq4_nl / iq4_xs: the many-token kernel here; fewer tokens (and the rows
+// past the last whole 16) take the AVX2-level kernels with EVEX vpdpbusd
+// (qdot_avx512vl.cpp).
+template <GemmFormat F, WeightType T>
+void dot_rows_gemm_or_ymm(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes,
+                          int32_t tokens, size_t n, float* out, size_t ld_out) {
+  if (rows <= 0 || tokens <= 0) return;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const int32_t done = n / kQK32 == 0 ? 0
+                                      : gemm_rows<F>(wb, row_bytes, rows, static_cast<const uint8_t*>(act), act_bytes,
+                                                     tokens, n, out, ld_out);
+  if (done == rows) return;
+  quant_dot_avx512_ymm(T)->dot_rows(wb + static_cast<size_t>(done) * row_bytes, row_bytes, rows - done, act,
+                                    act_bytes, tokens, n, out + done, ld_out);
+}
+
+const QuantDotKernels kIq4Nl = {"iq4_nl-avx512-vnni", quantize_act,
+                                dot_rows_gemm_or_ymm<GemmFormat::kIQ4NL, WeightType::kIQ4_NL>};
+const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act,
+                                dot_rows_gemm_or_ymm<GemmFormat::kIQ4XS, WeightType::kIQ4_XS>};
+
 }  // namespace
 
 const QuantDotKernels* quant_dot_avx512(WeightType t) {
@@ -1203,6 +1282,10 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
       return &kQ6_K;
     case WeightType::kMXFP4:
       return &kMxfp4;
+    case WeightType::kIQ4_NL:
+      return &kIq4Nl;
+    case WeightType::kIQ4_XS:
+      return &kIq4Xs;
     default:
       return quant_dot_avx512_ymm(t);
   }
