@@ -509,7 +509,7 @@ constexpr KRowFns k_row_fns(std::integer_sequence<int, I...>) {
 
 // The many-token kernel (below): runs whole vectors of 16 rows of a call
 // with more than kMaxTokens tokens and returns how many rows it did.
-enum class GemmFormat { kQ8_0, kQ4_0, kMXFP4, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS };
+enum class GemmFormat { kQ8_0, kQ4_0, kMXFP4, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS, kQ3K };
 template <GemmFormat F>
 int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                   int32_t tokens, size_t n, float* out, size_t ld_out);
@@ -813,11 +813,13 @@ void prepare_gemm_acts(const uint8_t* ab, size_t act_bytes, size_t ta, size_t ta
         _mm512_store_si512(A.da + at, d[i]);
         if constexpr (kBlock32) {
           _mm512_store_si512(A.i0 + at, _mm512_madd_epi16(s2[i], _mm512_set1_epi16(-kOffset)));
-        } else if constexpr (F == GemmFormat::kQ6K) {
+        } else if constexpr (F == GemmFormat::kQ6K || F == GemmFormat::kQ3K) {
+          // -32 (q6_K) or -4 (q3_K) times the sums of the block's two halves.
+          constexpr unsigned kShift = F == GemmFormat::kQ6K ? 5 : 2;
           const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(s2[i], 16), 16);
           const __m512i hi = _mm512_srai_epi32(s2[i], 16);
-          _mm512_store_si512(A.i0 + at, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(lo, 5)));
-          _mm512_store_si512(A.i1 + at, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(hi, 5)));
+          _mm512_store_si512(A.i0 + at, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(lo, kShift)));
+          _mm512_store_si512(A.i1 + at, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(hi, kShift)));
         } else {
           const __m512 sum = _mm512_cvtepi32_ps(_mm512_madd_epi16(s2[i], _mm512_set1_epi16(1)));
           _mm512_store_ps(A.ds + at, _mm512_mul_ps(_mm512_castsi512_ps(d[i]), sum));
@@ -992,6 +994,45 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
       W.ws[sb] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(dword_byte_u(sm[sb / 4], sb % 4)));
       W.wm[sb] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(dword_byte_u(sm[2 + sb / 4], sb % 4)));
     }
+  } else if constexpr (F == GemmFormat::kQ3K) {
+    // q3_K: block 4h + j, element l: bits 2j, 2j + 1 of qs[32h + l] and
+    // bit 4h + j of hmask[l] (as 4).
+    const uint8_t* blk = rows + c * sizeof(BlockQ3K);
+    const __m512i m3 = _mm512_set1_epi8(0x03);
+    const __m512i four = _mm512_set1_epi8(0x04);
+    __m512i hm[8];
+    transpose16_rows(blk + offsetof(BlockQ3K, hmask), row_bytes, hm);
+    transpose16_rows(blk + offsetof(BlockQ3K, hmask) + 16, row_bytes, hm + 4);
+    for (size_t half = 0; half < 2; ++half) {
+      __m512i q[8];
+      transpose16_rows(blk + offsetof(BlockQ3K, qs) + 32 * half, row_bytes, q);
+      transpose16_rows(blk + offsetof(BlockQ3K, qs) + 32 * half + 16, row_bytes, q + 4);
+      for (unsigned j = 0; j < 4; ++j) {
+        const unsigned bit = 4 * static_cast<unsigned>(half) + j;
+        for (size_t i = 0; i < 8; ++i) {
+          const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(q[i], 2 * j), m3);
+          const __m512i hi = _mm512_and_si512(bit >= 2 ? _mm512_srli_epi16(hm[i], bit - 2) : _mm512_slli_epi16(hm[i], 2 - bit), four);
+          W.v[(4 * half + j) * 8 + i] = _mm512_or_si512(lo, hi);
+        }
+      }
+    }
+    // The 16 signed scales sc_s - 32 of each row, from the 12 packed bytes
+    // read as a 16-byte window that starts 2 bytes before them (inside the
+    // block): low nibbles of bytes 2..9 (s < 8) or their high nibbles
+    // (s >= 8), two more bits from byte 10 + s % 4 at bit 2 (s / 4).
+    __m512i win[4];
+    transpose16_rows(blk + offsetof(BlockQ3K, scales) - 2, row_bytes, win);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(_mm512_i32gather_epi32(idx, blk + offsetof(BlockQ3K, d) - 2, 1), 16)));
+    const auto byte = [&](int i) { return dword_byte_u(win[i / 4], i % 4); };
+    for (int sb = 0; sb < 16; ++sb) {
+      const __m512i nib = sb < 8 ? _mm512_and_si512(byte(2 + sb), _mm512_set1_epi32(0xf))
+                                 : _mm512_srli_epi32(byte(sb - 6), 4);
+      const __m512i top = _mm512_and_si512(_mm512_srli_epi32(byte(10 + sb % 4), static_cast<unsigned>(2 * (sb / 4))),
+                                           _mm512_set1_epi32(3));
+      const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(nib, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
+      W.ws[sb] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    }
   } else {
     // q6_K: block 4n + c, element l: the low (c < 2) or high nibble of
     // ql[64n + 32 (c & 1) + l] and bits 2c, 2c + 1 of qh[32n + l].
@@ -1037,7 +1078,7 @@ template <GemmFormat F, int NT>
 void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, size_t tap, __m512* facc) {
   for (size_t b = 0; b < nbc; ++b) {
     const size_t at = b * tap + t0;
-    if constexpr (F == GemmFormat::kQ6K) {
+    if constexpr (F == GemmFormat::kQ6K || F == GemmFormat::kQ3K) {
       __m512i lo[NT], hi[NT];
       for (int t = 0; t < NT; ++t) {
         lo[t] = _mm512_set1_epi32(A.i0[at + static_cast<size_t>(t)]);
@@ -1080,7 +1121,7 @@ void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, s
 // int accumulators per token, one per half block).
 template <GemmFormat F>
 constexpr int gemm_pass_tokens() {
-  return F == GemmFormat::kQ6K ? 8 : 12;
+  return F == GemmFormat::kQ6K || F == GemmFormat::kQ3K ? 8 : 12;
 }
 
 template <GemmFormat F>
@@ -1113,6 +1154,8 @@ constexpr size_t gemm_block_bytes() {
       return sizeof(BlockIq4Nl);
     case GemmFormat::kIQ4XS:
       return sizeof(BlockIq4Xs);
+    case GemmFormat::kQ3K:
+      return sizeof(BlockQ3K);
   }
   return 0;
 }
@@ -1122,7 +1165,8 @@ constexpr size_t gemm_block_bytes() {
 template <GemmFormat F>
 void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                  int32_t tokens, size_t n, float* out, size_t ld_out) {
-  constexpr bool kK = F == GemmFormat::kQ4K || F == GemmFormat::kQ5K || F == GemmFormat::kQ6K || F == GemmFormat::kIQ4XS;
+  constexpr bool kK = F == GemmFormat::kQ4K || F == GemmFormat::kQ5K || F == GemmFormat::kQ6K ||
+                      F == GemmFormat::kIQ4XS || F == GemmFormat::kQ3K;
   // Bytes of one chunk of a row: 8 blocks of 32, or one super-block.
   constexpr size_t kChunkBytes = kK ? gemm_block_bytes<F>() : kGemmBlocks * gemm_block_bytes<F>();
   constexpr int kPassTokens = gemm_pass_tokens<F>();
@@ -1265,6 +1309,7 @@ const QuantDotKernels kIq4Nl = {"iq4_nl-avx512-vnni", quantize_act,
                                 dot_rows_gemm_or_ymm<GemmFormat::kIQ4NL, WeightType::kIQ4_NL>};
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act,
                                 dot_rows_gemm_or_ymm<GemmFormat::kIQ4XS, WeightType::kIQ4_XS>};
+const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act, dot_rows_gemm_or_ymm<GemmFormat::kQ3K, WeightType::kQ3_K>};
 
 }  // namespace
 
@@ -1286,6 +1331,8 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
       return &kIq4Nl;
     case WeightType::kIQ4_XS:
       return &kIq4Xs;
+    case WeightType::kQ3_K:
+      return &kQ3_K;
     default:
       return quant_dot_avx512_ymm(t);
   }
