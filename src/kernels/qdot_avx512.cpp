@@ -509,7 +509,7 @@ constexpr KRowFns k_row_fns(std::integer_sequence<int, I...>) {
 
 // The many-token kernel (below): runs whole vectors of 16 rows of a call
 // with more than kMaxTokens tokens and returns how many rows it did.
-enum class GemmFormat { kQ8_0, kQ4_0, kMXFP4, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS, kQ3K };
+enum class GemmFormat { kQ8_0, kQ4_0, kMXFP4, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS, kQ3K, kQ2K };
 template <GemmFormat F>
 int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                   int32_t tokens, size_t n, float* out, size_t ld_out);
@@ -758,22 +758,25 @@ constexpr int kGemmMaxCallTokens = 32;
 // index t): qa[(b * 8 + q) * tap + t] token t's codes 4q .. 4q + 3 of block
 // b (signed); da its block scale; for q8_0 / q4_0 i0 = -offset * (its sum
 // over the block); for q4_K / q5_K ds = da * (that sum); for q6_K i0 / i1 =
-// -32 * (the sums of the block's two halves).
+// -32 * (the sums of the block's two halves), q3_K -4 times them; for q2_K
+// ds / ds1 = da * (those sums).
 struct GemmActs {
   alignas(64) int32_t qa[kGemmBlocks * 8 * kGemmMaxCallTokens];
   alignas(64) float da[kGemmBlocks * kGemmMaxCallTokens];
   alignas(64) float ds[kGemmBlocks * kGemmMaxCallTokens];
+  alignas(64) float ds1[kGemmBlocks * kGemmMaxCallTokens];
   alignas(64) int32_t i0[kGemmBlocks * kGemmMaxCallTokens];
   alignas(64) int32_t i1[kGemmBlocks * kGemmMaxCallTokens];
 };
 
 // 16 rows x one chunk: v[b * 8 + q] lane r = row r's codes 4q .. 4q + 3 of
 // activation block b, unsigned. ws[b] (q6_K: ws[2b], ws[2b + 1] for the two
-// halves) the rows' scales of that block, wm[b] (q4_K / q5_K) their mins.
+// halves) the rows' scales of that block, wm[b] (q4_K / q5_K; q2_K wm[2b],
+// wm[2b + 1]) their mins.
 struct GemmWeights {
   __m512i v[kGemmBlocks * 8];
   __m512 ws[2 * kGemmBlocks];
-  __m512 wm[kGemmBlocks];
+  __m512 wm[2 * kGemmBlocks];
 };
 
 // Byte i (0..3) of every dword of x, as int32 lanes.
@@ -813,6 +816,11 @@ void prepare_gemm_acts(const uint8_t* ab, size_t act_bytes, size_t ta, size_t ta
         _mm512_store_si512(A.da + at, d[i]);
         if constexpr (kBlock32) {
           _mm512_store_si512(A.i0 + at, _mm512_madd_epi16(s2[i], _mm512_set1_epi16(-kOffset)));
+        } else if constexpr (F == GemmFormat::kQ2K) {
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s2[i], 16), 16));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(s2[i], 16));
+          _mm512_store_ps(A.ds + at, _mm512_mul_ps(_mm512_castsi512_ps(d[i]), lo));
+          _mm512_store_ps(A.ds1 + at, _mm512_mul_ps(_mm512_castsi512_ps(d[i]), hi));
         } else if constexpr (F == GemmFormat::kQ6K || F == GemmFormat::kQ3K) {
           // -32 (q6_K) or -4 (q3_K) times the sums of the block's two halves.
           constexpr unsigned kShift = F == GemmFormat::kQ6K ? 5 : 2;
@@ -994,6 +1002,31 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
       W.ws[sb] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(dword_byte_u(sm[sb / 4], sb % 4)));
       W.wm[sb] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(dword_byte_u(sm[2 + sb / 4], sb % 4)));
     }
+  } else if constexpr (F == GemmFormat::kQ2K) {
+    // q2_K: block 4h + j, element l: bits 2j, 2j + 1 of qs[32h + l];
+    // sub-block s's scale d * (scales[s] & 15) and min dmin * (scales[s] >> 4).
+    const uint8_t* blk = rows + c * sizeof(BlockQ2K);
+    const __m512i m3 = _mm512_set1_epi8(0x03);
+    for (size_t half = 0; half < 2; ++half) {
+      __m512i q[8];
+      transpose16_rows(blk + offsetof(BlockQ2K, qs) + 32 * half, row_bytes, q);
+      transpose16_rows(blk + offsetof(BlockQ2K, qs) + 32 * half + 16, row_bytes, q + 4);
+      for (unsigned j = 0; j < 4; ++j) {
+        for (size_t i = 0; i < 8; ++i) {
+          W.v[(4 * half + j) * 8 + i] = _mm512_and_si512(_mm512_srli_epi16(q[i], 2 * j), m3);
+        }
+      }
+    }
+    __m512i sc[4];
+    transpose16_rows(blk + offsetof(BlockQ2K, scales), row_bytes, sc);
+    const __m512i dd = _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ2K, d), 1);  // [d, dmin] per row
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+    for (int sb = 0; sb < 16; ++sb) {
+      const __m512i b = dword_byte_u(sc[sb / 4], sb % 4);
+      W.ws[sb] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xf))));
+      W.wm[sb] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+    }
   } else if constexpr (F == GemmFormat::kQ3K) {
     // q3_K: block 4h + j, element l: bits 2j, 2j + 1 of qs[32h + l] and
     // bit 4h + j of hmask[l] (as 4).
@@ -1078,11 +1111,11 @@ template <GemmFormat F, int NT>
 void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, size_t tap, __m512* facc) {
   for (size_t b = 0; b < nbc; ++b) {
     const size_t at = b * tap + t0;
-    if constexpr (F == GemmFormat::kQ6K || F == GemmFormat::kQ3K) {
+    if constexpr (F == GemmFormat::kQ6K || F == GemmFormat::kQ3K || F == GemmFormat::kQ2K) {
       __m512i lo[NT], hi[NT];
       for (int t = 0; t < NT; ++t) {
-        lo[t] = _mm512_set1_epi32(A.i0[at + static_cast<size_t>(t)]);
-        hi[t] = _mm512_set1_epi32(A.i1[at + static_cast<size_t>(t)]);
+        lo[t] = F == GemmFormat::kQ2K ? _mm512_setzero_si512() : _mm512_set1_epi32(A.i0[at + static_cast<size_t>(t)]);
+        hi[t] = F == GemmFormat::kQ2K ? _mm512_setzero_si512() : _mm512_set1_epi32(A.i1[at + static_cast<size_t>(t)]);
       }
       COLIBRI_UNROLL
       for (size_t q = 0; q < 8; ++q) {
@@ -1094,6 +1127,10 @@ void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, s
         const __m512 da = _mm512_set1_ps(A.da[at + static_cast<size_t>(t)]);
         facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[t]), _mm512_mul_ps(W.ws[2 * b], da), facc[t]);
         facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[t]), _mm512_mul_ps(W.ws[2 * b + 1], da), facc[t]);
+        if constexpr (F == GemmFormat::kQ2K) {
+          facc[t] = _mm512_fnmadd_ps(W.wm[2 * b], _mm512_set1_ps(A.ds[at + static_cast<size_t>(t)]), facc[t]);
+          facc[t] = _mm512_fnmadd_ps(W.wm[2 * b + 1], _mm512_set1_ps(A.ds1[at + static_cast<size_t>(t)]), facc[t]);
+        }
       }
     } else {
       constexpr bool kInit = F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0 || F == GemmFormat::kMXFP4 ||
@@ -1121,7 +1158,7 @@ void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, s
 // int accumulators per token, one per half block).
 template <GemmFormat F>
 constexpr int gemm_pass_tokens() {
-  return F == GemmFormat::kQ6K || F == GemmFormat::kQ3K ? 8 : 12;
+  return F == GemmFormat::kQ6K || F == GemmFormat::kQ3K || F == GemmFormat::kQ2K ? 8 : 12;
 }
 
 template <GemmFormat F>
@@ -1156,6 +1193,8 @@ constexpr size_t gemm_block_bytes() {
       return sizeof(BlockIq4Xs);
     case GemmFormat::kQ3K:
       return sizeof(BlockQ3K);
+    case GemmFormat::kQ2K:
+      return sizeof(BlockQ2K);
   }
   return 0;
 }
@@ -1166,7 +1205,7 @@ template <GemmFormat F>
 void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                  int32_t tokens, size_t n, float* out, size_t ld_out) {
   constexpr bool kK = F == GemmFormat::kQ4K || F == GemmFormat::kQ5K || F == GemmFormat::kQ6K ||
-                      F == GemmFormat::kIQ4XS || F == GemmFormat::kQ3K;
+                      F == GemmFormat::kIQ4XS || F == GemmFormat::kQ3K || F == GemmFormat::kQ2K;
   // Bytes of one chunk of a row: 8 blocks of 32, or one super-block.
   constexpr size_t kChunkBytes = kK ? gemm_block_bytes<F>() : kGemmBlocks * gemm_block_bytes<F>();
   constexpr int kPassTokens = gemm_pass_tokens<F>();
@@ -1310,6 +1349,7 @@ const QuantDotKernels kIq4Nl = {"iq4_nl-avx512-vnni", quantize_act,
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act,
                                 dot_rows_gemm_or_ymm<GemmFormat::kIQ4XS, WeightType::kIQ4_XS>};
 const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act, dot_rows_gemm_or_ymm<GemmFormat::kQ3K, WeightType::kQ3_K>};
+const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act, dot_rows_gemm_or_ymm<GemmFormat::kQ2K, WeightType::kQ2_K>};
 
 }  // namespace
 
@@ -1333,6 +1373,8 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
       return &kIq4Xs;
     case WeightType::kQ3_K:
       return &kQ3_K;
+    case WeightType::kQ2_K:
+      return &kQ2_K;
     default:
       return quant_dot_avx512_ymm(t);
   }
