@@ -88,12 +88,6 @@ void quantize_act(const float* x, size_t n_valid, size_t n, void* out) {
 
 // One weight row against one token's activation row.
 
-// Element j's five-bit code of a q5_0 / q5_1 block (bit j of qh, little-endian, is its high bit).
-int q5_code(const uint8_t* qs, const uint8_t* qh, int j) {
-  const int nibble = j < kQK32 / 2 ? qs[j] & 15 : qs[j - kQK32 / 2] >> 4;
-  return nibble | (((qh[j / 8] >> (j % 8)) & 1) << 4);
-}
-
 float dot_q8_0(const void* row, const void* act, size_t n) {
   const auto* w = static_cast<const BlockQ8_0*>(row);
   const ActRow a = act_row(act, n);

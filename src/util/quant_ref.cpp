@@ -428,17 +428,12 @@ void dequantize_q4_1(const void* src, float* dst, size_t n) {
   }
 }
 
-namespace {
-
-// Element j's five-bit code of a q5_0 / q5_1 block.
 int q5_code(const uint8_t* qs, const uint8_t* qh, int j) {
   uint32_t h;
   std::memcpy(&h, qh, sizeof h);
   const int nibble = j < kQK32 / 2 ? qs[j] & 0xf : qs[j - kQK32 / 2] >> 4;
   return nibble | static_cast<int>(((h >> j) & 1u) << 4);
 }
-
-}  // namespace
 
 void dequantize_q5_0(const void* src, float* dst, size_t n) {
   const auto* b = static_cast<const BlockQ5_0*>(src);

@@ -24,6 +24,9 @@ void dequantize_q5_0(const void* src, float* dst, size_t n);
 void dequantize_q5_1(const void* src, float* dst, size_t n);
 void dequantize_iq4_nl(const void* src, float* dst, size_t n);
 void dequantize_iq4_xs(const void* src, float* dst, size_t n);
+// Element j (< 32)'s five-bit code of a q5_0 / q5_1 block: its nibble plus
+// 16 times bit j of qh (little-endian).
+int q5_code(const uint8_t* qs, const uint8_t* qh, int j);
 void dequantize_q2_k(const void* src, float* dst, size_t n);
 void dequantize_iq2_xxs(const void* src, float* dst, size_t n);
 void dequantize_q3_k(const void* src, float* dst, size_t n);
