@@ -96,7 +96,7 @@ struct Args {
 
 void usage() {
     std::fprintf(stderr,
-        "usage: llamacpp_moe [--type f16|bf16|f32|q8_0|q4_0|q4_1|q5_0|q5_1|q2_K|q3_K|q4_K|iq4_nl|iq4_xs|mxfp4] [--experts E] [--top-k K]\n"
+        "usage: llamacpp_moe [--type f16|bf16|f32|q8_0|q4_0|q4_1|q5_0|q5_1|q2_K|q3_K|q4_K|iq4_nl|iq4_xs|iq1_s|iq1_m|iq2_xxs|iq3_xxs|mxfp4] [--experts E] [--top-k K]\n"
         "                    [--d-model D] [--d-ff F] [--seed S] [--shape NAME] [--check] [--serve] [--gpt-oss]\n"
         "  --gpt-oss         the experts as llama.cpp's gpt-oss graph computes them: biases on gate,\n"
         "                    up and down (ggml_add_id) and ggml_swiglu_oai(alpha 1.702, limit 7)\n"
@@ -191,7 +191,12 @@ ggml_type parse_type(const std::string & s) {
     if (l == "iq4_xs") return GGML_TYPE_IQ4_XS;
     if (l == "q2_k") return GGML_TYPE_Q2_K;
     if (l == "q3_k") return GGML_TYPE_Q3_K;
-    die("unsupported --type %s (f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, iq4_nl, iq4_xs, mxfp4)",
+    if (l == "iq2_xxs") return GGML_TYPE_IQ2_XXS;
+    if (l == "iq3_xxs") return GGML_TYPE_IQ3_XXS;
+    if (l == "iq1_s") return GGML_TYPE_IQ1_S;
+    if (l == "iq1_m") return GGML_TYPE_IQ1_M;
+    die("unsupported --type %s (f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, iq4_nl, iq4_xs, "
+        "iq1_s, iq1_m, iq2_xxs, iq3_xxs, mxfp4)",
         s.c_str());
 }
 
@@ -251,6 +256,10 @@ std::vector<uint8_t> make_weights(ggml_type type, int64_t n_in, int64_t n_out, i
     std::vector<uint8_t> q(row_size * rows);
     const float scale = (float) (std::sqrt(3.0) / std::sqrt((double) n_in));  // uniform, std 1/sqrt(n_in)
     ggml_quantize_init(type);
+    // The i-quants' quantisers need an importance matrix: uniform weights
+    // (all ones) give the plain error-weighted search.
+    const std::vector<float> imatrix(n_in, 1.0f);
+    const float * im = ggml_quantize_requires_imatrix(type) ? imatrix.data() : nullptr;
     const int64_t chunk = 64;
     auto work = [&](int tid) {
         std::vector<float> buf(chunk * n_in);
@@ -261,7 +270,7 @@ std::vector<uint8_t> make_weights(ggml_type type, int64_t n_in, int64_t n_out, i
                 float * row = buf.data() + r * n_in;
                 for (int64_t i = 0; i < n_in; ++i) row[i] = (float) ((2.0 * g.uniform() - 1.0) * scale);
             }
-            ggml_quantize_chunk(type, buf.data(), q.data() + row_size * r0, 0, nr, n_in, nullptr);
+            ggml_quantize_chunk(type, buf.data(), q.data() + row_size * r0, 0, nr, n_in, im);
         }
     };
     std::vector<std::thread> pool;

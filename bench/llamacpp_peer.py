@@ -49,7 +49,8 @@ FLOAT_TYPES = ["f16", "bf16"]
 # ggml's type names -> Colibri's dtype names
 COLIBRI_DTYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_K": "q4_k", "mxfp4": "mxfp4", "f16": "f16", "bf16": "bf16", "f32": "f32",
                  "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "iq4_nl": "iq4_nl", "iq4_xs": "iq4_xs",
-                 "q2_K": "q2_k", "q3_K": "q3_k"}
+                 "q2_K": "q2_k", "q3_K": "q3_k", "iq1_s": "iq1_s", "iq1_m": "iq1_m", "iq2_xxs": "iq2_xxs",
+                 "iq3_xxs": "iq3_xxs"}
 
 T0 = time.time()
 

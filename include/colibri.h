@@ -60,8 +60,11 @@ typedef enum colibri_status {
  * layout with a non-uniform table of levels, 4.5 bits) and iq4_xs (eight
  * iq4_nl blocks under one f16 scale with 6-bit sub-scales, 4.25 bits),
  * q2_k and q3_k (super-blocks of 256 in sub-blocks of 16: 2.625 and 3.4375
- * bits), and iq2_xxs (256 weights in 66 bytes, 2.06 bits: grid points of
- * 8 values with sign bits; read as stored, not made). A
+ * bits), and the grid i-quants, read as stored, not made: iq2_xxs (256
+ * weights in 66 bytes, 2.06 bits: grid points of 8 values with sign
+ * bits), iq3_xxs (98 bytes, 3.06 bits: grid points of 4 values with sign
+ * bits), iq1_s and iq1_m (50 and 56 bytes, 1.56 and 1.75 bits: grid points
+ * of 8 values from {-1, 0, 1} with a shift of +-1/8). A
  * row of n weights is ceil(n / block) whole blocks, the last padded with
  * zeros (colibri_dtype_row_bytes). */
 typedef enum colibri_dtype {
@@ -81,7 +84,10 @@ typedef enum colibri_dtype {
   COLIBRI_DTYPE_IQ4_XS = 13,
   COLIBRI_DTYPE_Q2_K = 14,
   COLIBRI_DTYPE_Q3_K = 15,
-  COLIBRI_DTYPE_IQ2_XXS = 16
+  COLIBRI_DTYPE_IQ2_XXS = 16,
+  COLIBRI_DTYPE_IQ3_XXS = 17,
+  COLIBRI_DTYPE_IQ1_S = 18,
+  COLIBRI_DTYPE_IQ1_M = 19
 } colibri_dtype_t;
 
 /* Kind of huge pages backing the packed weights. */

@@ -38,17 +38,12 @@ using colibri::kernels::QuantDotKernels;
 constexpr WeightType kTypes[] = {WeightType::kQ8_0,  WeightType::kQ4_0,  WeightType::kQ4_K,   WeightType::kQ5_K,
                                  WeightType::kQ6_K,  WeightType::kMXFP4, WeightType::kQ4_1,   WeightType::kQ5_0,
                                  WeightType::kQ5_1,  WeightType::kIQ4_NL, WeightType::kIQ4_XS, WeightType::kQ2_K,
-                                 WeightType::kQ3_K,  WeightType::kIQ2_XXS};
+                                 WeightType::kQ3_K,  WeightType::kIQ2_XXS, WeightType::kIQ3_XXS, WeightType::kIQ1_S,
+                                 WeightType::kIQ1_M};
 
 // Formats whose dot products the AVX-512 level leaves to the AVX2 level's
 // kernels (quant_dot_avx512 gives nullptr).
 bool avx2_level_only(WeightType /*t*/) { return false; }
-
-// Formats without a bf16 dequantiser (the AMX tier passes them by).
-bool no_bf16_dequant(WeightType t) {
-  return t == WeightType::kQ4_1 || t == WeightType::kQ5_0 || t == WeightType::kQ5_1 || t == WeightType::kIQ4_NL ||
-         t == WeightType::kIQ4_XS || t == WeightType::kQ2_K || t == WeightType::kQ3_K || t == WeightType::kIQ2_XXS;
-}
 
 const char* type_name(WeightType t) { return colibri::weight_format(t).name; }
 
@@ -125,10 +120,25 @@ std::vector<uint8_t> random_weights(WeightType t, size_t n, int rows, size_t row
           std::memcpy(blk, h, 2);
           break;
         case WeightType::kIQ2_XXS:
-          // d over the 4-bit sub-scales and grid values up to 43 (random bytes).
+        case WeightType::kIQ3_XXS:
+          // d over the 4-bit sub-scales and grid values up to 43 (62; random bytes).
           h[0] = random_scale(rng, 1e-4f, 1e-3f, true);
           std::memcpy(blk, h, 2);
           break;
+        case WeightType::kIQ1_S:
+          // d over the sub-scales 2 s + 1 <= 15 and values g +- 1/8 in [-9/8, 9/8].
+          h[0] = random_scale(rng, 1e-3f, 4e-3f, true);
+          std::memcpy(blk, h, 2);
+          break;
+        case WeightType::kIQ1_M: {
+          // d's four nibbles in the top of the four scale words.
+          h[0] = random_scale(rng, 1e-3f, 4e-3f, true);
+          uint8_t* sc = blk + offsetof(colibri::BlockIq1M, scales);
+          for (int k = 0; k < 4; ++k) {
+            sc[2 * k + 1] = static_cast<uint8_t>((sc[2 * k + 1] & 0x0f) | (((h[0] >> (4 * k)) & 0xf) << 4));
+          }
+          break;
+        }
         case WeightType::kIQ4_XS:
           // d over the 6-bit sub-scales (ls - 32 in -32 .. 31, random bytes).
           h[0] = random_scale(rng, 1e-5f, 1e-4f, true);
@@ -718,15 +728,15 @@ TEST_P(QuantDotFormat, ReferenceQuantisedWeights) {
 
 // The AMX tier's dequantiser: every element's bf16 equals float_to_bf16 of
 // the reference dequantiser's float, bit for bit, on rows quantised from
-// random weights and on random raw blocks (odd scales, subnormal f16, NaN
-// and infinite scales); the output past n stays untouched.
+// random weights (random codes under finite scales for the formats that
+// are read, not made) and on random raw blocks (odd scales, subnormal f16,
+// NaN and infinite scales); the output past n stays untouched.
 TEST_P(QuantDotFormat, DequantBf16MatchesReference) {
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   if (!colibri::kernels::cpu_has_avx512_bf16()) GTEST_SKIP() << "no AVX512_BF16";
   const WeightType t = GetParam();
   const colibri::WeightFormat& f = colibri::weight_format(t);
   const colibri::kernels::DequantBf16Fn dq = colibri::kernels::dequant_bf16_avx512(t);
-  if (dq == nullptr && no_bf16_dequant(t)) GTEST_SKIP() << type_name(t) << " has no bf16 dequantiser yet";
   ASSERT_NE(dq, nullptr);
   std::mt19937 rng(777 + static_cast<unsigned>(t));
   std::normal_distribution<float> normal(0.0f, 0.05f);
@@ -734,7 +744,9 @@ TEST_P(QuantDotFormat, DequantBf16MatchesReference) {
   const size_t bytes = colibri::weight_row_bytes(t, n);
   for (int trial = 0; trial < 6; ++trial) {
     std::vector<uint8_t> w(bytes);
-    if (trial < 3) {
+    if (trial < 3 && f.from_float == nullptr) {
+      w = random_weights(t, n, 1, bytes, rng);  // read, not made: random codes, finite scales
+    } else if (trial < 3) {
       std::vector<float> x(n);
       for (float& v : x) v = normal(rng) * (trial == 2 ? 1e4f : 1.0f);
       if (trial == 1) x[17] = 40.0f;  // an outlier: one large scale

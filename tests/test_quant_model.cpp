@@ -51,6 +51,11 @@ const Case kCases[] = {
     {"q3_k", COLIBRI_DTYPE_Q3_K, COLIBRI_DTYPE_Q3_K},
     // llama.cpp's Q2_K mix: q2_K gate/up with q3_K or q4_K down.
     {"q2_k_q3_k", COLIBRI_DTYPE_Q2_K, COLIBRI_DTYPE_Q3_K},
+    // The grid i-quants (read, not made: write_random_model's random codes),
+    // as llama.cpp's IQ1_S / IQ1_M / IQ2_XXS mixes pair them.
+    {"iq1_s_iq3_xxs", COLIBRI_DTYPE_IQ1_S, COLIBRI_DTYPE_IQ3_XXS},
+    {"iq1_m_iq2_xxs", COLIBRI_DTYPE_IQ1_M, COLIBRI_DTYPE_IQ2_XXS},
+    {"iq2_xxs_q3_k", COLIBRI_DTYPE_IQ2_XXS, COLIBRI_DTYPE_Q3_K},
 };
 
 using Opened = colibri_test::OpenedModel;

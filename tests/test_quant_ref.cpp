@@ -407,6 +407,22 @@ TEST(QuantRefGgml, DequantizeRandomBlocks) {
   EXPECT_EQ(weight_format(WeightType::kIQ2_XXS).to_float, dequantize_iq2_xxs);
   const std::vector<float> y = dequantize(iq2_xxs, random_blocks(iq2_xxs, 2048 / kQKK, 11));
   EXPECT_EQ(fnv1a(y.data(), y.size() * sizeof(float)), 0xe3b58efc1d8a69cdull) << "iq2_xxs";
+  // These hashes are our dequantisers' own, pinned after
+  // python/tests/test_quant_formats.py found them bit-identical to the gguf
+  // package's on random blocks (not taken from ggml's C).
+  const Format read_only[] = {
+      {"iq3_xxs", WeightType::kIQ3_XXS, kQKK, sizeof(BlockIq3Xxs), nullptr, dequantize_iq3_xxs},
+      {"iq1_s", WeightType::kIQ1_S, kQKK, sizeof(BlockIq1S), nullptr, dequantize_iq1_s},
+      {"iq1_m", WeightType::kIQ1_M, kQKK, sizeof(BlockIq1M), nullptr, dequantize_iq1_m},
+  };
+  const uint64_t read_only_hashes[] = {0x225e1d094ad5571eull, 0xd669592fd7948c51ull, 0xaaaaf4eddf6b03acull};
+  for (size_t i = 0; i < std::size(read_only); ++i) {
+    const Format& f = read_only[i];
+    EXPECT_EQ(weight_format(f.type).from_float, nullptr) << f.name;
+    EXPECT_EQ(weight_format(f.type).to_float, f.dequantize) << f.name;
+    const std::vector<float> z = dequantize(f, random_blocks(f, 2048 / kQKK, 11));
+    EXPECT_EQ(fnv1a(z.data(), z.size() * sizeof(float)), read_only_hashes[i]) << f.name;
+  }
 }
 
 // ---------------------------------------------------------------------------

@@ -37,19 +37,37 @@ GGUF_TYPE = {
     "q2_k": Q.Q2_K,
     "q3_k": Q.Q3_K,
     "iq2_xxs": Q.IQ2_XXS,
+    "iq3_xxs": Q.IQ3_XXS,
+    "iq1_s": Q.IQ1_S,
+    "iq1_m": Q.IQ1_M,
 }
 
 
-def _random_iq2_xxs(shape, magnitude, seed=7):
-    """uint8 [..., n / 256 * 66]: IQ2_XXS blocks of random grid points,
-    signs and sub-scales, d such that the mean magnitude is about `magnitude`
-    (a grid value averages about 20, a sub-scale (0.5 + ls) / 4 about 2)."""
+# The grid i-quants (read, not made): block bytes and the mean magnitude of
+# a value per unit of d (IQ2_XXS: grid values about 20 times sub-scales
+# (0.5 + ls) / 4 about 2; IQ3_XXS: about 30 times (0.5 + ls) / 2 about 4;
+# IQ1: |g +- 1/8| about 0.6 times 2 s + 1 about 8).
+_GRID_BLOCKS = {"iq2_xxs": (66, 40.0), "iq3_xxs": (98, 120.0), "iq1_s": (50, 5.0), "iq1_m": (56, 5.0)}
+
+
+def _random_grid_blocks(dtype, shape, magnitude, seed=7):
+    """uint8 [..., n / 256 * block bytes]: blocks of random grid points,
+    signs, shifts and sub-scales, d such that the mean magnitude is about
+    `magnitude`."""
+    block_bytes, per_d = _GRID_BLOCKS[dtype]
     rng = np.random.default_rng(seed + int(np.prod(shape)))
     rows = int(np.prod(shape[:-1]))
     blocks = rows * (shape[-1] // 256)
-    raw = rng.integers(0, 256, (blocks, 66), dtype=np.uint8)
-    d = np.full(blocks, magnitude / 40.0, np.float16)
-    raw[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    raw = rng.integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
+    d = np.full(blocks, magnitude / per_d, np.float16).view("<u2")
+    if dtype == "iq1_m":
+        # d's four nibbles in the top of the four scale words.
+        words = raw[:, 48:56].copy().view("<u2")
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        raw[:, 48:56] = words.view(np.uint8)
+    else:
+        raw[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
     return raw.reshape(*shape[:-1], -1)
 
 
@@ -66,11 +84,11 @@ def encode(w: np.ndarray, dtype: str, reference: bool = True) -> tuple[np.ndarra
         return h, h.astype(np.float32)
     if t in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q4_1, Q.Q5_0, Q.Q5_1):
         raw = gguf.quants.quantize(w, t)
-    elif t == Q.IQ2_XXS:
+    elif dtype in _GRID_BLOCKS:
         # Read, not made (no quantiser without an importance matrix): random
         # grid blocks with a scale that gives values of w's magnitude; the
         # reference is what they dequantise to.
-        raw = _random_iq2_xxs(w.shape, float(np.abs(w).mean()) if w.size else 0.0)
+        raw = _random_grid_blocks(dtype, w.shape, float(np.abs(w).mean()) if w.size else 0.0)
     else:
         rows = w.reshape(-1, w.shape[-1])
         raw = colibri.quantize(rows, dtype).reshape(*w.shape[:-1], -1)
@@ -322,13 +340,15 @@ _ARCH = {
 # of 32-value blocks; a tensor whose rows are not is stored in the fallback
 # (llama.cpp's quantiser falls back likewise, Q6_K -> Q8_0).
 _BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "q4_0": 32, "mxfp4": 32, "q4_1": 32, "q5_0": 32,
-          "q5_1": 32, "iq4_nl": 32, "iq4_xs": 256, "q2_k": 256, "q3_k": 256, "iq2_xxs": 256}
+          "q5_1": 32, "iq4_nl": 32, "iq4_xs": 256, "q2_k": 256, "q3_k": 256, "iq2_xxs": 256,
+          "iq3_xxs": 256, "iq1_s": 256, "iq1_m": 256}
 
 _FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K",
               "mxfp4": "MOSTLY_MXFP4_MOE", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
               "iq4_nl": "MOSTLY_IQ4_NL", "iq4_xs": "MOSTLY_IQ4_XS", "q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_M",
-              "iq2_xxs": "MOSTLY_IQ2_XXS"}
+              "iq2_xxs": "MOSTLY_IQ2_XXS", "iq3_xxs": "MOSTLY_IQ3_XXS", "iq1_s": "MOSTLY_IQ1_S",
+              "iq1_m": "MOSTLY_IQ1_M"}
 
 
 def _byte_level_vocab(n: int, specials=("<|endoftext|>", "<|startoftext|>")):

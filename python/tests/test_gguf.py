@@ -105,6 +105,10 @@ CASES = [
     ("qwen3moe", "q3_k", "q3_k", dict()),
     # IQ2_XXS experts (random grid blocks: the format is read, not made) with Q3_K down.
     ("qwen3moe", "iq2_xxs", "q3_k", dict()),
+    # The 1-bit mixes: IQ1_S / IQ1_M experts with IQ3_XXS / IQ2_XXS down (as
+    # llama.cpp's IQ1_S and IQ1_M mixes give the larger type to down).
+    ("qwen3moe", "iq1_s", "iq3_xxs", dict()),
+    ("deepseek2", "iq1_m", "iq2_xxs", dict(dense_blocks=1, shared_d_ff=256, block_down_dtypes=["iq2_xxs", "iq1_s"])),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
     ("qwen2moe", "f32", "f32", dict(shared_d_ff=128, router_dtype="bf16")),

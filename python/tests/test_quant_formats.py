@@ -45,6 +45,10 @@ GGUF_QUANTIZES = ("q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
 # matrix): only their random blocks are compared, and quantising is refused.
 READ_ONLY = {
     "iq2_xxs": (GGMLQuantizationType.IQ2_XXS, 256, 66, (0,)),
+    "iq3_xxs": (GGMLQuantizationType.IQ3_XXS, 256, 98, (0,)),
+    "iq1_s": (GGMLQuantizationType.IQ1_S, 256, 50, (0,)),
+    # IQ1_M's f16 d lies in the top nibbles of its four scale words (48 .. 55).
+    "iq1_m": (GGMLQuantizationType.IQ1_M, 256, 56, ()),
 }
 # Loose round-trip bounds on normal data, a sanity check on the bindings
 # (test_quant_ref.cpp holds the tight ones).
@@ -171,6 +175,13 @@ def random_blocks(dtype, rows, blocks_per_row, seed):
         h = rng.integers(0, 1 << 16, rows * blocks_per_row, dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h ^ 0x4000, h).astype("<u2")
         raw[:, off:off + 2] = h.view(np.uint8).reshape(-1, 2)
+    if dtype == "iq1_m":
+        words = raw[:, 48:56].copy().view("<u2")
+        d = (words[:, 0] >> 12) | ((words[:, 1] >> 8) & 0xF0) | ((words[:, 2] >> 4) & 0xF00) | (words[:, 3] & 0xF000)
+        d = np.where((d & 0x7C00) == 0x7C00, d ^ 0x4000, d).astype("<u2")
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        raw[:, 48:56] = words.view(np.uint8)
     if dtype == "mxfp4":
         # Exponents past 252 overflow float32 (2^125 * 12), in gguf's
         # dequantiser as in ours; the quantiser writes at most 252.

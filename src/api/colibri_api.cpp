@@ -129,7 +129,10 @@ static_assert(COLIBRI_DTYPE_F32 == static_cast<int>(colibri::WeightType::kF32) &
               COLIBRI_DTYPE_Q2_K == static_cast<int>(colibri::WeightType::kQ2_K) &&
               COLIBRI_DTYPE_Q3_K == static_cast<int>(colibri::WeightType::kQ3_K) &&
               COLIBRI_DTYPE_IQ2_XXS == static_cast<int>(colibri::WeightType::kIQ2_XXS) &&
-              colibri::kWeightTypeCount == COLIBRI_DTYPE_IQ2_XXS + 1);
+              COLIBRI_DTYPE_IQ3_XXS == static_cast<int>(colibri::WeightType::kIQ3_XXS) &&
+              COLIBRI_DTYPE_IQ1_S == static_cast<int>(colibri::WeightType::kIQ1_S) &&
+              COLIBRI_DTYPE_IQ1_M == static_cast<int>(colibri::WeightType::kIQ1_M) &&
+              colibri::kWeightTypeCount == COLIBRI_DTYPE_IQ1_M + 1);
 static_assert(COLIBRI_ROUTER_GPT_OSS == colibri::kLastRouterFamily &&
               COLIBRI_ROUTER_DEEPSEEK_V3 == static_cast<int>(colibri::RouterFamily::kDeepseekV3) &&
               COLIBRI_ROUTER_MIXTRAL == static_cast<int>(colibri::RouterFamily::kMixtral) &&
@@ -202,6 +205,9 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
     case COLIBRI_DTYPE_Q2_K: return "q2_k";
     case COLIBRI_DTYPE_Q3_K: return "q3_k";
     case COLIBRI_DTYPE_IQ2_XXS: return "iq2_xxs";
+    case COLIBRI_DTYPE_IQ3_XXS: return "iq3_xxs";
+    case COLIBRI_DTYPE_IQ1_S: return "iq1_s";
+    case COLIBRI_DTYPE_IQ1_M: return "iq1_m";
   }
   return "unknown";
 }
@@ -212,7 +218,7 @@ const char* colibri_cpu_isa(void) { return colibri::kernels::isa_name(colibri::k
 
 namespace {
 
-bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_IQ2_XXS; }
+bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_IQ1_M; }
 
 // Checks a conversion's arguments; the byte count of its rows.
 size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) {

@@ -56,8 +56,11 @@ inline constexpr uint32_t kQ4_K = 12;
 inline constexpr uint32_t kQ5_K = 13;
 inline constexpr uint32_t kQ6_K = 14;
 inline constexpr uint32_t kIQ2_XXS = 16;
+inline constexpr uint32_t kIQ3_XXS = 18;
+inline constexpr uint32_t kIQ1_S = 19;
 inline constexpr uint32_t kIQ4_NL = 20;
 inline constexpr uint32_t kIQ4_XS = 23;
+inline constexpr uint32_t kIQ1_M = 29;
 inline constexpr uint32_t kBF16 = 30;
 inline constexpr uint32_t kMXFP4 = 39;
 }  // namespace ggml_type

@@ -6,17 +6,21 @@
 // products and differences in the same order, never fused), then rounded to
 // the nearest even bf16 as float_to_bf16 does (NaN kept quiet), so the bits
 // equal float_to_bf16(reference) exactly; tests/test_quant_dot.cpp checks
-// that on random blocks of every format. The 4- and 5-bit formats compute
+// that on random blocks of every format. The 2- to 5-bit formats compute
 // the 16 or 32 values a (sub-)block's codes can take once, as bf16, and
-// look each code up (vpermw): about four instructions per 32 weights.
+// look each code up (vpermw): about four instructions per 32 weights
+// (q2_k and q3_k: one table for several sub-blocks). The others convert
+// each code to float and multiply.
 //
 // Everything lives in an anonymous namespace and no inline function of a
 // shared header is called (tests/isa_linkage.sh).
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/quant_dot.h"
 #include "kernels/x86_intrinsics.h"
+#include "util/iq_grids.h"
 #include "util/quant_blocks.h"
 
 namespace colibri::kernels {
@@ -172,6 +176,277 @@ void dq_q6_k(const void* src, size_t n, uint16_t* dst) {
   }
 }
 
+// The 16 bytes of a 32-element 4-bit block as its 32 codes: low nibbles
+// (elements 0-15), then high nibbles (16-31).
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i m4 = _mm_set1_epi8(0x0f);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+
+// q5_0 / q5_1 codes: the nibbles plus 16 where bit j of qh (little-endian)
+// is set.
+inline __m256i codes_q5(const uint8_t* qs, const uint8_t* qh) {
+  uint32_t h;
+  std::memcpy(&h, qh, sizeof h);
+  const __m256i c = nibbles32(qs);
+  return _mm256_mask_add_epi8(c, static_cast<__mmask32>(h), c, _mm256_set1_epi8(16));
+}
+
+// q4_1: the value of code c is d * c + m (the product rounded first).
+void dq_q4_1(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockQ4_1*>(src);
+  const __m512 c = iota16();
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, dst += kQK32) {
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(h2f(b->d)), c), _mm512_set1_ps(h2f(b->m)));
+    store32(dst, lookup32(bf16x32(v, v), nibbles32(b->qs)));
+  }
+}
+
+// q5_0: code c (0..31) is d * (c - 16), one 32-entry table per block.
+void dq_q5_0(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockQ5_0*>(src);
+  const __m512 c_hi = iota16();  // codes 16-31, less 16
+  const __m512 c_lo = _mm512_sub_ps(c_hi, _mm512_set1_ps(16.0f));
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, dst += kQK32) {
+    const __m512 d = _mm512_set1_ps(h2f(b->d));
+    store32(dst, lookup32(bf16x32(_mm512_mul_ps(d, c_lo), _mm512_mul_ps(d, c_hi)), codes_q5(b->qs, b->qh)));
+  }
+}
+
+// q5_1: code c (0..31) is d * c + m.
+void dq_q5_1(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockQ5_1*>(src);
+  const __m512 c_lo = iota16();
+  const __m512 c_hi = _mm512_add_ps(c_lo, _mm512_set1_ps(16.0f));
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, dst += kQK32) {
+    const __m512 d = _mm512_set1_ps(h2f(b->d));
+    const __m512 m = _mm512_set1_ps(h2f(b->m));
+    const __m512 lo = _mm512_add_ps(_mm512_mul_ps(d, c_lo), m);
+    const __m512 hi = _mm512_add_ps(_mm512_mul_ps(d, c_hi), m);
+    store32(dst, lookup32(bf16x32(lo, hi), codes_q5(b->qs, b->qh)));
+  }
+}
+
+// quant_blocks.h's kIq4nlValues, copied: that inline variable, read here,
+// would be defined in this object with vague linkage (isa_linkage.sh).
+constexpr int8_t kIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+constexpr bool iq4nl_matches() {
+  for (int i = 0; i < 16; ++i) {
+    if (kIq4nl[i] != kIq4nlValues[i]) return false;
+  }
+  return true;
+}
+static_assert(iq4nl_matches(), "kIq4nl must equal kIq4nlValues");
+
+inline __m512 iq4nl_levels() {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nl))));
+}
+
+// iq4_nl: code c is d * kIq4nlValues[c].
+void dq_iq4_nl(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockIq4Nl*>(src);
+  const __m512 levels = iq4nl_levels();
+  for (size_t i = 0; i < n / kQK32; ++i, ++b, dst += kQK32) {
+    const __m512 v = _mm512_mul_ps(_mm512_set1_ps(h2f(b->d)), levels);
+    store32(dst, lookup32(bf16x32(v, v), nibbles32(b->qs)));
+  }
+}
+
+// iq4_xs: sub-block j is an iq4_nl block of scale d * (ls_j - 32) (that
+// product rounded first), codes qs[16 j ..].
+void dq_iq4_xs(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockIq4Xs*>(src);
+  const __m512 levels = iq4nl_levels();
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = h2f(b->d);
+    for (int j = 0; j < kQKK / 32; ++j, dst += 32) {
+      const int ls = ((b->scales_l[j / 2] >> (4 * (j % 2))) & 0xf) | (((b->scales_h >> (2 * j)) & 3) << 4);
+      const __m512 v = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(ls - 32)), levels);
+      store32(dst, lookup32(bf16x32(v, v), nibbles32(b->qs + 16 * j)));
+    }
+  }
+}
+
+// q2_k: sub-block s's code c (0..3) is (d * sc_s) * c - dmin * m_s. One
+// 32-entry table per half h holds its 8 sub-blocks' 4 values each (entry
+// 4 (s % 8) + c); the 32 elements from bits 2k of qs[32 h ..] are
+// sub-blocks 8 h + 2 k (first 16) and 8 h + 2 k + 1.
+void dq_q2_k(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockQ2K*>(src);
+  const __m128i m4 = _mm_set1_epi8(0x0f);
+  const __m256i m2 = _mm256_set1_epi8(0x03);
+  const __m512 c = _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane / 4
+  const __m256i second = _mm256_set_m128i(_mm_set1_epi8(4), _mm_setzero_si128());  // elements 16-31: s + 1
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales));
+    const __m512 dl =
+        _mm512_mul_ps(_mm512_set1_ps(h2f(b->d)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sc, m4))));
+    const __m512 ml = _mm512_mul_ps(_mm512_set1_ps(h2f(b->dmin)),
+                                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(sc, 4), m4))));
+    for (int h = 0; h < 2; ++h, dst += 128) {
+      __m512 v[2];
+      for (int part = 0; part < 2; ++part) {
+        const __m512i idx = _mm512_add_epi32(quad, _mm512_set1_epi32(8 * h + 4 * part));
+        v[part] = _mm512_sub_ps(_mm512_mul_ps(_mm512_permutexvar_ps(idx, dl), c), _mm512_permutexvar_ps(idx, ml));
+      }
+      const __m512i table = bf16x32(v[0], v[1]);
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + 32 * h));
+      for (int k = 0; k < 4; ++k) {
+        const __m256i code = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m2);
+        const __m256i base = _mm256_add_epi8(second, _mm256_set1_epi8(static_cast<char>(8 * k)));  // 4 (s % 8)
+        const __m256i entry = _mm256_add_epi8(code, base);
+        store32(dst + 32 * k, lookup32(table, entry));
+      }
+    }
+  }
+}
+
+// q3_k: sub-block s's code c = q + 4 * hbit (0..7) is (d * sc_s) * (c - 4),
+// sc_s its signed 6-bit scale less 32. Sub-blocks 2 p and 2 p + 1 (p = 4 h
+// + k) take bits 2k of qs[32 h ..] and bit 4 h + k of hmask[0 .. 31]: one
+// 16-entry table for the pair (entry 8 (s % 2) + c).
+void dq_q3_k(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockQ3K*>(src);
+  const __m512 c = _mm512_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3);
+  const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);  // lane / 8
+  const __m256i m2 = _mm256_set1_epi8(0x03);
+  const __m256i second = _mm256_set_m128i(_mm_set1_epi8(8), _mm_setzero_si128());
+  const __m256i four = _mm256_set1_epi8(4);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    alignas(16) int8_t sc[16];
+    for (int s = 0; s < 16; ++s) {
+      const int low = s < 8 ? b->scales[s] & 0xf : b->scales[s - 8] >> 4;
+      const int high = (b->scales[8 + s % 4] >> (2 * (s / 4))) & 3;
+      sc[s] = static_cast<int8_t>((low | (high << 4)) - 32);
+    }
+    const __m512 dl = _mm512_mul_ps(
+        _mm512_set1_ps(h2f(b->d)),
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)))));
+    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->hmask));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + 32 * h));
+      for (int k = 0; k < 4; ++k, dst += 32) {
+        const int p = 4 * h + k;
+        const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(half, _mm512_set1_epi32(2 * p)), dl), c);
+        __m256i code = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m2), second);
+        const __mmask32 set = _mm256_test_epi8_mask(hm, _mm256_set1_epi8(static_cast<char>(1u << (4 * h + k))));
+        code = _mm256_mask_add_epi8(code, set, code, four);
+        store32(dst, lookup32(bf16x32(v, v), code));
+      }
+    }
+  }
+}
+
+// 32 grid magnitudes (bytes) times db, value j negated where bit j of
+// `signs` is set (the sign bit flipped, as the reference's -v), as bf16.
+inline __m512i signed_grid32(__m512 db, __m256i mags, uint32_t signs) {
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  __m512i v[2];
+  for (int part = 0; part < 2; ++part) {
+    const __m128i m = part ? _mm256_extracti128_si256(mags, 1) : _mm256_castsi256_si128(mags);
+    v[part] = _mm512_castps_si512(_mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m))));
+    v[part] = _mm512_mask_xor_epi32(v[part], static_cast<__mmask16>(signs >> (16 * part)), v[part], sign);
+  }
+  return bf16x32(_mm512_castsi512_ps(v[0]), _mm512_castsi512_ps(v[1]));
+}
+
+// iq2_xxs: sub-block ib's scale db = d * (0.5 + ls) * 0.25 (left to right);
+// element j of group g is db * grid byte j, negated where sign bit j is
+// set (the sign bit flipped, as the reference's -v).
+void dq_iq2_xxs(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockIq2Xxs*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = h2f(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib, dst += 32) {
+      uint32_t words[2];
+      std::memcpy(words, b->qs + 4 * ib, sizeof words);
+      const float ls = 0.5f + static_cast<float>(words[1] >> 28);
+      const __m512 db = _mm512_set1_ps(d * ls * 0.25f);
+      long long grid[4];  // each group's 8 magnitudes, a byte each
+      uint32_t signs = 0;
+      for (int g = 0; g < 4; ++g) {
+        grid[g] = static_cast<long long>(kIqTables.iq2xxs_grid[(words[0] >> (8 * g)) & 0xff]);
+        signs |= uint32_t{kIqTables.iq2_signs[(words[1] >> (7 * g)) & 127]} << (8 * g);
+      }
+      const __m256i mags = _mm256_setr_epi64x(grid[0], grid[1], grid[2], grid[3]);
+      store32(dst, signed_grid32(db, mags, signs));
+    }
+  }
+}
+
+// iq3_xxs: as iq2_xxs with 4-value grid points, db = d * (0.5 + ls) * 0.5.
+void dq_iq3_xxs(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockIq3Xxs*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = h2f(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib, dst += 32) {
+      uint32_t aux;
+      std::memcpy(&aux, b->qs + kQKK / 4 + 4 * ib, sizeof aux);
+      const __m512 db = _mm512_set1_ps(d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f);
+      int grid[8];  // each point's 4 magnitudes, a byte each
+      for (int k = 0; k < 8; ++k) grid[k] = static_cast<int>(kIqTables.iq3xxs_grid[b->qs[8 * ib + k]]);
+      uint32_t signs = 0;
+      for (int g = 0; g < 4; ++g) signs |= uint32_t{kIqTables.iq2_signs[(aux >> (7 * g)) & 127]} << (8 * g);
+      const __m256i mags = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grid));
+      store32(dst, signed_grid32(db, mags, signs));
+    }
+  }
+}
+
+// iq1: 16 values dl * (g + delta) of two grid points (g in {-1, 0, 1} as
+// int8 bytes), delta per point, the reference's sum then product.
+inline __m512 iq1_values16(uint32_t idx0, uint32_t idx1, float delta0, float delta1, float dl) {
+  const __m128i g = _mm_set_epi64x(static_cast<long long>(kIqTables.iq1s_grid[idx1]),
+                                   static_cast<long long>(kIqTables.iq1s_grid[idx0]));
+  const __m512 delta = _mm512_insertf32x8(_mm512_set1_ps(delta0), _mm256_set1_ps(delta1), 1);
+  return _mm512_mul_ps(_mm512_set1_ps(dl), _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(g)), delta));
+}
+
+void dq_iq1_s(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockIq1S*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = h2f(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib, dst += 32) {
+      const uint32_t qh = b->qh[ib];
+      const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
+      const float delta = (qh & 0x8000) != 0 ? -kIq1Delta : kIq1Delta;
+      uint32_t idx[4];
+      for (int l = 0; l < 4; ++l) idx[l] = b->qs[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8);
+      store32(dst, bf16x32(iq1_values16(idx[0], idx[1], delta, delta, dl),
+                           iq1_values16(idx[2], idx[3], delta, delta, dl)));
+    }
+  }
+}
+
+// iq1_m: per 16 values one dl, per 8 one delta; d from the scale words'
+// top nibbles.
+void dq_iq1_m(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockIq1M*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    uint16_t sc[4];
+    std::memcpy(sc, b->scales, sizeof sc);
+    const auto d16 = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
+                                           (sc[3] & 0xf000));
+    const float d = h2f(d16);
+    for (int ib = 0; ib < kQKK / 32; ++ib, dst += 32) {
+      __m512 half[2];
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t s = (sc[ib / 2] >> (6 * (ib % 2) + 3 * h)) & 7;
+        const float dl = d * static_cast<float>(2 * s + 1);
+        const uint32_t qh = b->qh[2 * ib + h];
+        const uint32_t idx0 = b->qs[4 * ib + 2 * h] | ((qh & 7) << 8);
+        const uint32_t idx1 = b->qs[4 * ib + 2 * h + 1] | (((qh >> 4) & 7) << 8);
+        half[h] = iq1_values16(idx0, idx1, (qh & 0x08) != 0 ? -kIq1Delta : kIq1Delta,
+                               (qh & 0x80) != 0 ? -kIq1Delta : kIq1Delta, dl);
+      }
+      store32(dst, bf16x32(half[0], half[1]));
+    }
+  }
+}
+
 }  // namespace
 
 DequantBf16Fn dequant_bf16_avx512(WeightType t) {
@@ -188,6 +463,28 @@ DequantBf16Fn dequant_bf16_avx512(WeightType t) {
       return dq_q6_k;
     case WeightType::kMXFP4:
       return dq_mxfp4;
+    case WeightType::kQ4_1:
+      return dq_q4_1;
+    case WeightType::kQ5_0:
+      return dq_q5_0;
+    case WeightType::kQ5_1:
+      return dq_q5_1;
+    case WeightType::kIQ4_NL:
+      return dq_iq4_nl;
+    case WeightType::kIQ4_XS:
+      return dq_iq4_xs;
+    case WeightType::kQ2_K:
+      return dq_q2_k;
+    case WeightType::kQ3_K:
+      return dq_q3_k;
+    case WeightType::kIQ2_XXS:
+      return dq_iq2_xxs;
+    case WeightType::kIQ3_XXS:
+      return dq_iq3_xxs;
+    case WeightType::kIQ1_S:
+      return dq_iq1_s;
+    case WeightType::kIQ1_M:
+      return dq_iq1_m;
     default:
       return nullptr;
   }

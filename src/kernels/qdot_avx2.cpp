@@ -46,7 +46,10 @@ const QuantDotKernels kIq4Nl = {"iq4_nl-avx2", quantize_act, dot_rows_32<Maddubs
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx2", quantize_act, dot_rows_32<MaddubsDot, Block32::kIq4Xs>};
 const QuantDotKernels kQ2_K = {"q2_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ2K>};
 const QuantDotKernels kQ3_K = {"q3_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ3K>};
-const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx2", quantize_act, dot_rows_iq2xxs<MaddubsDot>};
+const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq2Xxs>};
+const QuantDotKernels kIq3Xxs = {"iq3_xxs-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq3Xxs>};
+const QuantDotKernels kIq1S = {"iq1_s-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq1S>};
+const QuantDotKernels kIq1M = {"iq1_m-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq1M>};
 const QuantDotKernels kQ4_K = {"q4_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ6K>};
@@ -83,6 +86,12 @@ const QuantDotKernels* quant_dot_avx2(WeightType t) {
       return &kQ3_K;
     case WeightType::kIQ2_XXS:
       return &kIq2Xxs;
+    case WeightType::kIQ3_XXS:
+      return &kIq3Xxs;
+    case WeightType::kIQ1_S:
+      return &kIq1S;
+    case WeightType::kIQ1_M:
+      return &kIq1M;
     default:
       return nullptr;
   }

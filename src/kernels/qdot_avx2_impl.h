@@ -1009,62 +1009,170 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
 
 // ---------------------------------------------------------------- grid i-quants
 
-// IQ2_XXS rows against up to Dot::max_tokens tokens a pass: per 32-element
-// sub-block the four grid points (8 magnitudes each) loaded by index into one
-// vector, the sign bits spread to a +-1 byte per value and put on the
-// activations (vpsignb), one product vector per token converted and added
-// with the sub-block's scale d * (0.5 + ls) / 4 times the token's; one
-// horizontal sum per row and token at the end. The activations are read
-// as quantised (no per-call preparation).
-template <class Dot, int NT>
-void iq2xxs_row(const uint8_t* row, size_t nsb, const uint8_t* const* acts, size_t n, float* res) {
+enum class Grid { kIq2Xxs, kIq3Xxs, kIq1S, kIq1M };
+
+template <Grid G>
+struct GridTraits;
+template <>
+struct GridTraits<Grid::kIq2Xxs> {
+  using Block = BlockIq2Xxs;
+  static constexpr WeightType kType = WeightType::kIQ2_XXS;
+  static constexpr int kMaxCode = 43;
+};
+template <>
+struct GridTraits<Grid::kIq3Xxs> {
+  using Block = BlockIq3Xxs;
+  static constexpr WeightType kType = WeightType::kIQ3_XXS;
+  static constexpr int kMaxCode = 62;
+};
+template <>
+struct GridTraits<Grid::kIq1S> {
+  using Block = BlockIq1S;
+  static constexpr WeightType kType = WeightType::kIQ1_S;
+  static constexpr int kMaxCode = 9;
+};
+template <>
+struct GridTraits<Grid::kIq1M> {
+  using Block = BlockIq1M;
+  static constexpr WeightType kType = WeightType::kIQ1_M;
+  static constexpr int kMaxCode = 9;
+};
+
+// A 32-element sub-block of a grid format, unpacked: magnitudes (unsigned
+// bytes), the signs to put on the activations (vpsignb: negative, zero or
+// positive bytes) and the scale of each dword lane's products.
+struct GridSub {
+  __m256i mag;
+  __m256i sign;
+  __m256 scale;
+};
+
+inline long long bytes8(uint64_t v) { return static_cast<long long>(v); }
+
+// The IQ2/IQ3 sign bytes of a word's four 7-bit sign indices, spread to
+// -1 (negative) or +1 per value.
+inline __m256i iq_signs(uint32_t word) {
+  const uint8_t* signs = kIqTables.iq2_signs;
+  constexpr uint64_t kSpread = 0x0101010101010101ull;
+  const __m256i sb = _mm256_setr_epi64x(
+      bytes8(signs[word & 127] * kSpread), bytes8(signs[(word >> 7) & 127] * kSpread),
+      bytes8(signs[(word >> 14) & 127] * kSpread), bytes8(signs[(word >> 21) & 127] * kSpread));
+  const __m256i bits = _mm256_set1_epi64x(bytes8(0x8040201008040201ull));
+  return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(sb, bits), bits), _mm256_set1_epi8(1));
+}
+
+// IQ1: four grid points of {-1, 0, 1} (indices idx[l]) and their groups'
+// shifts (+1 or -1 bytes): 8 g + shift, which is 8 times the weight over
+// the scale and never zero; its magnitude and itself as the sign.
+inline void iq1_sub(const uint32_t* idx, __m256i shift, GridSub* out) {
+  const uint64_t* grid = kIqTables.iq1s_grid;
+  const __m256i g =
+      _mm256_setr_epi64x(bytes8(grid[idx[0]]), bytes8(grid[idx[1]]), bytes8(grid[idx[2]]), bytes8(grid[idx[3]]));
+  const __m256i w = _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), shift);
+  out->mag = _mm256_abs_epi8(w);
+  out->sign = w;
+}
+
+// Sub-block ib of super-block b (d: its decoded f16 scale where the format has one).
+template <Grid G>
+inline void grid_sub(const typename GridTraits<G>::Block* b, float d, int ib, GridSub* out) {
+  if constexpr (G == Grid::kIq2Xxs) {
+    const uint64_t* grid = kIqTables.iq2xxs_grid;
+    uint32_t words[2];
+    std::memcpy(words, b->qs + 4 * ib, sizeof words);
+    out->mag = _mm256_setr_epi64x(bytes8(grid[words[0] & 0xff]), bytes8(grid[(words[0] >> 8) & 0xff]),
+                                  bytes8(grid[(words[0] >> 16) & 0xff]), bytes8(grid[words[0] >> 24]));
+    out->sign = iq_signs(words[1]);
+    out->scale = _mm256_set1_ps(d * (0.5f + static_cast<float>(words[1] >> 28)) * 0.25f);
+  } else if constexpr (G == Grid::kIq3Xxs) {
+    const uint32_t* grid = kIqTables.iq3xxs_grid;
+    const uint8_t* q = b->qs + 8 * ib;
+    uint32_t aux;
+    std::memcpy(&aux, b->qs + kQKK / 4 + 4 * ib, sizeof aux);
+    out->mag = _mm256_setr_epi32(static_cast<int>(grid[q[0]]), static_cast<int>(grid[q[1]]),
+                                 static_cast<int>(grid[q[2]]), static_cast<int>(grid[q[3]]),
+                                 static_cast<int>(grid[q[4]]), static_cast<int>(grid[q[5]]),
+                                 static_cast<int>(grid[q[6]]), static_cast<int>(grid[q[7]]));
+    out->sign = iq_signs(aux);
+    out->scale = _mm256_set1_ps(d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f);
+  } else if constexpr (G == Grid::kIq1S) {
+    const uint32_t qh = b->qh[ib];
+    const uint8_t* q = b->qs + 4 * ib;
+    const uint32_t idx[4] = {q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700), q[2] | ((qh << 2) & 0x700),
+                             q[3] | ((qh >> 1) & 0x700)};
+    iq1_sub(idx, _mm256_set1_epi8((qh & 0x8000) != 0 ? -1 : 1), out);
+    out->scale = _mm256_set1_ps(d * static_cast<float>(2 * ((qh >> 12) & 7) + 1) * 0.125f);
+  } else {
+    const uint8_t* q = b->qs + 4 * ib;
+    const uint32_t h0 = b->qh[2 * ib], h1 = b->qh[2 * ib + 1];
+    const uint32_t idx[4] = {q[0] | ((h0 << 8) & 0x700), q[1] | ((h0 << 4) & 0x700), q[2] | ((h1 << 8) & 0x700),
+                             q[3] | ((h1 << 4) & 0x700)};
+    auto shift = [](uint32_t bit) { return bytes8(bit != 0 ? ~0ull : 0x0101010101010101ull); };
+    iq1_sub(idx, _mm256_setr_epi64x(shift(h0 & 0x08), shift(h0 & 0x80), shift(h1 & 0x08), shift(h1 & 0x80)), out);
+    uint16_t sc;
+    std::memcpy(&sc, b->scales + 2 * (ib / 2), sizeof sc);
+    const uint32_t s = sc >> (6 * (ib % 2));
+    const float d1 = d * static_cast<float>(2 * (s & 7) + 1) * 0.125f;
+    const float d2 = d * static_cast<float>(2 * ((s >> 3) & 7) + 1) * 0.125f;
+    // Dword lanes 0-3 hold the first 16 values' products, 4-7 the second's.
+    out->scale = _mm256_setr_ps(d1, d1, d1, d1, d2, d2, d2, d2);
+  }
+}
+
+// The f16 d of an IQ1_M super-block: the top nibbles of its four scale words.
+inline float iq1m_d(const uint8_t* scales) {
+  uint16_t sc[4];
+  std::memcpy(sc, scales, sizeof sc);
+  return h2f(static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
+                                   (sc[3] & 0xf000)));
+}
+
+// Grid-format rows against up to Dot::max_tokens tokens a pass: per
+// 32-element sub-block the grid points loaded by index into one vector of
+// magnitudes, the signs put on the activations (vpsignb), one product
+// vector per token converted and added with the lanes' scales times the
+// token's; one horizontal sum per row and token at the end. The
+// activations are read as quantised (no per-call preparation).
+template <class Dot, Grid G, int NT>
+void grid_row(const uint8_t* row, size_t nsb, const uint8_t* const* acts, size_t n, float* res) {
+  using Traits = GridTraits<G>;
   __m256 facc[NT];
   for (int t = 0; t < NT; ++t) facc[t] = _mm256_setzero_ps();
-  const __m256i bits = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
-  const __m256i one = _mm256_set1_epi8(1);
-  const uint64_t* grid = kIqTables.iq2xxs_grid;
-  const uint8_t* signs = kIqTables.iq2_signs;
   for (size_t s = 0; s < nsb; ++s) {
-    const auto* b = reinterpret_cast<const BlockIq2Xxs*>(row) + s;
-    prefetch_block<sizeof(BlockIq2Xxs)>(reinterpret_cast<const uint8_t*>(b));
-    const float d = h2f(b->d);
+    const auto* b = reinterpret_cast<const typename Traits::Block*>(row) + s;
+    prefetch_block<sizeof(typename Traits::Block)>(reinterpret_cast<const uint8_t*>(b));
+    float d;
+    if constexpr (G == Grid::kIq1M) {
+      d = iq1m_d(b->scales);
+    } else {
+      d = h2f(b->d);
+    }
     for (int ib = 0; ib < kQKK / 32; ++ib) {
-      uint32_t words[2];
-      std::memcpy(words, b->qs + 4 * ib, sizeof words);
-      const __m256i w = _mm256_setr_epi64x(static_cast<long long>(grid[words[0] & 0xff]),
-                                           static_cast<long long>(grid[(words[0] >> 8) & 0xff]),
-                                           static_cast<long long>(grid[(words[0] >> 16) & 0xff]),
-                                           static_cast<long long>(grid[words[0] >> 24]));
-      const __m256i sb = _mm256_setr_epi64x(
-          static_cast<long long>(signs[words[1] & 127] * 0x0101010101010101ull),
-          static_cast<long long>(signs[(words[1] >> 7) & 127] * 0x0101010101010101ull),
-          static_cast<long long>(signs[(words[1] >> 14) & 127] * 0x0101010101010101ull),
-          static_cast<long long>(signs[(words[1] >> 21) & 127] * 0x0101010101010101ull));
-      // -1 where the value is negative, +1 elsewhere.
-      const __m256i sgn = _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(sb, bits), bits), one);
-      const float scale = d * (0.5f + static_cast<float>(words[1] >> 28)) * 0.25f;
+      GridSub sub;
+      grid_sub<G>(b, d, ib, &sub);
       const size_t blk = 8 * s + static_cast<size_t>(ib);
       for (int t = 0; t < NT; ++t) {
-        const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acts[t] + 32 * blk)), sgn);
-        const __m256i p = Dot::template dot<1, 43>(_mm256_setzero_si256(), &w, &a);
+        const __m256i a =
+            _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acts[t] + 32 * blk)), sub.sign);
+        const __m256i p = Dot::template dot<1, Traits::kMaxCode>(_mm256_setzero_si256(), &sub.mag, &a);
         float da;
         std::memcpy(&da, act_d(acts[t], n) + blk * sizeof(float), sizeof da);
-        facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale * da), facc[t]);
+        facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sub.scale, _mm256_set1_ps(da)), facc[t]);
       }
     }
   }
   for (int t = 0; t < NT; ++t) res[t] = hsum_ps(facc[t]);
 }
 
-template <class Dot>
-void dot_rows_iq2xxs(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
-                     size_t n, float* out, size_t ld_out) {
+template <class Dot, Grid G>
+void dot_rows_grid(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
+                   size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* ab = static_cast<const uint8_t*>(act);
   const size_t nsb = n / kQKK;
   if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
-  constexpr int kTokens = Dot::max_tokens(WeightType::kIQ2_XXS);
+  constexpr int kTokens = Dot::max_tokens(GridTraits<G>::kType);
   static_assert(kTokens >= 1 && kTokens <= kMaxTokens);
   for (int32_t t0 = 0; t0 < tokens; t0 += kTokens) {
     const int nt = tokens - t0 < kTokens ? tokens - t0 : kTokens;
@@ -1073,7 +1181,7 @@ void dot_rows_iq2xxs(const void* w, size_t row_bytes, int32_t rows, const void* 
     for (size_t r = 0; r < static_cast<size_t>(rows); ++r) {
       const uint8_t* row = wb + r * row_bytes;
       float res[kMaxTokens];
-      with_token_count<kTokens>(nt, [&]<int NT>() { iq2xxs_row<Dot, NT>(row, nsb, acts, n, res); });
+      with_token_count<kTokens>(nt, [&]<int NT>() { grid_row<Dot, G, NT>(row, nsb, acts, n, res); });
       for (int t = 0; t < nt; ++t) out[static_cast<size_t>(t0 + t) * ld_out + r] = res[t];
     }
   }

@@ -40,7 +40,10 @@ const QuantDotKernels kIq4Nl = {"iq4_nl-avx512-vnni", quantize_act, dot_rows_32<
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kIq4Xs>};
 const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act, dot_rows_k<EvexVnniDot, Kind::kQ2K>};
 const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act, dot_rows_k<EvexVnniDot, Kind::kQ3K>};
-const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx512-vnni", quantize_act, dot_rows_iq2xxs<EvexVnniDot>};
+const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq2Xxs>};
+const QuantDotKernels kIq3Xxs = {"iq3_xxs-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq3Xxs>};
+const QuantDotKernels kIq1S = {"iq1_s-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq1S>};
+const QuantDotKernels kIq1M = {"iq1_m-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq1M>};
 
 }  // namespace
 
@@ -62,6 +65,12 @@ const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
       return &kQ3_K;
     case WeightType::kIQ2_XXS:
       return &kIq2Xxs;
+    case WeightType::kIQ3_XXS:
+      return &kIq3Xxs;
+    case WeightType::kIQ1_S:
+      return &kIq1S;
+    case WeightType::kIQ1_M:
+      return &kIq1M;
     default:
       return nullptr;
   }

@@ -47,7 +47,10 @@ const QuantDotKernels kIq4Nl = {"iq4_nl-avx2-vnni", quantize_act, dot_rows_32<Vn
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx2-vnni", quantize_act, dot_rows_32<VnniDot, Block32::kIq4Xs>};
 const QuantDotKernels kQ2_K = {"q2_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ2K>};
 const QuantDotKernels kQ3_K = {"q3_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ3K>};
-const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx2-vnni", quantize_act, dot_rows_iq2xxs<VnniDot>};
+const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq2Xxs>};
+const QuantDotKernels kIq3Xxs = {"iq3_xxs-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq3Xxs>};
+const QuantDotKernels kIq1S = {"iq1_s-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq1S>};
+const QuantDotKernels kIq1M = {"iq1_m-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq1M>};
 const QuantDotKernels kQ4_K = {"q4_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ6K>};
@@ -84,6 +87,12 @@ const QuantDotKernels* quant_dot_avx_vnni(WeightType t) {
       return &kQ3_K;
     case WeightType::kIQ2_XXS:
       return &kIq2Xxs;
+    case WeightType::kIQ3_XXS:
+      return &kIq3Xxs;
+    case WeightType::kIQ1_S:
+      return &kIq1S;
+    case WeightType::kIQ1_M:
+      return &kIq1M;
     default:
       return nullptr;
   }

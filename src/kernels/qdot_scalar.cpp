@@ -391,6 +391,95 @@ float dot_iq2_xxs(const void* row, const void* act, size_t n) {
   return acc;
 }
 
+// IQ3_XXS: as IQ2_XXS with 4-value grid points and a scale
+// d * (0.5 + ls) / 2.
+float dot_iq3_xxs(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockIq3Xxs*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    const float d = f16_to_float(w[b].d);
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      uint32_t aux;
+      std::memcpy(&aux, w[b].qs + kQKK / 4 + 4 * ib, sizeof aux);
+      const int8_t* aq = a.qs + kQKK * b + 32 * static_cast<size_t>(ib);
+      int32_t isum = 0;
+      for (int g = 0; g < 4; ++g) {
+        const uint8_t signs = kIqTables.iq2_signs[(aux >> (7 * g)) & 127];
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t grid = kIqTables.iq3xxs_grid[w[b].qs[8 * ib + 2 * g + j / 4]];
+          const int v = static_cast<int>((grid >> (8 * (j % 4))) & 0xff);
+          isum += ((signs >> j) & 1 ? -v : v) * aq[8 * g + j];
+        }
+      }
+      const float scale = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
+      acc += scale * act_d(a, 8 * b + static_cast<size_t>(ib)) * static_cast<float>(isum);
+    }
+  }
+  return acc;
+}
+
+// IQ1: a group of 8 values g + delta (g in {-1, 0, 1}, delta = +-1/8) is
+// (8 g +- 1) / 8, so 8 times the weights are small integers and the dot
+// product stays in integers; the group's products with the activations.
+int32_t iq1_group_dot(uint32_t index, bool negative_shift, const int8_t* aq) {
+  const uint64_t grid = kIqTables.iq1s_grid[index];
+  const int shift = negative_shift ? -1 : 1;
+  int32_t isum = 0;
+  for (int j = 0; j < 8; ++j) {
+    const int byte = static_cast<int>((grid >> (8 * j)) & 0xff);
+    const int g = byte - ((byte & 0x80) << 1);  // the int8 value
+    isum += (8 * g + shift) * aq[j];
+  }
+  return isum;
+}
+
+float dot_iq1_s(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockIq1S*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    const float d = f16_to_float(w[b].d);
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      const uint32_t qh = w[b].qh[ib];
+      const int8_t* aq = a.qs + kQKK * b + 32 * static_cast<size_t>(ib);
+      int32_t isum = 0;
+      for (int l = 0; l < 4; ++l) {
+        isum += iq1_group_dot(w[b].qs[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8), (qh & 0x8000) != 0, aq + 8 * l);
+      }
+      const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
+      acc += dl * kIq1Delta * act_d(a, 8 * b + static_cast<size_t>(ib)) * static_cast<float>(isum);
+    }
+  }
+  return acc;
+}
+
+float dot_iq1_m(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockIq1M*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    uint16_t sc[4];
+    std::memcpy(sc, w[b].scales, sizeof sc);
+    const float d = f16_to_float(iq1_m_d(w[b].scales));
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      const int8_t* aq = a.qs + kQKK * b + 32 * static_cast<size_t>(ib);
+      float sub = 0.0f;
+      for (int half = 0; half < 2; ++half) {
+        int32_t isum = 0;
+        for (int l = 2 * half; l < 2 * half + 2; ++l) {
+          const uint32_t nibble = (w[b].qh[2 * ib + l / 2] >> (4 * (l % 2))) & 0xf;
+          isum += iq1_group_dot(w[b].qs[4 * ib + l] | ((nibble & 7) << 8), (nibble & 8) != 0, aq + 8 * l);
+        }
+        const uint32_t s = (sc[ib / 2] >> (6 * (ib % 2) + 3 * half)) & 7;
+        sub += static_cast<float>(2 * s + 1) * static_cast<float>(isum);
+      }
+      acc += d * kIq1Delta * act_d(a, 8 * b + static_cast<size_t>(ib)) * sub;
+    }
+  }
+  return acc;
+}
+
 template <float (*Dot)(const void*, const void*, size_t)>
 void dot_rows(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
               size_t n, float* out, size_t ld_out) {
@@ -418,6 +507,9 @@ constexpr QuantDotKernels kIq4Xs = {"iq4_xs-scalar", quantize_act, dot_rows<dot_
 constexpr QuantDotKernels kQ2_K = {"q2_k-scalar", quantize_act, dot_rows<dot_q2_k>};
 constexpr QuantDotKernels kQ3_K = {"q3_k-scalar", quantize_act, dot_rows<dot_q3_k>};
 constexpr QuantDotKernels kIq2Xxs = {"iq2_xxs-scalar", quantize_act, dot_rows<dot_iq2_xxs>};
+constexpr QuantDotKernels kIq3Xxs = {"iq3_xxs-scalar", quantize_act, dot_rows<dot_iq3_xxs>};
+constexpr QuantDotKernels kIq1S = {"iq1_s-scalar", quantize_act, dot_rows<dot_iq1_s>};
+constexpr QuantDotKernels kIq1M = {"iq1_m-scalar", quantize_act, dot_rows<dot_iq1_m>};
 
 }  // namespace
 
@@ -451,6 +543,12 @@ const QuantDotKernels* quant_dot_scalar(WeightType t) {
       return &kQ3_K;
     case WeightType::kIQ2_XXS:
       return &kIq2Xxs;
+    case WeightType::kIQ3_XXS:
+      return &kIq3Xxs;
+    case WeightType::kIQ1_S:
+      return &kIq1S;
+    case WeightType::kIQ1_M:
+      return &kIq1M;
     default:
       return nullptr;
   }

@@ -23,6 +23,9 @@ bool is_quantized(WeightType t) {
     case WeightType::kQ2_K:
     case WeightType::kQ3_K:
     case WeightType::kIQ2_XXS:
+    case WeightType::kIQ3_XXS:
+    case WeightType::kIQ1_S:
+    case WeightType::kIQ1_M:
       return true;
     default:
       return false;

@@ -1,5 +1,6 @@
 // Codebooks of the grid i-quant formats (quant_blocks.h): each grid index
-// names 8 magnitudes, which the block's sign bits then negate one by one.
+// names 8 (IQ3_XXS: 4) magnitudes, which the block's sign bits then negate
+// one by one, or (IQ1) 8 values from {-1, 0, 1} that a shift then offsets.
 // One aggregate of plain arrays, defined out of line (iq_grids.cpp), so the
 // instruction-set files read the tables without emitting symbols of their
 // own (tests/isa_linkage.sh).
@@ -17,6 +18,12 @@ struct IqTables {
   // makes the count of set bits even (bit j set: value j is negative), as
   // ggml's ksigns_iq2xs.
   uint8_t iq2_signs[128];
+  // IQ1_S and IQ1_M: 2048 grid points of 8 values from {-1, 0, 1}, 8 bytes
+  // each (byte j = value j as int8), as ggml's iq1s_grid.
+  uint64_t iq1s_grid[2048];
+  // IQ3_XXS: 256 grid points of 4 values from {4, 12, .., 52, 62}, 4 bytes
+  // each, as ggml's iq3xxs_grid.
+  uint32_t iq3xxs_grid[256];
 };
 
 extern const IqTables kIqTables;

@@ -134,8 +134,47 @@ struct BlockIq2Xxs {
   uint16_t qs[kQKK / 8];
 };
 
+// IQ3_XXS (3.0625 bits): 64 grid indices (a byte each, 4 magnitudes each,
+// iq_grids.h), then per 32-element sub-block ib a little-endian word at
+// qs[64 + 4 ib] as IQ2_XXS's second word (4 sign indices of 7 bits, each
+// for 8 values, and a 4-bit scale ls): x = d * (0.5 + ls) / 2 * grid value
+// * sign.
+struct BlockIq3Xxs {
+  uint16_t d;  // f16
+  uint8_t qs[3 * kQKK / 8];
+};
+
+// IQ1_S (1.5625 bits): per 32-element sub-block ib, 4 grid indices of 11
+// bits (low 8 in qs[4 ib + l], high 3 at bit 3l of qh[ib]), each naming 8
+// values g from {-1, 0, 1}; qh[ib] bits 12-14 hold a 3-bit scale s and bit
+// 15 the sign of the shift: x = d * (2 s + 1) * (g + delta), delta = -1/8
+// when bit 15 is set, +1/8 otherwise.
+struct BlockIq1S {
+  uint16_t d;  // f16
+  uint8_t qs[kQKK / 8];
+  uint16_t qh[kQKK / 32];
+};
+inline constexpr float kIq1Delta = 0.125f;
+
+// IQ1_M (1.75 bits): IQ1_S's grid without a block scale field. Per 32-element
+// sub-block ib, qs[4 ib + l] (l < 4) are the low 8 bits of four grid
+// indices; qh[2 ib + l / 2] holds, in nibble l % 2, the index's high 3 bits
+// and (bit 3) the sign of that group of 8's shift. The f16 d is spread over
+// the top nibbles of the four 16-bit words of scales (word k's bits 12-15
+// are bits 4k .. 4k + 3 of d); the rest of word k holds four 3-bit scales,
+// one per 16 elements (sub-block 2k + i / 2, half i % 2 at bit 3i):
+// x = d * (2 s + 1) * (g + delta).
+struct BlockIq1M {
+  uint8_t qs[kQKK / 8];
+  uint8_t qh[kQKK / 16];
+  uint8_t scales[kQKK / 32];
+};
+
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockIq2Xxs) == 66);
+static_assert(sizeof(BlockIq3Xxs) == 98);
+static_assert(sizeof(BlockIq1S) == 50);
+static_assert(sizeof(BlockIq1M) == 56);
 static_assert(sizeof(BlockMxfp4) == 17);
 static_assert(sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ4_1) == 20);

@@ -525,6 +525,76 @@ void dequantize_iq2_xxs(const void* src, float* dst, size_t n) {
   }
 }
 
+void dequantize_iq3_xxs(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockIq3Xxs*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      uint32_t aux;
+      std::memcpy(&aux, b->qs + kQKK / 4 + 4 * ib, sizeof aux);
+      const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
+      for (int g = 0; g < 4; ++g) {
+        const uint8_t signs = kIqTables.iq2_signs[(aux >> (7 * g)) & 127];
+        for (int j = 0; j < 8; ++j, ++dst) {
+          const uint32_t grid = kIqTables.iq3xxs_grid[b->qs[8 * ib + 2 * g + j / 4]];
+          const float v = db * static_cast<float>((grid >> (8 * (j % 4))) & 0xff);
+          *dst = (signs >> j) & 1 ? -v : v;
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+// IQ1 grid point `index`'s value j (-1, 0 or 1).
+float iq1_value(uint32_t index, int j) {
+  return static_cast<float>(static_cast<int8_t>((kIqTables.iq1s_grid[index] >> (8 * j)) & 0xff));
+}
+
+}  // namespace
+
+void dequantize_iq1_s(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockIq1S*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      const uint32_t qh = b->qh[ib];
+      const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
+      const float delta = (qh & 0x8000) != 0 ? -kIq1Delta : kIq1Delta;
+      for (int l = 0; l < 4; ++l) {
+        const uint32_t index = b->qs[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8);
+        for (int j = 0; j < 8; ++j) *dst++ = dl * (iq1_value(index, j) + delta);
+      }
+    }
+  }
+}
+
+uint16_t iq1_m_d(const uint8_t* scales) {
+  uint16_t sc[4];
+  std::memcpy(sc, scales, sizeof sc);
+  return static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+}
+
+void dequantize_iq1_m(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockIq1M*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    uint16_t sc[4];
+    std::memcpy(sc, b->scales, sizeof sc);
+    const float d = f16_to_float(iq1_m_d(b->scales));
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      for (int l = 0; l < 4; ++l) {
+        const uint32_t s = (sc[ib / 2] >> (6 * (ib % 2) + 3 * (l / 2))) & 7;
+        const float dl = d * static_cast<float>(2 * s + 1);
+        const uint32_t nibble = (b->qh[2 * ib + l / 2] >> (4 * (l % 2))) & 0xf;
+        const uint32_t index = b->qs[4 * ib + l] | ((nibble & 7) << 8);
+        const float delta = (nibble & 8) != 0 ? -kIq1Delta : kIq1Delta;
+        for (int j = 0; j < 8; ++j) *dst++ = dl * (iq1_value(index, j) + delta);
+      }
+    }
+  }
+}
+
 void q3_k_scales(const uint8_t* packed, int8_t* out) {
   for (int s = 0; s < kSub16; ++s) {
     const int low = s < 8 ? packed[s] & 0xf : packed[s - 8] >> 4;

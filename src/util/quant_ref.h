@@ -29,6 +29,11 @@ void dequantize_iq4_xs(const void* src, float* dst, size_t n);
 int q5_code(const uint8_t* qs, const uint8_t* qh, int j);
 void dequantize_q2_k(const void* src, float* dst, size_t n);
 void dequantize_iq2_xxs(const void* src, float* dst, size_t n);
+void dequantize_iq3_xxs(const void* src, float* dst, size_t n);
+void dequantize_iq1_s(const void* src, float* dst, size_t n);
+void dequantize_iq1_m(const void* src, float* dst, size_t n);
+// An IQ1_M super-block's f16 d, from the top nibbles of its scale words.
+uint16_t iq1_m_d(const uint8_t* scales);
 void dequantize_q3_k(const void* src, float* dst, size_t n);
 // A q3_K super-block's 16 sub-block scales, sc - 32 (-32 .. 31), from its
 // 12 packed bytes.

@@ -56,6 +56,9 @@ constexpr WeightFormat kFormats[kWeightTypeCount] = {
     {WeightType::kQ2_K, "q2_k", kQKK, sizeof(BlockQ2K), dequantize_q2_k, quantize_q2_k, true},
     {WeightType::kQ3_K, "q3_k", kQKK, sizeof(BlockQ3K), dequantize_q3_k, quantize_q3_k, true},
     {WeightType::kIQ2_XXS, "iq2_xxs", kQKK, sizeof(BlockIq2Xxs), dequantize_iq2_xxs, nullptr, true},
+    {WeightType::kIQ3_XXS, "iq3_xxs", kQKK, sizeof(BlockIq3Xxs), dequantize_iq3_xxs, nullptr, true},
+    {WeightType::kIQ1_S, "iq1_s", kQKK, sizeof(BlockIq1S), dequantize_iq1_s, nullptr, true},
+    {WeightType::kIQ1_M, "iq1_m", kQKK, sizeof(BlockIq1M), dequantize_iq1_m, nullptr, true},
 };
 
 }  // namespace

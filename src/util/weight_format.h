@@ -35,8 +35,11 @@ enum class WeightType : uint8_t {
   kQ2_K = 14,
   kQ3_K = 15,
   kIQ2_XXS = 16,
+  kIQ3_XXS = 17,
+  kIQ1_S = 18,
+  kIQ1_M = 19,
 };
-inline constexpr int kWeightTypeCount = 17;
+inline constexpr int kWeightTypeCount = 20;
 
 struct WeightFormat {
   WeightType type;

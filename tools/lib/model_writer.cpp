@@ -31,26 +31,84 @@ float uniform_pm1(uint64_t& state) {
   return static_cast<float>(static_cast<double>(splitmix64(state) >> 11) * 0x1.0p-52 - 1.0);
 }
 
+// The formats read, not made (no from_float: the grid i-quants, whose
+// quantisers need an importance matrix): the mean magnitude of a value per
+// unit of the block scale d, with random codes (iq2_xxs: grid values about
+// 20 times sub-scales (0.5 + ls) / 4 about 2; iq3_xxs: about 30 times
+// (0.5 + ls) / 2 about 4; iq1: |g +- 1/8| about 0.6 times 2 s + 1 about 8).
+float stand_in_magnitude_per_d(WeightType t) {
+  switch (t) {
+    case WeightType::kIQ2_XXS:
+      return 40.0f;
+    case WeightType::kIQ3_XXS:
+      return 120.0f;
+    case WeightType::kIQ1_S:
+    case WeightType::kIQ1_M:
+      return 5.0f;
+    default:
+      fail(Status::kUnsupported, std::string(weight_format(t).name) + " has no random stand-in");
+  }
+}
+
+// rows x n floats as a format read, not made: random codes, and per block
+// the scale that gives values of the block's floats' mean magnitude, so a
+// random model of that type has the size, layout and value range of a real
+// one (for benchmarks and tests; the values are not an approximation of w).
+void encode_stand_in(WeightType t, const float* w, size_t rows, size_t n, uint8_t* out) {
+  const WeightFormat& f = weight_format(t);
+  const size_t blocks = weight_row_bytes(t, n) / f.block_bytes;
+  for (size_t r = 0; r < rows; ++r) {
+    // Codes deterministic in the row's floats (so experts differ).
+    uint32_t first, middle;
+    std::memcpy(&first, w + r * n, sizeof first);
+    std::memcpy(&middle, w + r * n + n / 2, sizeof middle);
+    uint64_t state = (static_cast<uint64_t>(first) << 32 | middle) ^ (0x5eed0000ull + static_cast<uint64_t>(t));
+    for (size_t b = 0; b < blocks; ++b) {
+      uint8_t* blk = out + (r * blocks + b) * f.block_bytes;
+      for (size_t i = 0; i < f.block_bytes; ++i) blk[i] = static_cast<uint8_t>(splitmix64(state));
+      double sum = 0.0;
+      const size_t begin = b * f.block_elements;
+      const size_t end = std::min(n, begin + f.block_elements);
+      for (size_t i = begin; i < end; ++i) sum += std::fabs(w[r * n + i]);
+      const double mean = end > begin ? sum / static_cast<double>(end - begin) : 0.0;
+      const uint16_t d = float_to_f16(static_cast<float>(mean) / stand_in_magnitude_per_d(t));
+      if (t == WeightType::kIQ1_M) {
+        // d's four nibbles in the top of the four 16-bit scale words (the block's last 8 bytes).
+        uint8_t* scales = blk + f.block_bytes - 8;
+        for (int k = 0; k < 4; ++k) {
+          scales[2 * k + 1] = static_cast<uint8_t>((scales[2 * k + 1] & 0x0f) | (((d >> (4 * k)) & 0xf) << 4));
+        }
+      } else {
+        std::memcpy(blk, &d, sizeof d);  // the f16 d leads the block
+      }
+    }
+  }
+}
+
+void encode_rows(WeightType t, const float* w, size_t rows, size_t n, uint8_t* out, bool stand_in) {
+  if (stand_in && weight_format(t).from_float == nullptr) return encode_stand_in(t, w, rows, n, out);
+  convert_rows_from_float(t, w, rows, n, out, conversion_threads());
+}
+
 // n elements of one row in `dtype`'s file encoding (little-endian, as the
 // x86-64 hosts Colibri runs on store it).
 std::vector<uint8_t> encode_weights(const float* w, size_t n, WeightType t) {
   std::vector<uint8_t> out(weight_row_bytes(t, n));
-  convert_rows_from_float(t, w, 1, n, out.data(), conversion_threads());
+  encode_rows(t, w, 1, n, out.data(), false);
   return out;
 }
 
 // An expert's gate, up [F][D] and down [D][F] in the manifest's types, rows
 // of whole blocks, then its f32 biases when `biased`.
-std::vector<uint8_t> encode_expert(const float* w, const Manifest& m, int32_t d_ff, bool biased) {
+std::vector<uint8_t> encode_expert(const float* w, const Manifest& m, int32_t d_ff, bool biased, bool stand_in) {
   const size_t D = static_cast<size_t>(m.d_model);
   const size_t F = static_cast<size_t>(d_ff);
   const uint64_t gate_bytes = Manifest::matrix_bytes(m.weight_type(), d_ff, m.d_model);
   const uint64_t matrices = 2 * gate_bytes + Manifest::matrix_bytes(m.down_weight_type(), m.d_model, d_ff);
   const size_t biases = biased ? 2 * F + D : 0;
   std::vector<uint8_t> out(matrices + biases * sizeof(float));
-  convert_rows_from_float(m.weight_type(), w, 2 * F, D, out.data(), conversion_threads());
-  convert_rows_from_float(m.down_weight_type(), w + 2 * F * D, D, F, out.data() + 2 * gate_bytes,
-                          conversion_threads());
+  encode_rows(m.weight_type(), w, 2 * F, D, out.data(), stand_in);
+  encode_rows(m.down_weight_type(), w + 2 * F * D, D, F, out.data() + 2 * gate_bytes, stand_in);
   if (biased) std::memcpy(out.data() + matrices, w + 3 * F * D, biases * sizeof(float));
   return out;
 }
@@ -144,11 +202,11 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
     }
     for (int32_t e = 0; e < spec.n_experts; ++e) {
       fill.expert(l, e, w.data());
-      write_one(m.expert_file(l, e), encode_expert(w.data(), m, spec.d_ff, m.expert_bias));
+      write_one(m.expert_file(l, e), encode_expert(w.data(), m, spec.d_ff, m.expert_bias, spec.random_stand_in));
     }
     if (m.has_shared()) {
       fill.shared(l, w.data(), m.shared_gate ? gate.data() : nullptr);
-      write_one(m.shared_file(l), encode_expert(w.data(), m, m.shared_d_ff, false));
+      write_one(m.shared_file(l), encode_expert(w.data(), m, m.shared_d_ff, false, spec.random_stand_in));
       if (m.shared_gate) write_one(m.shared_gate_file(l), encode_weights(gate.data(), D, WeightType::kF32));
     }
   }
@@ -273,7 +331,9 @@ void write_random_model(const std::string& dir, const ModelWriteSpec& spec, uint
       for (int32_t d = 0; d < spec.d_model; ++d) gate[d] = a_in * uniform_pm1(state);
     }
   };
-  write_model_dir(dir, spec, f);
+  ModelWriteSpec random = spec;
+  random.random_stand_in = true;
+  write_model_dir(dir, random, f);
 }
 
 }  // namespace colibri

@@ -36,6 +36,10 @@ struct ModelWriteSpec {
   // Optional provenance, stored as the manifest's "source" object (ignored
   // when read): e.g. {"format": "hf", "model_type": "mixtral", "layers": [..]}.
   std::string source_json;
+  // Formats read, not made (the grid i-quants: no quantiser without an
+  // importance matrix): false refuses them (kUnsupported); write_random_model
+  // sets it to write random codes with scales of the weights' magnitude.
+  bool random_stand_in = false;
 };
 
 // Called once per file, in order, to fill float32 buffers that the writer
