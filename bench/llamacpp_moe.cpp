@@ -255,11 +255,28 @@ std::vector<uint8_t> make_weights(ggml_type type, int64_t n_in, int64_t n_out, i
     const int64_t rows = n_out * E;
     std::vector<uint8_t> q(row_size * rows);
     const float scale = (float) (std::sqrt(3.0) / std::sqrt((double) n_in));  // uniform, std 1/sqrt(n_in)
+    // The grid i-quants: random codes with a sane f16 scale per block, as
+    // `colibri gen` writes them (ggml's quantisers for these take minutes
+    // per layer and need an importance matrix; the kernels' speed does not
+    // depend on the codes).
+    if (type == GGML_TYPE_IQ1_S || type == GGML_TYPE_IQ1_M || type == GGML_TYPE_IQ2_XXS || type == GGML_TYPE_IQ3_XXS) {
+        const size_t block_bytes = ggml_type_size(type);
+        Rng g(seed * 0x100000001b3ull ^ ((uint64_t) tensor_id << 56));
+        for (auto & b : q) b = (uint8_t) g.next();
+        const ggml_fp16_t d = ggml_fp32_to_fp16(scale / 8.0f);
+        for (size_t o = 0; o < q.size(); o += block_bytes) {
+            uint8_t * blk = q.data() + o;
+            if (type == GGML_TYPE_IQ1_M) {
+                uint8_t * sc = blk + block_bytes - 8;  // d's nibbles atop the four scale words
+                for (int k = 0; k < 4; ++k) sc[2 * k + 1] = (uint8_t) ((sc[2 * k + 1] & 0x0f) | (((d >> (4 * k)) & 0xf) << 4));
+            } else {
+                std::memcpy(blk, &d, sizeof d);
+            }
+        }
+        return q;
+    }
     ggml_quantize_init(type);
-    // The i-quants' quantisers need an importance matrix: uniform weights
-    // (all ones) give the plain error-weighted search.
-    const std::vector<float> imatrix(n_in, 1.0f);
-    const float * im = ggml_quantize_requires_imatrix(type) ? imatrix.data() : nullptr;
+    const float * im = nullptr;
     const int64_t chunk = 64;
     auto work = [&](int tid) {
         std::vector<float> buf(chunk * n_in);

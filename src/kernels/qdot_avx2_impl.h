@@ -1052,13 +1052,9 @@ inline long long bytes8(uint64_t v) { return static_cast<long long>(v); }
 // The IQ2/IQ3 sign bytes of a word's four 7-bit sign indices, spread to
 // -1 (negative) or +1 per value.
 inline __m256i iq_signs(uint32_t word) {
-  const uint8_t* signs = kIqTables.iq2_signs;
-  constexpr uint64_t kSpread = 0x0101010101010101ull;
-  const __m256i sb = _mm256_setr_epi64x(
-      bytes8(signs[word & 127] * kSpread), bytes8(signs[(word >> 7) & 127] * kSpread),
-      bytes8(signs[(word >> 14) & 127] * kSpread), bytes8(signs[(word >> 21) & 127] * kSpread));
-  const __m256i bits = _mm256_set1_epi64x(bytes8(0x8040201008040201ull));
-  return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(sb, bits), bits), _mm256_set1_epi8(1));
+  const uint64_t* signs = kIqTables.iq2_sign_bytes;
+  return _mm256_setr_epi64x(bytes8(signs[word & 127]), bytes8(signs[(word >> 7) & 127]),
+                            bytes8(signs[(word >> 14) & 127]), bytes8(signs[(word >> 21) & 127]));
 }
 
 // IQ1: four grid points of {-1, 0, 1} (indices idx[l]) and their groups'
@@ -1107,8 +1103,13 @@ inline void grid_sub(const typename GridTraits<G>::Block* b, float d, int ib, Gr
     const uint32_t h0 = b->qh[2 * ib], h1 = b->qh[2 * ib + 1];
     const uint32_t idx[4] = {q[0] | ((h0 << 8) & 0x700), q[1] | ((h0 << 4) & 0x700), q[2] | ((h1 << 8) & 0x700),
                              q[3] | ((h1 << 4) & 0x700)};
-    auto shift = [](uint32_t bit) { return bytes8(bit != 0 ? ~0ull : 0x0101010101010101ull); };
-    iq1_sub(idx, _mm256_setr_epi64x(shift(h0 & 0x08), shift(h0 & 0x80), shift(h1 & 0x08), shift(h1 & 0x80)), out);
+    // Group g's shift sign is bit 3 + 4g of the two qh bytes as one word:
+    // -1 bytes where set, +1 elsewhere.
+    const __m256i bits = _mm256_setr_epi64x(bytes8(0x0008000800080008ull), bytes8(0x0080008000800080ull),
+                                            bytes8(0x0800080008000800ull), bytes8(0x8000800080008000ull));
+    const __m256i hw = _mm256_set1_epi16(static_cast<int16_t>(h0 | (h1 << 8)));
+    const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(hw, bits), bits);
+    iq1_sub(idx, _mm256_or_si256(set, _mm256_set1_epi8(1)), out);
     uint16_t sc;
     std::memcpy(&sc, b->scales + 2 * (ib / 2), sizeof sc);
     const uint32_t s = sc >> (6 * (ib % 2));

@@ -260,6 +260,9 @@ constexpr IqTables make_tables() {
     int bits = 0;
     for (int b = 0; b < 7; ++b) bits += (i >> b) & 1;
     t.iq2_signs[i] = static_cast<uint8_t>(i | ((bits & 1) << 7));
+    uint64_t bytes = 0;
+    for (int j = 0; j < 8; ++j) bytes |= static_cast<uint64_t>((t.iq2_signs[i] >> j) & 1 ? 0xff : 0x01) << (8 * j);
+    t.iq2_sign_bytes[i] = bytes;
   }
   return t;
 }

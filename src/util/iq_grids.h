@@ -18,6 +18,9 @@ struct IqTables {
   // makes the count of set bits even (bit j set: value j is negative), as
   // ggml's ksigns_iq2xs.
   uint8_t iq2_signs[128];
+  // The same signs as 8 bytes of +1 or -1 (byte j: -1 where bit j is set),
+  // for the kernels that put them on the activations (vpsignb).
+  uint64_t iq2_sign_bytes[128];
   // IQ1_S and IQ1_M: 2048 grid points of 8 values from {-1, 0, 1}, 8 bytes
   // each (byte j = value j as int8), as ggml's iq1s_grid.
   uint64_t iq1s_grid[2048];
