@@ -397,13 +397,19 @@ void dq_iq3_xxs(const void* src, size_t n, uint16_t* dst) {
 }
 
 // iq1: 16 values dl * (g + delta) of two grid points (g in {-1, 0, 1} as
-// int8 bytes), delta per point, the reference's sum then product.
-inline __m512 iq1_values16(uint32_t idx0, uint32_t idx1, float delta0, float delta1, float dl) {
+// int8 bytes), the reference's sum then product; delta is -1/8 for the
+// values whose bit of `negative` (one per value) is set, +1/8 elsewhere: a
+// blend, not a branch (the shift signs are random bits, one per 8 values
+// in iq1_m).
+inline __m512 iq1_values16(uint32_t idx0, uint32_t idx1, __mmask16 negative, float dl) {
   const __m128i g = _mm_set_epi64x(static_cast<long long>(kIqTables.iq1s_grid[idx1]),
                                    static_cast<long long>(kIqTables.iq1s_grid[idx0]));
-  const __m512 delta = _mm512_insertf32x8(_mm512_set1_ps(delta0), _mm256_set1_ps(delta1), 1);
+  const __m512 delta = _mm512_mask_blend_ps(negative, _mm512_set1_ps(kIq1Delta), _mm512_set1_ps(-kIq1Delta));
   return _mm512_mul_ps(_mm512_set1_ps(dl), _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(g)), delta));
 }
+
+// All 16 lanes where `bit` is set, none where it is clear.
+inline __mmask16 lanes_if(uint32_t bit) { return static_cast<__mmask16>(0u - static_cast<uint32_t>(bit != 0)); }
 
 void dq_iq1_s(const void* src, size_t n, uint16_t* dst) {
   const auto* b = static_cast<const BlockIq1S*>(src);
@@ -412,11 +418,10 @@ void dq_iq1_s(const void* src, size_t n, uint16_t* dst) {
     for (int ib = 0; ib < kQKK / 32; ++ib, dst += 32) {
       const uint32_t qh = b->qh[ib];
       const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
-      const float delta = (qh & 0x8000) != 0 ? -kIq1Delta : kIq1Delta;
+      const __mmask16 negative = lanes_if(qh & 0x8000);
       uint32_t idx[4];
       for (int l = 0; l < 4; ++l) idx[l] = b->qs[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8);
-      store32(dst, bf16x32(iq1_values16(idx[0], idx[1], delta, delta, dl),
-                           iq1_values16(idx[2], idx[3], delta, delta, dl)));
+      store32(dst, bf16x32(iq1_values16(idx[0], idx[1], negative, dl), iq1_values16(idx[2], idx[3], negative, dl)));
     }
   }
 }
@@ -439,8 +444,9 @@ void dq_iq1_m(const void* src, size_t n, uint16_t* dst) {
         const uint32_t qh = b->qh[2 * ib + h];
         const uint32_t idx0 = b->qs[4 * ib + 2 * h] | ((qh & 7) << 8);
         const uint32_t idx1 = b->qs[4 * ib + 2 * h + 1] | (((qh >> 4) & 7) << 8);
-        half[h] = iq1_values16(idx0, idx1, (qh & 0x08) != 0 ? -kIq1Delta : kIq1Delta,
-                               (qh & 0x80) != 0 ? -kIq1Delta : kIq1Delta, dl);
+        // Bit 3 is the first point's shift sign, bit 7 the second's.
+        const auto negative = static_cast<__mmask16>((lanes_if(qh & 0x08) & 0x00ff) | (lanes_if(qh & 0x80) & 0xff00));
+        half[h] = iq1_values16(idx0, idx1, negative, dl);
       }
       store32(dst, bf16x32(half[0], half[1]));
     }
