@@ -96,7 +96,7 @@ struct Args {
 
 void usage() {
     std::fprintf(stderr,
-        "usage: llamacpp_moe [--type f16|bf16|f32|q8_0|q4_0|q4_1|q5_0|q5_1|q2_K|q3_K|q4_K|iq4_nl|iq4_xs|iq1_s|iq1_m|iq2_xxs|iq3_xxs|mxfp4] [--experts E] [--top-k K]\n"
+        "usage: llamacpp_moe [--type f16|bf16|f32|q8_0|q4_0|q4_1|q5_0|q5_1|q2_K|q3_K|q4_K|iq4_nl|iq4_xs|iq1_s|iq1_m|iq2_xxs|iq2_xs|iq2_s|iq3_xxs|iq3_s|mxfp4] [--experts E] [--top-k K]\n"
         "                    [--d-model D] [--d-ff F] [--seed S] [--shape NAME] [--check] [--serve] [--gpt-oss]\n"
         "  --gpt-oss         the experts as llama.cpp's gpt-oss graph computes them: biases on gate,\n"
         "                    up and down (ggml_add_id) and ggml_swiglu_oai(alpha 1.702, limit 7)\n"
@@ -195,8 +195,11 @@ ggml_type parse_type(const std::string & s) {
     if (l == "iq3_xxs") return GGML_TYPE_IQ3_XXS;
     if (l == "iq1_s") return GGML_TYPE_IQ1_S;
     if (l == "iq1_m") return GGML_TYPE_IQ1_M;
+    if (l == "iq2_xs") return GGML_TYPE_IQ2_XS;
+    if (l == "iq2_s") return GGML_TYPE_IQ2_S;
+    if (l == "iq3_s") return GGML_TYPE_IQ3_S;
     die("unsupported --type %s (f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, iq4_nl, iq4_xs, "
-        "iq1_s, iq1_m, iq2_xxs, iq3_xxs, mxfp4)",
+        "iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, mxfp4)",
         s.c_str());
 }
 
@@ -259,7 +262,8 @@ std::vector<uint8_t> make_weights(ggml_type type, int64_t n_in, int64_t n_out, i
     // `colibri gen` writes them (ggml's quantisers for these take minutes
     // per layer and need an importance matrix; the kernels' speed does not
     // depend on the codes).
-    if (type == GGML_TYPE_IQ1_S || type == GGML_TYPE_IQ1_M || type == GGML_TYPE_IQ2_XXS || type == GGML_TYPE_IQ3_XXS) {
+    if (type == GGML_TYPE_IQ1_S || type == GGML_TYPE_IQ1_M || type == GGML_TYPE_IQ2_XXS || type == GGML_TYPE_IQ2_XS ||
+        type == GGML_TYPE_IQ2_S || type == GGML_TYPE_IQ3_XXS || type == GGML_TYPE_IQ3_S) {
         const size_t block_bytes = ggml_type_size(type);
         Rng g(seed * 0x100000001b3ull ^ ((uint64_t) tensor_id << 56));
         for (auto & b : q) b = (uint8_t) g.next();

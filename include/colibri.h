@@ -64,7 +64,10 @@ typedef enum colibri_status {
  * weights in 66 bytes, 2.06 bits: grid points of 8 values with sign
  * bits), iq3_xxs (98 bytes, 3.06 bits: grid points of 4 values with sign
  * bits), iq1_s and iq1_m (50 and 56 bytes, 1.56 and 1.75 bits: grid points
- * of 8 values from {-1, 0, 1} with a shift of +-1/8). A
+ * of 8 values from {-1, 0, 1} with a shift of +-1/8), iq2_xs and iq2_s
+ * (74 and 82 bytes, 2.31 and 2.56 bits: larger grids of 8 values, scales
+ * per 16), iq3_s (110 bytes, 3.44 bits: grid points of 4 values, sign
+ * bytes). A
  * row of n weights is ceil(n / block) whole blocks, the last padded with
  * zeros (colibri_dtype_row_bytes). */
 typedef enum colibri_dtype {
@@ -87,7 +90,10 @@ typedef enum colibri_dtype {
   COLIBRI_DTYPE_IQ2_XXS = 16,
   COLIBRI_DTYPE_IQ3_XXS = 17,
   COLIBRI_DTYPE_IQ1_S = 18,
-  COLIBRI_DTYPE_IQ1_M = 19
+  COLIBRI_DTYPE_IQ1_M = 19,
+  COLIBRI_DTYPE_IQ2_XS = 20,
+  COLIBRI_DTYPE_IQ2_S = 21,
+  COLIBRI_DTYPE_IQ3_S = 22
 } colibri_dtype_t;
 
 /* Kind of huge pages backing the packed weights. */

@@ -39,7 +39,7 @@ constexpr WeightType kTypes[] = {WeightType::kQ8_0,  WeightType::kQ4_0,  WeightT
                                  WeightType::kQ6_K,  WeightType::kMXFP4, WeightType::kQ4_1,   WeightType::kQ5_0,
                                  WeightType::kQ5_1,  WeightType::kIQ4_NL, WeightType::kIQ4_XS, WeightType::kQ2_K,
                                  WeightType::kQ3_K,  WeightType::kIQ2_XXS, WeightType::kIQ3_XXS, WeightType::kIQ1_S,
-                                 WeightType::kIQ1_M};
+                                 WeightType::kIQ1_M, WeightType::kIQ2_XS, WeightType::kIQ2_S, WeightType::kIQ3_S};
 
 // Formats whose dot products the AVX-512 level leaves to the AVX2 level's
 // kernels (quant_dot_avx512 gives nullptr).
@@ -121,6 +121,9 @@ std::vector<uint8_t> random_weights(WeightType t, size_t n, int rows, size_t row
           break;
         case WeightType::kIQ2_XXS:
         case WeightType::kIQ3_XXS:
+        case WeightType::kIQ2_XS:
+        case WeightType::kIQ2_S:
+        case WeightType::kIQ3_S:
           // d over the 4-bit sub-scales and grid values up to 43 (62; random bytes).
           h[0] = random_scale(rng, 1e-4f, 1e-3f, true);
           std::memcpy(blk, h, 2);

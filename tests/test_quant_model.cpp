@@ -56,6 +56,8 @@ const Case kCases[] = {
     {"iq1_s_iq3_xxs", COLIBRI_DTYPE_IQ1_S, COLIBRI_DTYPE_IQ3_XXS},
     {"iq1_m_iq2_xxs", COLIBRI_DTYPE_IQ1_M, COLIBRI_DTYPE_IQ2_XXS},
     {"iq2_xxs_q3_k", COLIBRI_DTYPE_IQ2_XXS, COLIBRI_DTYPE_Q3_K},
+    {"iq2_xs_iq3_s", COLIBRI_DTYPE_IQ2_XS, COLIBRI_DTYPE_IQ3_S},
+    {"iq2_s_iq3_s", COLIBRI_DTYPE_IQ2_S, COLIBRI_DTYPE_IQ3_S},
 };
 
 using Opened = colibri_test::OpenedModel;

@@ -414,8 +414,12 @@ TEST(QuantRefGgml, DequantizeRandomBlocks) {
       {"iq3_xxs", WeightType::kIQ3_XXS, kQKK, sizeof(BlockIq3Xxs), nullptr, dequantize_iq3_xxs},
       {"iq1_s", WeightType::kIQ1_S, kQKK, sizeof(BlockIq1S), nullptr, dequantize_iq1_s},
       {"iq1_m", WeightType::kIQ1_M, kQKK, sizeof(BlockIq1M), nullptr, dequantize_iq1_m},
+      {"iq2_xs", WeightType::kIQ2_XS, kQKK, sizeof(BlockIq2Xs), nullptr, dequantize_iq2_xs},
+      {"iq2_s", WeightType::kIQ2_S, kQKK, sizeof(BlockIq2S), nullptr, dequantize_iq2_s},
+      {"iq3_s", WeightType::kIQ3_S, kQKK, sizeof(BlockIq3S), nullptr, dequantize_iq3_s},
   };
-  const uint64_t read_only_hashes[] = {0x225e1d094ad5571eull, 0xd669592fd7948c51ull, 0xaaaaf4eddf6b03acull};
+  const uint64_t read_only_hashes[] = {0x225e1d094ad5571eull, 0xd669592fd7948c51ull, 0xaaaaf4eddf6b03acull,
+                                       0x24e52f98ce0977b6ull, 0x72944609542c58d0ull, 0x62744073ea68e691ull};
   for (size_t i = 0; i < std::size(read_only); ++i) {
     const Format& f = read_only[i];
     EXPECT_EQ(weight_format(f.type).from_float, nullptr) << f.name;

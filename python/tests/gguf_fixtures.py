@@ -40,6 +40,9 @@ GGUF_TYPE = {
     "iq3_xxs": Q.IQ3_XXS,
     "iq1_s": Q.IQ1_S,
     "iq1_m": Q.IQ1_M,
+    "iq2_xs": Q.IQ2_XS,
+    "iq2_s": Q.IQ2_S,
+    "iq3_s": Q.IQ3_S,
 }
 
 
@@ -47,7 +50,8 @@ GGUF_TYPE = {
 # a value per unit of d (IQ2_XXS: grid values about 20 times sub-scales
 # (0.5 + ls) / 4 about 2; IQ3_XXS: about 30 times (0.5 + ls) / 2 about 4;
 # IQ1: |g +- 1/8| about 0.6 times 2 s + 1 about 8).
-_GRID_BLOCKS = {"iq2_xxs": (66, 40.0), "iq3_xxs": (98, 120.0), "iq1_s": (50, 5.0), "iq1_m": (56, 5.0)}
+_GRID_BLOCKS = {"iq2_xxs": (66, 40.0), "iq3_xxs": (98, 120.0), "iq1_s": (50, 5.0), "iq1_m": (56, 5.0),
+                "iq2_xs": (74, 40.0), "iq2_s": (82, 40.0), "iq3_s": (110, 120.0)}
 
 
 def _random_grid_blocks(dtype, shape, magnitude, seed=7):
@@ -341,14 +345,14 @@ _ARCH = {
 # (llama.cpp's quantiser falls back likewise, Q6_K -> Q8_0).
 _BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "q4_0": 32, "mxfp4": 32, "q4_1": 32, "q5_0": 32,
           "q5_1": 32, "iq4_nl": 32, "iq4_xs": 256, "q2_k": 256, "q3_k": 256, "iq2_xxs": 256,
-          "iq3_xxs": 256, "iq1_s": 256, "iq1_m": 256}
+          "iq3_xxs": 256, "iq1_s": 256, "iq1_m": 256, "iq2_xs": 256, "iq2_s": 256, "iq3_s": 256}
 
 _FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K",
               "mxfp4": "MOSTLY_MXFP4_MOE", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
               "iq4_nl": "MOSTLY_IQ4_NL", "iq4_xs": "MOSTLY_IQ4_XS", "q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_M",
               "iq2_xxs": "MOSTLY_IQ2_XXS", "iq3_xxs": "MOSTLY_IQ3_XXS", "iq1_s": "MOSTLY_IQ1_S",
-              "iq1_m": "MOSTLY_IQ1_M"}
+              "iq1_m": "MOSTLY_IQ1_M", "iq2_xs": "MOSTLY_IQ2_XS", "iq2_s": "MOSTLY_IQ2_S", "iq3_s": "MOSTLY_IQ3_S"}
 
 
 def _byte_level_vocab(n: int, specials=("<|endoftext|>", "<|startoftext|>")):

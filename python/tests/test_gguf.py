@@ -108,6 +108,9 @@ CASES = [
     # The 1-bit mixes: IQ1_S / IQ1_M experts with IQ3_XXS / IQ2_XXS down (as
     # llama.cpp's IQ1_S and IQ1_M mixes give the larger type to down).
     ("qwen3moe", "iq1_s", "iq3_xxs", dict()),
+    # IQ2_XS / IQ2_S / IQ3_S, llama.cpp's IQ2_XS, IQ2_M and IQ3_M mixes.
+    ("qwen3moe", "iq2_xs", "iq3_s", dict()),
+    ("olmoe", "iq2_s", "iq3_s", dict()),
     ("deepseek2", "iq1_m", "iq2_xxs", dict(dense_blocks=1, shared_d_ff=256, block_down_dtypes=["iq2_xxs", "iq1_s"])),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),

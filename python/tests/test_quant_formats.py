@@ -49,6 +49,9 @@ READ_ONLY = {
     "iq1_s": (GGMLQuantizationType.IQ1_S, 256, 50, (0,)),
     # IQ1_M's f16 d lies in the top nibbles of its four scale words (48 .. 55).
     "iq1_m": (GGMLQuantizationType.IQ1_M, 256, 56, ()),
+    "iq2_xs": (GGMLQuantizationType.IQ2_XS, 256, 74, (0,)),
+    "iq2_s": (GGMLQuantizationType.IQ2_S, 256, 82, (0,)),
+    "iq3_s": (GGMLQuantizationType.IQ3_S, 256, 110, (0,)),
 }
 # Loose round-trip bounds on normal data, a sanity check on the bindings
 # (test_quant_ref.cpp holds the tight ones).

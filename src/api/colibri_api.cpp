@@ -132,7 +132,10 @@ static_assert(COLIBRI_DTYPE_F32 == static_cast<int>(colibri::WeightType::kF32) &
               COLIBRI_DTYPE_IQ3_XXS == static_cast<int>(colibri::WeightType::kIQ3_XXS) &&
               COLIBRI_DTYPE_IQ1_S == static_cast<int>(colibri::WeightType::kIQ1_S) &&
               COLIBRI_DTYPE_IQ1_M == static_cast<int>(colibri::WeightType::kIQ1_M) &&
-              colibri::kWeightTypeCount == COLIBRI_DTYPE_IQ1_M + 1);
+              COLIBRI_DTYPE_IQ2_XS == static_cast<int>(colibri::WeightType::kIQ2_XS) &&
+              COLIBRI_DTYPE_IQ2_S == static_cast<int>(colibri::WeightType::kIQ2_S) &&
+              COLIBRI_DTYPE_IQ3_S == static_cast<int>(colibri::WeightType::kIQ3_S) &&
+              colibri::kWeightTypeCount == COLIBRI_DTYPE_IQ3_S + 1);
 static_assert(COLIBRI_ROUTER_GPT_OSS == colibri::kLastRouterFamily &&
               COLIBRI_ROUTER_DEEPSEEK_V3 == static_cast<int>(colibri::RouterFamily::kDeepseekV3) &&
               COLIBRI_ROUTER_MIXTRAL == static_cast<int>(colibri::RouterFamily::kMixtral) &&
@@ -208,6 +211,9 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
     case COLIBRI_DTYPE_IQ3_XXS: return "iq3_xxs";
     case COLIBRI_DTYPE_IQ1_S: return "iq1_s";
     case COLIBRI_DTYPE_IQ1_M: return "iq1_m";
+    case COLIBRI_DTYPE_IQ2_XS: return "iq2_xs";
+    case COLIBRI_DTYPE_IQ2_S: return "iq2_s";
+    case COLIBRI_DTYPE_IQ3_S: return "iq3_s";
   }
   return "unknown";
 }
@@ -218,7 +224,7 @@ const char* colibri_cpu_isa(void) { return colibri::kernels::isa_name(colibri::k
 
 namespace {
 
-bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_IQ1_M; }
+bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_IQ3_S; }
 
 // Checks a conversion's arguments; the byte count of its rows.
 size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) {

@@ -340,14 +340,15 @@ void dq_q3_k(const void* src, size_t n, uint16_t* dst) {
   }
 }
 
-// 32 grid magnitudes (bytes) times db, value j negated where bit j of
-// `signs` is set (the sign bit flipped, as the reference's -v), as bf16.
-inline __m512i signed_grid32(__m512 db, __m256i mags, uint32_t signs) {
+// 32 grid magnitudes (bytes) times db (db_hi for the last 16), value j
+// negated where bit j of `signs` is set (the sign bit flipped, as the
+// reference's -v), as bf16.
+inline __m512i signed_grid32(__m512 db, __m256i mags, uint32_t signs, __m512 db_hi) {
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   __m512i v[2];
   for (int part = 0; part < 2; ++part) {
     const __m128i m = part ? _mm256_extracti128_si256(mags, 1) : _mm256_castsi256_si128(mags);
-    v[part] = _mm512_castps_si512(_mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m))));
+    v[part] = _mm512_castps_si512(_mm512_mul_ps(part ? db_hi : db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m))));
     v[part] = _mm512_mask_xor_epi32(v[part], static_cast<__mmask16>(signs >> (16 * part)), v[part], sign);
   }
   return bf16x32(_mm512_castsi512_ps(v[0]), _mm512_castsi512_ps(v[1]));
@@ -372,7 +373,7 @@ void dq_iq2_xxs(const void* src, size_t n, uint16_t* dst) {
         signs |= uint32_t{kIqTables.iq2_signs[(words[1] >> (7 * g)) & 127]} << (8 * g);
       }
       const __m256i mags = _mm256_setr_epi64x(grid[0], grid[1], grid[2], grid[3]);
-      store32(dst, signed_grid32(db, mags, signs));
+      store32(dst, signed_grid32(db, mags, signs, db));
     }
   }
 }
@@ -391,7 +392,70 @@ void dq_iq3_xxs(const void* src, size_t n, uint16_t* dst) {
       uint32_t signs = 0;
       for (int g = 0; g < 4; ++g) signs |= uint32_t{kIqTables.iq2_signs[(aux >> (7 * g)) & 127]} << (8 * g);
       const __m256i mags = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grid));
-      store32(dst, signed_grid32(db, mags, signs));
+      store32(dst, signed_grid32(db, mags, signs, db));
+    }
+  }
+}
+
+// iq2_xs / iq2_s: scales d * (0.5 + ls) * 0.25 per 16 values (the two
+// nibbles of scales[ib]).
+inline void iq2_half_scales(float d, uint8_t scales, __m512* lo, __m512* hi) {
+  *lo = _mm512_set1_ps(d * (0.5f + static_cast<float>(scales & 0xf)) * 0.25f);
+  *hi = _mm512_set1_ps(d * (0.5f + static_cast<float>(scales >> 4)) * 0.25f);
+}
+
+void dq_iq2_xs(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockIq2Xs*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = h2f(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib, dst += 32) {
+      __m512 lo, hi;
+      iq2_half_scales(d, b->scales[ib], &lo, &hi);
+      long long grid[4];
+      uint32_t signs = 0;
+      for (int l = 0; l < 4; ++l) {
+        const uint16_t q = b->qs[4 * ib + l];
+        grid[l] = static_cast<long long>(kIqTables.iq2xs_grid[q & 511]);
+        signs |= uint32_t{kIqTables.iq2_signs[q >> 9]} << (8 * l);
+      }
+      store32(dst, signed_grid32(lo, _mm256_setr_epi64x(grid[0], grid[1], grid[2], grid[3]), signs, hi));
+    }
+  }
+}
+
+void dq_iq2_s(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockIq2S*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = h2f(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib, dst += 32) {
+      __m512 lo, hi;
+      iq2_half_scales(d, b->scales[ib], &lo, &hi);
+      long long grid[4];
+      for (int l = 0; l < 4; ++l) {
+        const uint32_t index = b->qs[4 * ib + l] | (((b->qh[ib] >> (2 * l)) & 3) << 8);
+        grid[l] = static_cast<long long>(kIqTables.iq2s_grid[index]);
+      }
+      uint32_t signs;
+      std::memcpy(&signs, b->signs + 4 * ib, sizeof signs);
+      store32(dst, signed_grid32(lo, _mm256_setr_epi64x(grid[0], grid[1], grid[2], grid[3]), signs, hi));
+    }
+  }
+}
+
+void dq_iq3_s(const void* src, size_t n, uint16_t* dst) {
+  const auto* b = static_cast<const BlockIq3S*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = h2f(b->d);
+    for (int ib = 0; ib < kQKK / 32; ++ib, dst += 32) {
+      const int s = (b->scales[ib / 2] >> (4 * (ib % 2))) & 0xf;
+      const __m512 db = _mm512_set1_ps(d * static_cast<float>(1 + 2 * s));
+      int grid[8];
+      for (int m = 0; m < 8; ++m) {
+        grid[m] = static_cast<int>(kIqTables.iq3s_grid[b->qs[8 * ib + m] | (((b->qh[ib] >> m) & 1) << 8)]);
+      }
+      uint32_t signs;
+      std::memcpy(&signs, b->signs + 4 * ib, sizeof signs);
+      store32(dst, signed_grid32(db, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grid)), signs, db));
     }
   }
 }
@@ -491,6 +555,12 @@ DequantBf16Fn dequant_bf16_avx512(WeightType t) {
       return dq_iq1_s;
     case WeightType::kIQ1_M:
       return dq_iq1_m;
+    case WeightType::kIQ2_XS:
+      return dq_iq2_xs;
+    case WeightType::kIQ2_S:
+      return dq_iq2_s;
+    case WeightType::kIQ3_S:
+      return dq_iq3_s;
     default:
       return nullptr;
   }

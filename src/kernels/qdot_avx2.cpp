@@ -50,6 +50,9 @@ const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx2", quantize_act, dot_rows_grid<Mad
 const QuantDotKernels kIq3Xxs = {"iq3_xxs-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq3Xxs>};
 const QuantDotKernels kIq1S = {"iq1_s-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq1S>};
 const QuantDotKernels kIq1M = {"iq1_m-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq1M>};
+const QuantDotKernels kIq2Xs = {"iq2_xs-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq2Xs>};
+const QuantDotKernels kIq2S = {"iq2_s-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq2S>};
+const QuantDotKernels kIq3S = {"iq3_s-avx2", quantize_act, dot_rows_grid<MaddubsDot, Grid::kIq3S>};
 const QuantDotKernels kQ4_K = {"q4_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ6K>};
@@ -92,6 +95,12 @@ const QuantDotKernels* quant_dot_avx2(WeightType t) {
       return &kIq1S;
     case WeightType::kIQ1_M:
       return &kIq1M;
+    case WeightType::kIQ2_XS:
+      return &kIq2Xs;
+    case WeightType::kIQ2_S:
+      return &kIq2S;
+    case WeightType::kIQ3_S:
+      return &kIq3S;
     default:
       return nullptr;
   }

@@ -1009,7 +1009,7 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
 
 // ---------------------------------------------------------------- grid i-quants
 
-enum class Grid { kIq2Xxs, kIq3Xxs, kIq1S, kIq1M };
+enum class Grid { kIq2Xxs, kIq3Xxs, kIq1S, kIq1M, kIq2Xs, kIq2S, kIq3S };
 
 template <Grid G>
 struct GridTraits;
@@ -1038,6 +1038,25 @@ struct GridTraits<Grid::kIq1M> {
   static constexpr int kMaxCode = 9;
 };
 
+template <>
+struct GridTraits<Grid::kIq2Xs> {
+  using Block = BlockIq2Xs;
+  static constexpr WeightType kType = WeightType::kIQ2_XS;
+  static constexpr int kMaxCode = 43;
+};
+template <>
+struct GridTraits<Grid::kIq2S> {
+  using Block = BlockIq2S;
+  static constexpr WeightType kType = WeightType::kIQ2_S;
+  static constexpr int kMaxCode = 43;
+};
+template <>
+struct GridTraits<Grid::kIq3S> {
+  using Block = BlockIq3S;
+  static constexpr WeightType kType = WeightType::kIQ3_S;
+  static constexpr int kMaxCode = 15;
+};
+
 // A 32-element sub-block of a grid format, unpacked: magnitudes (unsigned
 // bytes), the signs to put on the activations (vpsignb: negative, zero or
 // positive bytes) and the scale of each dword lane's products.
@@ -1055,6 +1074,26 @@ inline __m256i iq_signs(uint32_t word) {
   const uint64_t* signs = kIqTables.iq2_sign_bytes;
   return _mm256_setr_epi64x(bytes8(signs[word & 127]), bytes8(signs[(word >> 7) & 127]),
                             bytes8(signs[(word >> 14) & 127]), bytes8(signs[(word >> 21) & 127]));
+}
+
+// Four sign bytes (bit j of byte g set: value 8g + j negative) spread to -1
+// or +1 per value.
+inline __m256i sign_bits_pm1(const uint8_t* signs) {
+  uint32_t word;
+  std::memcpy(&word, signs, sizeof word);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(word)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bits = _mm256_set1_epi64x(bytes8(0x8040201008040201ull));
+  return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits), _mm256_set1_epi8(1));
+}
+
+// The scales of IQ2_XS / IQ2_S sub-block ib: d * (0.5 + ls) / 4 per 16
+// values (dword lanes 0-3 the first 16 values' products, 4-7 the second's).
+inline __m256 iq2_half_scales(float d, uint8_t scales) {
+  const float d1 = d * (0.5f + static_cast<float>(scales & 0xf)) * 0.25f;
+  const float d2 = d * (0.5f + static_cast<float>(scales >> 4)) * 0.25f;
+  return _mm256_setr_ps(d1, d1, d1, d1, d2, d2, d2, d2);
 }
 
 // IQ1: four grid points of {-1, 0, 1} (indices idx[l]) and their groups'
@@ -1091,6 +1130,35 @@ inline void grid_sub(const typename GridTraits<G>::Block* b, float d, int ib, Gr
                                  static_cast<int>(grid[q[6]]), static_cast<int>(grid[q[7]]));
     out->sign = iq_signs(aux);
     out->scale = _mm256_set1_ps(d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f);
+  } else if constexpr (G == Grid::kIq2Xs) {
+    const uint64_t* grid = kIqTables.iq2xs_grid;
+    const uint64_t* signs = kIqTables.iq2_sign_bytes;
+    const uint16_t* q = b->qs + 4 * ib;
+    out->mag = _mm256_setr_epi64x(bytes8(grid[q[0] & 511]), bytes8(grid[q[1] & 511]), bytes8(grid[q[2] & 511]),
+                                  bytes8(grid[q[3] & 511]));
+    out->sign = _mm256_setr_epi64x(bytes8(signs[q[0] >> 9]), bytes8(signs[q[1] >> 9]), bytes8(signs[q[2] >> 9]),
+                                   bytes8(signs[q[3] >> 9]));
+    out->scale = iq2_half_scales(d, b->scales[ib]);
+  } else if constexpr (G == Grid::kIq2S) {
+    const uint64_t* grid = kIqTables.iq2s_grid;
+    const uint8_t* q = b->qs + 4 * ib;
+    const uint32_t qh = b->qh[ib];
+    out->mag = _mm256_setr_epi64x(bytes8(grid[q[0] | ((qh << 8) & 0x300)]), bytes8(grid[q[1] | ((qh << 6) & 0x300)]),
+                                  bytes8(grid[q[2] | ((qh << 4) & 0x300)]), bytes8(grid[q[3] | ((qh << 2) & 0x300)]));
+    out->sign = sign_bits_pm1(b->signs + 4 * ib);
+    out->scale = iq2_half_scales(d, b->scales[ib]);
+  } else if constexpr (G == Grid::kIq3S) {
+    const uint32_t* grid = kIqTables.iq3s_grid;
+    const uint8_t* q = b->qs + 8 * ib;
+    const uint32_t qh = b->qh[ib];
+    out->mag = _mm256_setr_epi32(
+        static_cast<int>(grid[q[0] | ((qh << 8) & 256)]), static_cast<int>(grid[q[1] | ((qh << 7) & 256)]),
+        static_cast<int>(grid[q[2] | ((qh << 6) & 256)]), static_cast<int>(grid[q[3] | ((qh << 5) & 256)]),
+        static_cast<int>(grid[q[4] | ((qh << 4) & 256)]), static_cast<int>(grid[q[5] | ((qh << 3) & 256)]),
+        static_cast<int>(grid[q[6] | ((qh << 2) & 256)]), static_cast<int>(grid[q[7] | ((qh << 1) & 256)]));
+    out->sign = sign_bits_pm1(b->signs + 4 * ib);
+    const int s = (b->scales[ib / 2] >> (4 * (ib % 2))) & 0xf;
+    out->scale = _mm256_set1_ps(d * static_cast<float>(1 + 2 * s));
   } else if constexpr (G == Grid::kIq1S) {
     const uint32_t qh = b->qh[ib];
     const uint8_t* q = b->qs + 4 * ib;

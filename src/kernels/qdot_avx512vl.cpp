@@ -44,6 +44,9 @@ const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx512-vnni", quantize_act, dot_rows_g
 const QuantDotKernels kIq3Xxs = {"iq3_xxs-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq3Xxs>};
 const QuantDotKernels kIq1S = {"iq1_s-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq1S>};
 const QuantDotKernels kIq1M = {"iq1_m-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq1M>};
+const QuantDotKernels kIq2Xs = {"iq2_xs-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq2Xs>};
+const QuantDotKernels kIq2S = {"iq2_s-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq2S>};
+const QuantDotKernels kIq3S = {"iq3_s-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq3S>};
 
 }  // namespace
 
@@ -71,6 +74,12 @@ const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
       return &kIq1S;
     case WeightType::kIQ1_M:
       return &kIq1M;
+    case WeightType::kIQ2_XS:
+      return &kIq2Xs;
+    case WeightType::kIQ2_S:
+      return &kIq2S;
+    case WeightType::kIQ3_S:
+      return &kIq3S;
     default:
       return nullptr;
   }

@@ -51,6 +51,9 @@ const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx2-vnni", quantize_act, dot_rows_gri
 const QuantDotKernels kIq3Xxs = {"iq3_xxs-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq3Xxs>};
 const QuantDotKernels kIq1S = {"iq1_s-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq1S>};
 const QuantDotKernels kIq1M = {"iq1_m-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq1M>};
+const QuantDotKernels kIq2Xs = {"iq2_xs-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq2Xs>};
+const QuantDotKernels kIq2S = {"iq2_s-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq2S>};
+const QuantDotKernels kIq3S = {"iq3_s-avx2-vnni", quantize_act, dot_rows_grid<VnniDot, Grid::kIq3S>};
 const QuantDotKernels kQ4_K = {"q4_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ6K>};
@@ -93,6 +96,12 @@ const QuantDotKernels* quant_dot_avx_vnni(WeightType t) {
       return &kIq1S;
     case WeightType::kIQ1_M:
       return &kIq1M;
+    case WeightType::kIQ2_XS:
+      return &kIq2Xs;
+    case WeightType::kIQ2_S:
+      return &kIq2S;
+    case WeightType::kIQ3_S:
+      return &kIq3S;
     default:
       return nullptr;
   }

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/quant_dot.h"
 #include "util/half.h"
@@ -480,6 +481,77 @@ float dot_iq1_m(const void* row, const void* act, size_t n) {
   return acc;
 }
 
+// 8 grid magnitudes (the bytes of `grid`), negated where `signs` has a
+// bit set, against 8 activations.
+int32_t signed_dot8(uint64_t grid, uint32_t signs, const int8_t* aq) {
+  int32_t isum = 0;
+  for (int j = 0; j < 8; ++j) {
+    const int v = static_cast<int>((grid >> (8 * j)) & 0xff);
+    isum += ((signs >> j) & 1 ? -v : v) * aq[j];
+  }
+  return isum;
+}
+
+// IQ2_XS and IQ2_S: per 16 values a scale d * (0.5 + ls) / 4 on two signed
+// grid points' products.
+template <class Block>
+float dot_iq2_xs_s(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const Block*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    const float d = f16_to_float(w[b].d);
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      const int8_t* aq = a.qs + kQKK * b + 32 * static_cast<size_t>(ib);
+      float sub = 0.0f;
+      for (int half = 0; half < 2; ++half) {
+        int32_t isum = 0;
+        for (int l = 2 * half; l < 2 * half + 2; ++l) {
+          const int k = 4 * ib + l;
+          if constexpr (std::is_same_v<Block, BlockIq2Xs>) {
+            isum += signed_dot8(kIqTables.iq2xs_grid[w[b].qs[k] & 511], kIqTables.iq2_signs[w[b].qs[k] >> 9],
+                                aq + 8 * l);
+          } else {
+            const uint32_t index = w[b].qs[k] | (((w[b].qh[ib] >> (2 * l)) & 3) << 8);
+            isum += signed_dot8(kIqTables.iq2s_grid[index], w[b].signs[k], aq + 8 * l);
+          }
+        }
+        const uint32_t ls = (w[b].scales[ib] >> (4 * half)) & 0xf;
+        sub += d * (0.5f + static_cast<float>(ls)) * 0.25f * static_cast<float>(isum);
+      }
+      acc += act_d(a, 8 * b + static_cast<size_t>(ib)) * sub;
+    }
+  }
+  return acc;
+}
+
+// IQ3_S: pairs of 4-value grid points under one sign byte, a scale
+// d * (1 + 2 s) per 32 values.
+float dot_iq3_s(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const BlockIq3S*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    const float d = f16_to_float(w[b].d);
+    for (int ib = 0; ib < kQKK / 32; ++ib) {
+      const int8_t* aq = a.qs + kQKK * b + 32 * static_cast<size_t>(ib);
+      int32_t isum = 0;
+      for (int g = 0; g < 4; ++g) {
+        uint64_t grid = 0;
+        for (int m = 0; m < 2; ++m) {
+          const int k = 8 * ib + 2 * g + m;
+          const uint32_t index = w[b].qs[k] | (((w[b].qh[ib] >> (2 * g + m)) & 1) << 8);
+          grid |= static_cast<uint64_t>(kIqTables.iq3s_grid[index]) << (32 * m);
+        }
+        isum += signed_dot8(grid, w[b].signs[4 * ib + g], aq + 8 * g);
+      }
+      const int s = (w[b].scales[ib / 2] >> (4 * (ib % 2))) & 0xf;
+      acc += d * static_cast<float>(1 + 2 * s) * act_d(a, 8 * b + static_cast<size_t>(ib)) * static_cast<float>(isum);
+    }
+  }
+  return acc;
+}
+
 template <float (*Dot)(const void*, const void*, size_t)>
 void dot_rows(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
               size_t n, float* out, size_t ld_out) {
@@ -510,6 +582,9 @@ constexpr QuantDotKernels kIq2Xxs = {"iq2_xxs-scalar", quantize_act, dot_rows<do
 constexpr QuantDotKernels kIq3Xxs = {"iq3_xxs-scalar", quantize_act, dot_rows<dot_iq3_xxs>};
 constexpr QuantDotKernels kIq1S = {"iq1_s-scalar", quantize_act, dot_rows<dot_iq1_s>};
 constexpr QuantDotKernels kIq1M = {"iq1_m-scalar", quantize_act, dot_rows<dot_iq1_m>};
+constexpr QuantDotKernels kIq2Xs = {"iq2_xs-scalar", quantize_act, dot_rows<dot_iq2_xs_s<BlockIq2Xs>>};
+constexpr QuantDotKernels kIq2S = {"iq2_s-scalar", quantize_act, dot_rows<dot_iq2_xs_s<BlockIq2S>>};
+constexpr QuantDotKernels kIq3S = {"iq3_s-scalar", quantize_act, dot_rows<dot_iq3_s>};
 
 }  // namespace
 
@@ -549,6 +624,12 @@ const QuantDotKernels* quant_dot_scalar(WeightType t) {
       return &kIq1S;
     case WeightType::kIQ1_M:
       return &kIq1M;
+    case WeightType::kIQ2_XS:
+      return &kIq2Xs;
+    case WeightType::kIQ2_S:
+      return &kIq2S;
+    case WeightType::kIQ3_S:
+      return &kIq3S;
     default:
       return nullptr;
   }

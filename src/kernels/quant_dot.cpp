@@ -26,6 +26,9 @@ bool is_quantized(WeightType t) {
     case WeightType::kIQ3_XXS:
     case WeightType::kIQ1_S:
     case WeightType::kIQ1_M:
+    case WeightType::kIQ2_XS:
+    case WeightType::kIQ2_S:
+    case WeightType::kIQ3_S:
       return true;
     default:
       return false;

@@ -27,6 +27,12 @@ struct IqTables {
   // IQ3_XXS: 256 grid points of 4 values from {4, 12, .., 52, 62}, 4 bytes
   // each, as ggml's iq3xxs_grid.
   uint32_t iq3xxs_grid[256];
+  // IQ2_XS and IQ2_S: 512 and 1024 grid points as IQ2_XXS's (the first 256
+  // of neither are IQ2_XXS's), as ggml's iq2xs_grid and iq2s_grid.
+  uint64_t iq2xs_grid[512];
+  uint64_t iq2s_grid[1024];
+  // IQ3_S: 512 grid points of 4 values from {1, 3, .., 15}, as ggml's iq3s_grid.
+  uint32_t iq3s_grid[512];
 };
 
 extern const IqTables kIqTables;

@@ -170,7 +170,43 @@ struct BlockIq1M {
   uint8_t scales[kQKK / 32];
 };
 
+// IQ2_XS (2.3125 bits): per 8 values a 16-bit word of qs: a 9-bit grid
+// index (IQ2_XS's 512 points) and, in bits 9-15, a 7-bit sign index as
+// IQ2_XXS's; per 16 values a 4-bit scale ls (nibble k % 2 of scales[k / 2]):
+// x = d * (0.5 + ls) / 4 * magnitude * sign.
+struct BlockIq2Xs {
+  uint16_t d;  // f16
+  uint16_t qs[kQKK / 8];
+  uint8_t scales[kQKK / 32];
+};
+
+// IQ2_S (2.5625 bits): per 8 values k a 10-bit grid index (qs[k], high 2
+// bits at bit 2 (k % 4) of qh[k / 4]; IQ2_S's 1024 points) and a sign byte
+// signs[k] (bit j set: value j negative); scales as IQ2_XS.
+struct BlockIq2S {
+  uint16_t d;  // f16
+  uint8_t qs[kQKK / 8];
+  uint8_t signs[kQKK / 8];
+  uint8_t qh[kQKK / 32];
+  uint8_t scales[kQKK / 32];
+};
+
+// IQ3_S (3.4375 bits): per 4 values k a 9-bit grid index (qs[k], high bit
+// at bit k % 8 of qh[k / 8]; 4 magnitudes from {1, 3, .., 15}), per 8
+// values a sign byte, per 32 values a 4-bit scale s (nibble ib % 2 of
+// scales[ib / 2]): x = d * (1 + 2 s) * magnitude * sign.
+struct BlockIq3S {
+  uint16_t d;  // f16
+  uint8_t qs[kQKK / 4];
+  uint8_t qh[kQKK / 32];
+  uint8_t signs[kQKK / 8];
+  uint8_t scales[kQKK / 64];
+};
+
 static_assert(sizeof(BlockQ8_0) == 34);
+static_assert(sizeof(BlockIq2Xs) == 74);
+static_assert(sizeof(BlockIq2S) == 82);
+static_assert(sizeof(BlockIq3S) == 110);
 static_assert(sizeof(BlockIq2Xxs) == 66);
 static_assert(sizeof(BlockIq3Xxs) == 98);
 static_assert(sizeof(BlockIq1S) == 50);

@@ -595,6 +595,56 @@ void dequantize_iq1_m(const void* src, float* dst, size_t n) {
   }
 }
 
+void dequantize_iq2_xs(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockIq2Xs*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int k = 0; k < kQKK / 8; ++k, dst += 8) {
+      const uint32_t ls = (b->scales[k / 4] >> (4 * ((k / 2) % 2))) & 0xf;
+      const float db = d * (0.5f + static_cast<float>(ls)) * 0.25f;
+      const uint64_t grid = kIqTables.iq2xs_grid[b->qs[k] & 511];
+      const uint8_t signs = kIqTables.iq2_signs[b->qs[k] >> 9];
+      for (int j = 0; j < 8; ++j) {
+        const float v = db * static_cast<float>((grid >> (8 * j)) & 0xff);
+        dst[j] = (signs >> j) & 1 ? -v : v;
+      }
+    }
+  }
+}
+
+void dequantize_iq2_s(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockIq2S*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int k = 0; k < kQKK / 8; ++k, dst += 8) {
+      const uint32_t ls = (b->scales[k / 4] >> (4 * ((k / 2) % 2))) & 0xf;
+      const float db = d * (0.5f + static_cast<float>(ls)) * 0.25f;
+      const uint32_t index = b->qs[k] | (((b->qh[k / 4] >> (2 * (k % 4))) & 3) << 8);
+      const uint64_t grid = kIqTables.iq2s_grid[index];
+      for (int j = 0; j < 8; ++j) {
+        const float v = db * static_cast<float>((grid >> (8 * j)) & 0xff);
+        dst[j] = (b->signs[k] >> j) & 1 ? -v : v;
+      }
+    }
+  }
+}
+
+void dequantize_iq3_s(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockIq3S*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int k = 0; k < kQKK / 4; ++k, dst += 4) {
+      const int s = (b->scales[k / 16] >> (4 * ((k / 8) % 2))) & 0xf;
+      const float db = d * static_cast<float>(1 + 2 * s);
+      const uint32_t grid = kIqTables.iq3s_grid[b->qs[k] | (((b->qh[k / 8] >> (k % 8)) & 1) << 8)];
+      for (int j = 0; j < 4; ++j) {
+        const float v = db * static_cast<float>((grid >> (8 * j)) & 0xff);
+        dst[j] = (b->signs[k / 2] >> (4 * (k % 2) + j)) & 1 ? -v : v;
+      }
+    }
+  }
+}
+
 void q3_k_scales(const uint8_t* packed, int8_t* out) {
   for (int s = 0; s < kSub16; ++s) {
     const int low = s < 8 ? packed[s] & 0xf : packed[s - 8] >> 4;

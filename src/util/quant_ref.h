@@ -32,6 +32,9 @@ void dequantize_iq2_xxs(const void* src, float* dst, size_t n);
 void dequantize_iq3_xxs(const void* src, float* dst, size_t n);
 void dequantize_iq1_s(const void* src, float* dst, size_t n);
 void dequantize_iq1_m(const void* src, float* dst, size_t n);
+void dequantize_iq2_xs(const void* src, float* dst, size_t n);
+void dequantize_iq2_s(const void* src, float* dst, size_t n);
+void dequantize_iq3_s(const void* src, float* dst, size_t n);
 // An IQ1_M super-block's f16 d, from the top nibbles of its scale words.
 uint16_t iq1_m_d(const uint8_t* scales);
 void dequantize_q3_k(const void* src, float* dst, size_t n);

@@ -59,6 +59,9 @@ constexpr WeightFormat kFormats[kWeightTypeCount] = {
     {WeightType::kIQ3_XXS, "iq3_xxs", kQKK, sizeof(BlockIq3Xxs), dequantize_iq3_xxs, nullptr, true},
     {WeightType::kIQ1_S, "iq1_s", kQKK, sizeof(BlockIq1S), dequantize_iq1_s, nullptr, true},
     {WeightType::kIQ1_M, "iq1_m", kQKK, sizeof(BlockIq1M), dequantize_iq1_m, nullptr, true},
+    {WeightType::kIQ2_XS, "iq2_xs", kQKK, sizeof(BlockIq2Xs), dequantize_iq2_xs, nullptr, true},
+    {WeightType::kIQ2_S, "iq2_s", kQKK, sizeof(BlockIq2S), dequantize_iq2_s, nullptr, true},
+    {WeightType::kIQ3_S, "iq3_s", kQKK, sizeof(BlockIq3S), dequantize_iq3_s, nullptr, true},
 };
 
 }  // namespace

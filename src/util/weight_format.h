@@ -38,8 +38,11 @@ enum class WeightType : uint8_t {
   kIQ3_XXS = 17,
   kIQ1_S = 18,
   kIQ1_M = 19,
+  kIQ2_XS = 20,
+  kIQ2_S = 21,
+  kIQ3_S = 22,
 };
-inline constexpr int kWeightTypeCount = 20;
+inline constexpr int kWeightTypeCount = 23;
 
 struct WeightFormat {
   WeightType type;

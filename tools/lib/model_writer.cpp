@@ -39,8 +39,11 @@ float uniform_pm1(uint64_t& state) {
 float stand_in_magnitude_per_d(WeightType t) {
   switch (t) {
     case WeightType::kIQ2_XXS:
+    case WeightType::kIQ2_XS:
+    case WeightType::kIQ2_S:
       return 40.0f;
     case WeightType::kIQ3_XXS:
+    case WeightType::kIQ3_S:
       return 120.0f;
     case WeightType::kIQ1_S:
     case WeightType::kIQ1_M:
