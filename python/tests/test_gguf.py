@@ -287,6 +287,40 @@ def test_cli_info_and_infer_on_gguf(tmp_path):
         assert np.array_equal(y, m.infer(x, layer=1))
 
 
+def test_cli_info_lists_types_per_block_and_tensor(tmp_path):
+    """colibri info names every type of a file that mixes them from tensor
+    to tensor and block to block: a count per type, the types per block (runs
+    of equal blocks merged), and with --tensors every tensor."""
+    import subprocess
+    import gguf
+    cli = _cli()
+    path = str(tmp_path / "mixed.gguf")
+    gf.write_moe_gguf(path, "deepseek2", n_blocks=3, dtype="iq1_m", down_dtype="iq2_xxs", seed=5, dense_blocks=1,
+                      shared_d_ff=256, block_down_dtypes=["iq2_xxs", "iq1_s"])
+    reader = gguf.GGUFReader(path)
+    counts = {}
+    for t in reader.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    r = subprocess.run([cli, "info", "--model", path], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    listed = {}
+    for line in r.stdout.split("tensor types\n", 1)[1].splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] == "tensors":
+            listed[parts[0]] = int(parts[1])
+    assert listed == counts
+    blocks = {line.split(":")[0].strip(): line for line in r.stdout.splitlines() if line.startswith("  blk.")}
+    assert "ffn_gate_exps IQ1_M" in blocks["blk.1"] and "ffn_down_exps IQ2_XXS" in blocks["blk.1"]
+    assert "ffn_down_exps IQ1_S" in blocks["blk.2"]
+    assert not any("exps" in line for name, line in blocks.items() if name == "blk.0")  # the dense block
+    r = subprocess.run([cli, "info", "--model", path, "--tensors"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = r.stdout.split("\ntensors\n", 1)[1].splitlines()
+    assert len(rows) == len(reader.tensors)
+    first = reader.tensors[0]
+    assert rows[0].split()[:2] == [first.name, first.tensor_type.name]
+
+
 @pytest.mark.parametrize("family,dtype,down", [("mixtral", "q4_k", "q6_k"), ("qwen3_moe", "q8_0", "q8_0"),
                                                ("qwen2_moe_norm", "q4_0", "q8_0")])
 def test_accelerate_takes_experts_from_the_gguf(tmp_path, family, dtype, down):

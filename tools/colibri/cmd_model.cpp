@@ -8,6 +8,7 @@
 #include "commands.h"
 #include "common.h"
 #include "io/manifest.h"
+#include "lib/gguf_info.h"
 #include "lib/model_writer.h"
 #include "io/verify.h"
 #include "util/error.h"
@@ -100,7 +101,7 @@ void run_verify(const std::string& dir) {
   std::printf("\n");
 }
 
-void run_info(const std::string& dir, int threads, const CacheFlags& cache) {
+void run_info(const std::string& dir, int threads, const CacheFlags& cache, bool every_tensor) {
   ModelHandle h;
   open_model(dir, threads, true, &h, "default", cache);
   colibri_model_info_t info;
@@ -161,6 +162,13 @@ void run_info(const std::string& dir, int threads, const CacheFlags& cache) {
   std::printf("locked       %s\n", human_bytes(stats.bytes_locked).c_str());
   std::printf("load time    %.3f s (checksums %.3f s)\n", stats.load_seconds, stats.verify_seconds);
   print_cache_stats(stats);
+  if (source.rfind("gguf", 0) == 0) {
+    try {
+      std::fputs(colibri::gguf_tensor_types(dir, every_tensor).c_str(), stdout);
+    } catch (const colibri::Error& e) {
+      throw CliError(std::string("info: ") + e.what());
+    }
+  }
 }
 
 }  // namespace
@@ -204,7 +212,9 @@ void add_model_commands(CLI::App& app) {
   i->add_option("--threads", *threads, "Threads (0 = one per core)")->check(CLI::NonNegativeNumber);
   auto cache = std::make_shared<CacheFlags>();
   add_cache_flags(i, cache.get());
-  i->callback([info_dir, threads, cache] { run_info(*info_dir, *threads, *cache); });
+  auto tensors = std::make_shared<bool>(false);
+  i->add_flag("--tensors", *tensors, "GGUF: every tensor's type, shape and bytes (default: the types per block)");
+  i->callback([info_dir, threads, cache, tensors] { run_info(*info_dir, *threads, *cache, *tensors); });
 }
 
 }  // namespace colibri_cli
