@@ -340,19 +340,31 @@ void dq_q3_k(const void* src, size_t n, uint16_t* dst) {
   }
 }
 
-// 32 grid magnitudes (bytes) times db (db_hi for the last 16), value j
-// negated where bit j of `signs` is set (the sign bit flipped, as the
-// reference's -v), as bf16.
-inline __m512i signed_grid32(__m512 db, __m256i mags, uint32_t signs, __m512 db_hi) {
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  __m512i v[2];
-  for (int part = 0; part < 2; ++part) {
-    const __m128i m = part ? _mm256_extracti128_si256(mags, 1) : _mm256_castsi256_si128(mags);
-    v[part] = _mm512_castps_si512(_mm512_mul_ps(part ? db_hi : db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m))));
-    v[part] = _mm512_mask_xor_epi32(v[part], static_cast<__mmask16>(signs >> (16 * part)), v[part], sign);
-  }
-  return bf16x32(_mm512_castsi512_ps(v[0]), _mm512_castsi512_ps(v[1]));
+// 32 grid magnitudes (bytes; at most 8 levels, level k = byte >> kShift
+// for the format's ordered levels) times db (db_hi for the last 16), value
+// j negated where bit j of `signs` is set, as bf16: the (at most 16)
+// products db * level are computed and rounded once, as the reference's
+// db * v, and each value looked up (vpermw) and its sign bit flipped (the
+// reference's -v, NaN included).
+template <int kShift>
+inline __m512i signed_grid32(__m512 db, __m256i mags, uint32_t signs, __m512 db_hi, __m512 levels) {
+  const __m512 products = _mm512_mul_ps(_mm512_insertf32x8(db, _mm512_castps512_ps256(db_hi), 1), levels);
+  const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(products, products));
+  const __m256i level = _mm256_and_si256(_mm256_srli_epi16(mags, kShift), _mm256_set1_epi8(7));
+  // The last 16 values look up lanes 8-15 (db_hi's products).
+  const __m512i index = _mm512_add_epi16(_mm512_cvtepu8_epi16(level),
+                                         _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(8), 1));
+  const __m512i v = _mm512_permutexvar_epi16(index, table);
+  return _mm512_mask_blend_epi16(signs, v, _mm512_xor_si512(v, _mm512_set1_epi16(static_cast<short>(0x8000))));
 }
+
+// The levels of the grid formats' magnitudes, twice (lanes 0-7, 8-15).
+inline __m512 levels2(float a, float b, float c, float d, float e, float f, float g, float h) {
+  return _mm512_setr_ps(a, b, c, d, e, f, g, h, a, b, c, d, e, f, g, h);
+}
+inline __m512 iq2_levels() { return levels2(8, 25, 43, 0, 0, 0, 0, 0); }         // byte >> 4: 0, 1, 2
+inline __m512 iq3xxs_levels() { return levels2(4, 12, 20, 28, 36, 44, 52, 62); }  // byte >> 3
+inline __m512 iq3s_levels() { return levels2(1, 3, 5, 7, 9, 11, 13, 15); }        // byte >> 1
 
 // iq2_xxs: sub-block ib's scale db = d * (0.5 + ls) * 0.25 (left to right);
 // element j of group g is db * grid byte j, negated where sign bit j is
@@ -373,7 +385,7 @@ void dq_iq2_xxs(const void* src, size_t n, uint16_t* dst) {
         signs |= uint32_t{kIqTables.iq2_signs[(words[1] >> (7 * g)) & 127]} << (8 * g);
       }
       const __m256i mags = _mm256_setr_epi64x(grid[0], grid[1], grid[2], grid[3]);
-      store32(dst, signed_grid32(db, mags, signs, db));
+      store32(dst, signed_grid32<4>(db, mags, signs, db, iq2_levels()));
     }
   }
 }
@@ -392,7 +404,7 @@ void dq_iq3_xxs(const void* src, size_t n, uint16_t* dst) {
       uint32_t signs = 0;
       for (int g = 0; g < 4; ++g) signs |= uint32_t{kIqTables.iq2_signs[(aux >> (7 * g)) & 127]} << (8 * g);
       const __m256i mags = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grid));
-      store32(dst, signed_grid32(db, mags, signs, db));
+      store32(dst, signed_grid32<3>(db, mags, signs, db, iq3xxs_levels()));
     }
   }
 }
@@ -418,7 +430,7 @@ void dq_iq2_xs(const void* src, size_t n, uint16_t* dst) {
         grid[l] = static_cast<long long>(kIqTables.iq2xs_grid[q & 511]);
         signs |= uint32_t{kIqTables.iq2_signs[q >> 9]} << (8 * l);
       }
-      store32(dst, signed_grid32(lo, _mm256_setr_epi64x(grid[0], grid[1], grid[2], grid[3]), signs, hi));
+      store32(dst, signed_grid32<4>(lo, _mm256_setr_epi64x(grid[0], grid[1], grid[2], grid[3]), signs, hi, iq2_levels()));
     }
   }
 }
@@ -437,7 +449,7 @@ void dq_iq2_s(const void* src, size_t n, uint16_t* dst) {
       }
       uint32_t signs;
       std::memcpy(&signs, b->signs + 4 * ib, sizeof signs);
-      store32(dst, signed_grid32(lo, _mm256_setr_epi64x(grid[0], grid[1], grid[2], grid[3]), signs, hi));
+      store32(dst, signed_grid32<4>(lo, _mm256_setr_epi64x(grid[0], grid[1], grid[2], grid[3]), signs, hi, iq2_levels()));
     }
   }
 }
@@ -455,7 +467,8 @@ void dq_iq3_s(const void* src, size_t n, uint16_t* dst) {
       }
       uint32_t signs;
       std::memcpy(&signs, b->signs + 4 * ib, sizeof signs);
-      store32(dst, signed_grid32(db, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grid)), signs, db));
+      store32(dst, signed_grid32<1>(db, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grid)), signs, db,
+                                      iq3s_levels()));
     }
   }
 }
