@@ -44,6 +44,10 @@ import run_suite  # noqa: E402  (shapes, routings, model cache, load meter)
 
 SHAPE_NAMES = ["mixtral", "qwen3-moe", "olmoe"]
 SMOKE_SHAPES = {"peer-smoke": (8, 2, 256, 512, [1, 16])}  # q4_K needs multiples of 256
+# DeepSeek-V3's routed experts (256 of 7168 x 2048, top-8): on request only,
+# with the types whose weights are made in seconds (the grid i-quants' random
+# codes; a quantiser takes minutes over its 11 G weights).
+LARGE_SHAPES = {"deepseek-v3": (256, 8, 7168, 2048, [1, 128])}
 QUANT_TYPES = ["q8_0", "q4_0", "q4_K"]
 FLOAT_TYPES = ["f16", "bf16"]
 # ggml's type names -> Colibri's dtype names
@@ -248,7 +252,8 @@ def parse_args(argv):
     ap.add_argument("--route-dir", help="where the suite's .route files and Colibri models are cached "
                     "(default BUILD/bench-work with --colibri BUILD, else build/bench-work)")
     ap.add_argument("--shapes", default=",".join(SHAPE_NAMES),
-                    help="comma-separated, of: %s, peer-smoke" % ", ".join(list(run_suite.SHAPES) + list(run_suite.GPT_OSS_SHAPES)))
+                    help="comma-separated, of: %s, peer-smoke" % ", ".join(list(run_suite.SHAPES) + list(run_suite.GPT_OSS_SHAPES) +
+                                                                          list(LARGE_SHAPES)))
     ap.add_argument("--tokens", help="comma-separated token counts (default: the shape's, 1 and 128)")
     ap.add_argument("--types", default=",".join(QUANT_TYPES), help="ggml weight types (q8_0, q4_0, q4_K, mxfp4, f16, bf16)")
     ap.add_argument("--float", action="store_true", help="also f16 and bf16")
@@ -277,7 +282,7 @@ def parse_args(argv):
                     help="a tiny shape, few iterations, every type, output checked: does everything run?")
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "llamacpp-peer", "results.json"))
     a = ap.parse_args(argv)
-    known = dict(run_suite.SHAPES, **SMOKE_SHAPES, **run_suite.GPT_OSS_SHAPES)
+    known = dict(run_suite.SHAPES, **SMOKE_SHAPES, **run_suite.GPT_OSS_SHAPES, **LARGE_SHAPES)
     if a.smoke:
         a.shapes, a.iters, a.prefill_iters, a.warmup = "peer-smoke", 5, 3, 1
         a.max_wait, a.retries, a.check, a.min_seconds, a.second_pass = 0.0, 0, True, 0.0, False
