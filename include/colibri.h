@@ -67,7 +67,9 @@ typedef enum colibri_status {
  * of 8 values from {-1, 0, 1} with a shift of +-1/8), iq2_xs and iq2_s
  * (74 and 82 bytes, 2.31 and 2.56 bits: larger grids of 8 values, scales
  * per 16), iq3_s (110 bytes, 3.44 bits: grid points of 4 values, sign
- * bytes). A
+ * bytes); and fp8_e4m3 (blocks of 128 FP8 E4M3FN codes under a float
+ * scale, 132 bytes, 8.25 bits: Hugging Face's block-scaled FP8
+ * checkpoints, each row of a 128 x 128 tile keeping the tile's scale). A
  * row of n weights is ceil(n / block) whole blocks, the last padded with
  * zeros (colibri_dtype_row_bytes). */
 typedef enum colibri_dtype {
@@ -93,7 +95,8 @@ typedef enum colibri_dtype {
   COLIBRI_DTYPE_IQ1_M = 19,
   COLIBRI_DTYPE_IQ2_XS = 20,
   COLIBRI_DTYPE_IQ2_S = 21,
-  COLIBRI_DTYPE_IQ3_S = 22
+  COLIBRI_DTYPE_IQ3_S = 22,
+  COLIBRI_DTYPE_FP8_E4M3 = 23
 } colibri_dtype_t;
 
 /* Kind of huge pages backing the packed weights. */

@@ -582,6 +582,34 @@ TEST(QuantRefRoundTrip, Mxfp4OnGridValuesAreExact) {
   for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(y[i], x[i]) << "element " << i;
 }
 
+// FP8 e4m3: every code's value from its fields, every non-NaN code back
+// from its value, ties to the even code, saturation at 448, NaN kept.
+TEST(QuantRefFp8, E4M3CodesAndRounding) {
+  for (int c = 0; c < 256; ++c) {
+    const auto code = static_cast<uint8_t>(c);
+    const float v = e4m3_to_float(code);
+    const int e = (c >> 3) & 15, m = c & 7;
+    if (e == 15 && m == 7) {
+      EXPECT_TRUE(std::isnan(v)) << c;
+      EXPECT_EQ(std::signbit(v), (c & 0x80) != 0) << c;
+      EXPECT_EQ(float_to_e4m3(v), code) << c;
+      continue;
+    }
+    const double want = (e == 0 ? m * std::ldexp(1.0, -9) : (8 + m) * std::ldexp(1.0, e - 10)) * ((c & 0x80) ? -1 : 1);
+    EXPECT_EQ(static_cast<double>(v), want) << c;
+    if (c != 0x80) EXPECT_EQ(float_to_e4m3(v), code) << c;  // -0 is 0x80 too, but checked below
+  }
+  EXPECT_EQ(float_to_e4m3(-0.0f), 0x80);
+  EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);               // 1 + 1/16: tie, to 1.0 (even mantissa 0)
+  EXPECT_EQ(float_to_e4m3(1.1875f), 0x3a);               // 1 + 3/16: tie, to 1.25 (mantissa 2)
+  EXPECT_EQ(float_to_e4m3(std::ldexp(2.5f, -9)), 0x02);  // subnormal tie 2.5 -> 2
+  EXPECT_EQ(float_to_e4m3(std::ldexp(7.5f, -9)), 0x08);  // largest subnormal's tie carries to 2^-6
+  EXPECT_EQ(float_to_e4m3(std::ldexp(0.5f, -9)), 0x00);  // half the smallest subnormal: to 0
+  EXPECT_EQ(float_to_e4m3(460.0f), 0x7e);                // past 448: 448, never the NaN code
+  EXPECT_EQ(float_to_e4m3(-1e30f), 0xfe);
+  EXPECT_EQ(float_to_e4m3(std::numeric_limits<float>::infinity()), 0x7e);
+}
+
 // Values already on a q8_0 / q4_0 grid (the extreme level present, so the
 // scale is recovered exactly) quantise to exactly those levels.
 TEST(QuantRefRoundTrip, OnGridValuesAreExact) {

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from . import attention as colibri_attention
+from .fp8 import Fp8Weight, checkpoint_block_size
 from . import nn as cnn
 from . import rope as colibri_rope
 
@@ -866,6 +867,7 @@ def _from_gguf(path, max_resident, options):
 # ------------------------------------------------ Hugging Face checkpoints
 
 _TORCH_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_FLOAT_TORCH = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
 def _quantize_rows(weight, dtype, block_rows=256):
@@ -890,6 +892,7 @@ class _Checkpoint:
 
         self.path = path
         self._open = safe_open
+        self.fp8_block = None  # (rows, columns) of the scale tiles of a block-scaled FP8 checkpoint
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
         if not files:
             raise ValueError("%s: no .safetensors files (from_pretrained reads safetensors checkpoints)" % path)
@@ -905,6 +908,25 @@ class _Checkpoint:
 
     def has(self, key):
         return key in self.where
+
+    def weight(self, key, get=None):
+        """The tensor `key` (get: how to read it, default self.get), or for a
+        float8_e4m3fn one a colibri.fp8.Fp8Weight with its `_scale_inv`."""
+        w = (get or self.get)(key)
+        if w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return w
+        if self.fp8_block is None or w.dtype != torch.float8_e4m3fn:
+            raise ValueError("%s: tensor %s is %s, but config.json has no quantization_config with quant_method "
+                             "\"fp8\" and fmt \"e4m3\"" % (self.path, key, w.dtype))
+        scale_key = key + "_scale_inv"
+        if scale_key not in self.where:
+            raise ValueError("%s: FP8 tensor %s has no %s" % (self.path, key, scale_key))
+        return Fp8Weight(w, (get or self.get)(scale_key), self.fp8_block, "%s: %s" % (self.path, key))
+
+    def floats(self, key):
+        """The tensor `key` as float32 (an FP8 one times its scales)."""
+        w = self.weight(key)
+        return w.dequantize() if isinstance(w, Fp8Weight) else w.float()
 
     def get(self, key):
         if key not in self.where:
@@ -951,7 +973,7 @@ def _expert_matrix(ck, block_path, e, which):
     found = ck.find(*[a for n in names for a in _aliases(n)])
     if found is None:
         raise ValueError("%s: tensor %s is missing" % (ck.path, names[0]))
-    return ck.get(found)
+    return ck.weight(found)
 
 
 def _lazy_experts(ck, block_path, experts, n_experts, layout):
@@ -978,7 +1000,11 @@ def _lazy_experts(ck, block_path, experts, n_experts, layout):
         # one read of the expert's gate/up and down, shared by its three Lazies
         if e not in stored:
             stored.clear()
-            gu, dn = ck.get_item(fused_gu, e), ck.get_item(fused_dn, e)
+            gu = ck.weight(fused_gu, lambda k: ck.get_item(k, e))
+            dn = ck.weight(fused_dn, lambda k: ck.get_item(k, e))
+            if isinstance(gu, Fp8Weight) and layout == "gpt_oss":
+                raise ValueError("%s: %s is FP8 in gpt-oss's interleaved layout, which Colibri does not read"
+                                 % (ck.path, fused_gu))
             want_gu, want_dn = ((D, 2 * F), (F, D)) if layout == "gpt_oss" else ((2 * F, D), (D, F))
             if tuple(gu.shape) != want_gu or tuple(dn.shape) != want_dn:
                 raise ValueError("%s: %s[%d] / %s[%d] have shapes %s / %s, the model needs %s / %s"
@@ -986,6 +1012,8 @@ def _lazy_experts(ck, block_path, experts, n_experts, layout):
                                     want_dn))
             if layout == "gpt_oss":
                 stored[e] = (gu[:, 0::2].t(), gu[:, 1::2].t(), dn.t())
+            elif isinstance(gu, Fp8Weight):
+                stored[e] = (gu.rows(0, F), gu.rows(F, 2 * F), dn)
             else:
                 stored[e] = (gu[:F], gu[F:], dn)
         return stored[e]
@@ -1032,7 +1060,7 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from . import torch as ctorch
-    from .quant import QUANTIZED, split_dtype
+    from .quant import QUANTIZED, block_elements, split_dtype
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError("%s: no config.json (not a Hugging Face checkpoint directory)" % path)
@@ -1041,15 +1069,23 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
     except Exception as e:
         raise ValueError("%s: config.json cannot be read by transformers (%s)" % (path, e)) from None
     quant = getattr(config, "quantization_config", None)
+    fp8_block = None
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        raise ValueError("%s: quantization_config.quant_method = %s: from_pretrained reads 16/32-bit checkpoints; "
-                         "convert this one with `colibri convert --hf`, or use a GGUF file" % (path, method))
+        if method != "fp8":
+            raise ValueError("%s: quantization_config.quant_method = %s: from_pretrained reads 16/32-bit and "
+                             "block-scaled FP8 checkpoints; convert this one with `colibri convert --hf`, or use a "
+                             "GGUF file" % (path, method))
+        fp8_block = checkpoint_block_size(quant, os.path.join(path, "config.json"))
+        # Built without transformers' FP8 layers (CUDA/XPU only); Colibri
+        # computes the FP8 tensors as stored (colibri.fp8).
+        del config.quantization_config
     if dtype is not None:
         split_dtype(dtype)  # ValueError naming the known types
     if dense_dtype is None and dtype is not None:
         dense_dtype = split_dtype(dtype)[0]
     ck = _Checkpoint(path)
+    ck.fp8_block = fp8_block
     config.dtype = torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -1061,6 +1097,8 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
                        lock=options["lock"])
 
     def stored_dtype(weight, key):
+        if isinstance(weight, Fp8Weight):
+            return weight.dtype_name
         stored = _TORCH_DTYPES.get(weight.dtype)
         if stored is None:
             raise ValueError("%s: tensor %s is %s; from_pretrained reads f32, f16 and bf16 checkpoints"
@@ -1068,6 +1106,8 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
         return stored
 
     def as_bytes(weight):
+        if isinstance(weight, Fp8Weight):
+            return weight.packed()
         return weight.contiguous().view(torch.uint8).reshape(weight.shape[0], -1)
 
     def checked(name, want_shape):
@@ -1076,7 +1116,7 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
             key = ck.find("model.embed_tokens.weight")
         if key is None:
             raise ValueError("%s: tensor %s.weight is missing" % (path, name))
-        w = ck.get(key)
+        w = ck.weight(key)
         if tuple(w.shape) != want_shape:
             raise ValueError("%s: tensor %s has shape %s, the model's %s needs %s"
                              % (path, key, tuple(w.shape), name, want_shape))
@@ -1093,18 +1133,23 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
                 bias = ck.get(ck.find(*_aliases(name + ".bias")) or name + ".bias").float()
             stored = stored_dtype(w, key)
             want = dense_dtype or stored
-            block = 256 if want.endswith("_k") else 32
-            if want in QUANTIZED and mod.in_features % block:
+            if want in QUANTIZED and mod.in_features % block_elements(want):
                 want = stored  # rows too short for the format's blocks
+            if want in QUANTIZED and mod.in_features % block_elements(want):
+                want = "f32"  # an FP8 tensor whose rows end inside a block: widened (Linear takes whole blocks)
             if want == stored:
-                rows, dtype = as_bytes(w), stored
+                rows, lin_dtype = as_bytes(w), stored
+            elif isinstance(w, Fp8Weight):
+                w = w.dequantize()
+                rows = as_bytes(w.to(_FLOAT_TORCH[want])) if want in _FLOAT_TORCH else _quantize_rows(w, want)
+                lin_dtype = want
             else:
                 # Quantised a block of rows at a time, and the 16-bit tensor
                 # dropped before Colibri copies the rows: the transient is
                 # the tensor plus its quantised rows, not a float32 copy too.
-                rows, dtype = _quantize_rows(w, want), want
+                rows, lin_dtype = _quantize_rows(w, want), want
             del w
-            lin = cnn.Linear(rows, dtype, mod.out_features, mod.in_features, bias, name=key, **linear_opts)
+            lin = cnn.Linear(rows, lin_dtype, mod.out_features, mod.in_features, bias, name=key, **linear_opts)
             del rows
             _set_module(model, name, lin)
         elif isinstance(mod, nn.Embedding):
@@ -1118,7 +1163,7 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
         found = ck.find(*_aliases(key))
         if found is None:
             raise ValueError("%s: tensor %s is missing" % (path, key))
-        v = ck.get(found)
+        v = ck.floats(found)
         if tuple(v.shape) != tuple(p.shape):
             if v.numel() != p.numel():
                 raise ValueError("%s: tensor %s has shape %s, the model needs %s"
@@ -1133,9 +1178,11 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
     for bpath, block in blocks.items():
         _load_expert_biases(ck, bpath, block.experts)
         fused = ck.find(*_aliases(bpath + ".experts.gate_up_proj"))
-        first = ck.get_item(fused, 0) if fused is not None else _expert_matrix(ck, bpath, 0, "gate")
+        first = (ck.weight(fused, lambda k: ck.get_item(k, 0)) if fused is not None
+                 else _expert_matrix(ck, bpath, 0, "gate"))
         _placeholder_weights(block.experts, first.dtype)
         del first
+        shared_fp8 = {}  # an FP8 shared expert: its weights go to Colibri with their scales, stand-ins stay here
         for attr in ("shared_expert", "shared_experts"):  # Qwen's one, DeepSeek's and GLM's merged ones
             shared = getattr(block, attr, None)
             if shared is None:
@@ -1146,11 +1193,27 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
                 if found is None:
                     raise ValueError("%s: tensor %s is missing" % (path, key))
                 owner = shared.get_submodule(pname.rpartition(".")[0]) if "." in pname else shared
-                setattr(owner, pname.rpartition(".")[2], nn.Parameter(ck.get(found), requires_grad=False))
+                w = ck.weight(found)
+                if isinstance(w, Fp8Weight):
+                    shared_fp8[pname.rpartition(".")[0]] = w
+                    w = torch.zeros((), dtype=w.dtype).expand(w.shape)
+                setattr(owner, pname.rpartition(".")[2], nn.Parameter(w, requires_grad=False))
+
+        def source(_, spec, b=bpath, m=block.experts, fp8=shared_fp8):
+            experts = _lazy_experts(ck, b, m, n_experts, spec.layout)
+            if not fp8:
+                return experts
+            names = next((n for n in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+                          if all(k in fp8 for k in n)), None)
+            if names is None or len(fp8) != 3:
+                raise ValueError("%s: block %s's FP8 shared expert has weights %s; expected gate_proj, up_proj and "
+                                 "down_proj" % (path, b, sorted(fp8)))
+            return {"experts": experts, "shared": tuple(fp8[n] for n in names)}
+
         report = ctorch.accelerate(
             block, dtype=dtype, threads=options["threads"], exact_prefill=options["exact_prefill"],
             lock=options["lock"], huge_pages=options["huge_pages"], bf16_compute=options["bf16_compute"],
-            expert_source=lambda _, spec, b=bpath, m=block.experts: _lazy_experts(ck, b, m, n_experts, spec.layout))
+            expert_source=source)
         if not report.accelerated:
             raise ValueError("%s: Colibri cannot run block %s: %s" % (path, bpath, report.skipped))
         reports.append(report)

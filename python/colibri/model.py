@@ -11,6 +11,7 @@ import numpy as np
 from . import _arrays as A
 from . import _lib as L
 from ._lib import ColibriError
+from .fp8 import Fp8Weight
 
 __all__ = ["Model", "ModelInfo", "ModelStats", "RouterConfig", "save_model"]
 
@@ -294,6 +295,12 @@ class Model:
                 if tuple(obj.shape) != tuple(shape):
                     raise ValueError("%s must have shape %s, got %s" % (name, list(shape), list(obj.shape)))
                 obj = obj.read()
+            if isinstance(obj, Fp8Weight):  # a checkpoint's block-scaled FP8: as stored, or dequantised first
+                if tuple(obj.shape) != tuple(shape):
+                    raise ValueError("%s must have shape %s, got %s" % (name, list(shape), list(obj.shape)))
+                if t == "fp8_e4m3":
+                    return obj.packed()
+                obj = obj.dequantize()
             if t not in Q.QUANTIZED:
                 return A.as_weight(obj, t, name, shape)
             return Q.quantize(A.as_numpy_f32(A.as_weight(obj, "f32", name, shape)), t)

@@ -39,6 +39,11 @@ def row_bytes(dtype, n):
     return int(_lib.fn("colibri_dtype_row_bytes")(dtype_code(dtype), int(n)))
 
 
+def block_elements(dtype):
+    """Weights per block of `dtype` (1 for the float types)."""
+    return next(b for b in (1, 32, 128, 256) if row_bytes(dtype, b + 1) > row_bytes(dtype, b))
+
+
 def quantize(x, dtype):
     """float32 [rows, n] (or [n]) -> uint8 [rows, row_bytes(dtype, n)]."""
     a = np.ascontiguousarray(x, dtype=np.float32)

@@ -62,7 +62,7 @@ _DTYPES = {
 
 
 _BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4", "iq4_nl",
-                 "iq4_xs", "q4_k_m")
+                 "iq4_xs", "fp8_e4m3", "q4_k_m")
 
 
 def _colibri_dtype(dtype, like=None):
@@ -72,6 +72,8 @@ def _colibri_dtype(dtype, like=None):
     if dtype is None:
         if like is not None and like.dtype in _DTYPES:
             return _DTYPES[like.dtype]
+        if like is not None and like.dtype == torch.float8_e4m3fn:
+            return "fp8_e4m3"  # stand-ins of a block-scaled FP8 checkpoint's experts (colibri.fp8)
         return "f32"
     if isinstance(dtype, str) and dtype in _BLOCK_DTYPES:
         return dtype
@@ -1200,6 +1202,8 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     used instead of the module's own expert weights (which may then be
     stand-ins of their shape). from_pretrained passes colibri._arrays.Lazy
     weights read from a checkpoint, so each is read and quantised on its own.
+    It may instead return a dict of layer keys ("experts", and "shared" for
+    a shared expert's weights, e.g. colibri.fp8.Fp8Weight triples).
     """
     if not isinstance(model, nn.Module):
         raise TypeError("accelerate() takes a torch.nn.Module, got %s" % type(model).__name__)
@@ -1249,7 +1253,9 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
             for layer, (path, _, spec, _) in zip(layers, members):
                 for k in ("experts", "gate_up_proj", "down_proj"):
                     layer.pop(k, None)
-                layer["experts"] = expert_source(path, spec)
+                source = expert_source(path, spec)
+                # a dict also gives the shared expert's weights (an FP8 checkpoint's, with their scales)
+                layer.update(source if isinstance(source, dict) else {"experts": source})
         report.source_bytes += sum(_tensor_bytes(layer) for layer in layers)
         cmodel = Model.from_arrays(layers, dtype=cdtype, threads=threads, lock=lock, huge_pages=huge_pages,
                                    bf16_compute=bf16_compute, exact_prefill=exact_prefill,

@@ -552,6 +552,29 @@ float dot_iq3_s(const void* row, const void* act, size_t n) {
   return acc;
 }
 
+// ---------------------------------------------------------------- fp8_e4m3
+
+// FP8 weights take fp32 activations (quant_dot.h): x[0, n_valid), zeros to n.
+void copy_act_f32(const float* x, size_t n_valid, size_t n, void* out) {
+  auto* o = static_cast<float*>(out);
+  std::memcpy(o, x, n_valid * sizeof(float));
+  for (size_t i = n_valid; i < n; ++i) o[i] = 0.0f;
+}
+
+// Per block: the codes' exact values times the activations summed in
+// float, then d times that sum added to the row's total.
+float dot_fp8_e4m3(const void* row, const void* act, size_t n) {
+  const auto* b = static_cast<const BlockFp8E4M3*>(row);
+  const auto* a = static_cast<const float*>(act);
+  float total = 0.0f;
+  for (size_t i = 0; i < n / kQKFp8; ++i, ++b, a += kQKFp8) {
+    float s = 0.0f;
+    for (int j = 0; j < kQKFp8; ++j) s += e4m3_to_float(b->qs[j]) * a[j];
+    total += b->d * s;
+  }
+  return total;
+}
+
 template <float (*Dot)(const void*, const void*, size_t)>
 void dot_rows(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
               size_t n, float* out, size_t ld_out) {
@@ -585,6 +608,7 @@ constexpr QuantDotKernels kIq1M = {"iq1_m-scalar", quantize_act, dot_rows<dot_iq
 constexpr QuantDotKernels kIq2Xs = {"iq2_xs-scalar", quantize_act, dot_rows<dot_iq2_xs_s<BlockIq2Xs>>};
 constexpr QuantDotKernels kIq2S = {"iq2_s-scalar", quantize_act, dot_rows<dot_iq2_xs_s<BlockIq2S>>};
 constexpr QuantDotKernels kIq3S = {"iq3_s-scalar", quantize_act, dot_rows<dot_iq3_s>};
+constexpr QuantDotKernels kFp8E4M3 = {"fp8_e4m3-scalar", copy_act_f32, dot_rows<dot_fp8_e4m3>};
 
 }  // namespace
 
@@ -630,6 +654,8 @@ const QuantDotKernels* quant_dot_scalar(WeightType t) {
       return &kIq2S;
     case WeightType::kIQ3_S:
       return &kIq3S;
+    case WeightType::kFP8_E4M3:
+      return &kFp8E4M3;
     default:
       return nullptr;
   }

@@ -29,6 +29,7 @@ bool is_quantized(WeightType t) {
     case WeightType::kIQ2_XS:
     case WeightType::kIQ2_S:
     case WeightType::kIQ3_S:
+    case WeightType::kFP8_E4M3:
       return true;
     default:
       return false;
@@ -36,6 +37,7 @@ bool is_quantized(WeightType t) {
 }
 
 size_t act_row_bytes(WeightType t, size_t n) {
+  if (t == WeightType::kFP8_E4M3) return n * sizeof(float);
   // qs[n], d[n / 32] (float), sums[n / 16] (int16): quant_dot.h.
   return is_quantized(t) ? n + n / kActBlock * sizeof(float) + n / 16 * sizeof(int16_t) : 0;
 }
@@ -54,7 +56,9 @@ const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa) {
   if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) {
     if (const QuantDotKernels* k = quant_dot_avx512(t)) return k;
   }
-  if (level >= Isa::kAvx2) return cpu_has_avx_vnni() ? quant_dot_avx_vnni(t) : quant_dot_avx2(t);
+  if (level >= Isa::kAvx2) {
+    if (const QuantDotKernels* k = cpu_has_avx_vnni() ? quant_dot_avx_vnni(t) : quant_dot_avx2(t)) return k;
+  }
 #else
   (void)level;
 #endif

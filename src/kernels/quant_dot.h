@@ -23,6 +23,12 @@
 //   int16_t sums[n / 16]  at byte n + n / 8   (sums[h] = qs[16h] + ... + qs[16h + 15])
 // The kernels rearrange these once per dot_rows call into the orders their
 // vectors want (transposed groups of blocks or sub-blocks, on the stack).
+//
+// FP8 e4m3 weights (fp8_e4m3) are the exception: their codes are not
+// integers, so their activations stay fp32 (act_row_bytes = 4 n: x and
+// zeros to n) and the kernels convert each code exactly (every e4m3 value
+// is an f16 value) and multiply-add in fp32: FP8 models compute at fp32
+// grade against their dequantised weights, on every level.
 #pragma once
 
 #include <cstddef>

@@ -203,6 +203,21 @@ struct BlockIq3S {
   uint8_t scales[kQKK / 64];
 };
 
+// FP8 e4m3 (OCP "E4M3FN": 1 sign, 4 exponent bits biased by 7, 3 mantissa
+// bits; exponent 0 subnormal, 0x7f / 0xff NaN, no infinities, largest
+// 448): 128 codes of a row under one float scale, x = d * e4m3(qs[i]).
+// Hugging Face's FP8 checkpoints (DeepSeek-V3, Qwen3 FP8) scale 128 x 128
+// tiles (`weight_scale_inv`); each row of a tile keeps the tile's scale,
+// so a row of blocks holds its own scales like every other format (4 bytes
+// per 128 weights). The scale comes first: one block is 132 bytes, and the
+// kernels load its codes unaligned.
+inline constexpr int kQKFp8 = 128;
+struct BlockFp8E4M3 {
+  float d;
+  uint8_t qs[kQKFp8];
+};
+
+static_assert(sizeof(BlockFp8E4M3) == 132);
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockIq2Xs) == 74);
 static_assert(sizeof(BlockIq2S) == 82);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "util/half.h"
 #include "util/iq_grids.h"
@@ -1221,6 +1222,60 @@ void quantize_q3_k(const float* src, void* dst, size_t n) {
         b->qs[32 * h + l] = static_cast<uint8_t>(q[l] | (q[l + 32] << 2) | (q[l + 64] << 4) | (q[l + 96] << 6));
       }
     }
+  }
+}
+
+
+float e4m3_to_float(uint8_t code) {
+  const int exponent = (code >> 3) & 15;
+  const int mantissa = code & 7;
+  if (exponent == 15 && mantissa == 7) {
+    return std::copysign(std::numeric_limits<float>::quiet_NaN(), (code & 0x80) != 0 ? -1.0f : 1.0f);
+  }
+  // Subnormal: mantissa * 2^-9; normal: (8 + mantissa) * 2^(exponent - 10).
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                        : std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
+  return (code & 0x80) != 0 ? -magnitude : magnitude;
+}
+
+uint8_t float_to_e4m3(float v) {
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  if (std::isnan(v)) return sign | 0x7f;
+  const float a = std::fabs(v);
+  if (a >= 448.0f) return sign | 0x7e;
+  // The spacing of the codes around a: 2^-9 below 2^-6 (subnormals), else
+  // an eighth of a's power of two. a / quantum is exact (a power of two),
+  // and nearbyint rounds it to even in the default rounding mode.
+  int e = 0;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1): a's power of two is 2^(e - 1)
+  const int quantum_exp = a < 0x1p-6f ? -9 : e - 1 - 3;
+  const float steps = std::nearbyint(std::ldexp(a, -quantum_exp));  // (8 + m) or 16 after a carry
+  const float r = std::ldexp(steps, quantum_exp);
+  if (r >= 448.0f) return sign | 0x7e;
+  if (r < 0x1p-6f) return sign | static_cast<uint8_t>(steps);  // subnormal (a carry to 8 is 2^-6's code, 0x08)
+  int re = 0;
+  std::frexp(r, &re);
+  const int exponent = re - 1 + 7;
+  const int mantissa = static_cast<int>(std::ldexp(r, -(re - 1) + 3)) - 8;
+  return sign | static_cast<uint8_t>(exponent << 3 | mantissa);
+}
+
+void dequantize_fp8_e4m3(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockFp8E4M3*>(src);
+  for (size_t i = 0; i < n / kQKFp8; ++i, ++b) {
+    for (int j = 0; j < kQKFp8; ++j) dst[j] = b->d * e4m3_to_float(b->qs[j]);
+    dst += kQKFp8;
+  }
+}
+
+void quantize_fp8_e4m3(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockFp8E4M3*>(dst);
+  for (size_t i = 0; i < n / kQKFp8; ++i, ++b) {
+    float amax = 0.0f;
+    for (int j = 0; j < kQKFp8; ++j) amax = std::fmax(amax, std::fabs(src[j]));
+    b->d = amax / 448.0f;
+    for (int j = 0; j < kQKFp8; ++j) b->qs[j] = b->d == 0.0f ? 0 : float_to_e4m3(src[j] / b->d);
+    src += kQKFp8;
   }
 }
 

@@ -48,6 +48,16 @@ int iq4_xs_scale(const void* block, int j);
 // ggml_e8m0_to_fp32_half; subnormal for e < 2).
 float mxfp4_scale(uint8_t e);
 
+// FP8 e4m3 (BlockFp8E4M3): one code's value, exactly (NaN for 0x7f / 0xff),
+// and the code nearest to v (ties to even; beyond 448 in magnitude 448,
+// as the quantiser never asks for more; NaN to 0x7f with v's sign).
+float e4m3_to_float(uint8_t code);
+uint8_t float_to_e4m3(float v);
+void dequantize_fp8_e4m3(const void* src, float* dst, size_t n);
+// Per block d = max|x| / 448 and codes e4m3(x / d): DeepSeek's
+// weight_quant at a 1 x 128 tile.
+void quantize_fp8_e4m3(const float* src, void* dst, size_t n);
+
 void quantize_q8_0(const float* src, void* dst, size_t n);
 void quantize_q4_0(const float* src, void* dst, size_t n);
 void quantize_q4_k(const float* src, void* dst, size_t n);

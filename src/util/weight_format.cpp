@@ -62,6 +62,8 @@ constexpr WeightFormat kFormats[kWeightTypeCount] = {
     {WeightType::kIQ2_XS, "iq2_xs", kQKK, sizeof(BlockIq2Xs), dequantize_iq2_xs, nullptr, true},
     {WeightType::kIQ2_S, "iq2_s", kQKK, sizeof(BlockIq2S), dequantize_iq2_s, nullptr, true},
     {WeightType::kIQ3_S, "iq3_s", kQKK, sizeof(BlockIq3S), dequantize_iq3_s, nullptr, true},
+    {WeightType::kFP8_E4M3, "fp8_e4m3", kQKFp8, sizeof(BlockFp8E4M3), dequantize_fp8_e4m3, quantize_fp8_e4m3,
+     true},
 };
 
 }  // namespace

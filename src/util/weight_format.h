@@ -41,8 +41,9 @@ enum class WeightType : uint8_t {
   kIQ2_XS = 20,
   kIQ2_S = 21,
   kIQ3_S = 22,
+  kFP8_E4M3 = 23,
 };
-inline constexpr int kWeightTypeCount = 23;
+inline constexpr int kWeightTypeCount = 24;
 
 struct WeightFormat {
   WeightType type;
