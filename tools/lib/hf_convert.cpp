@@ -442,7 +442,9 @@ class Planner {
       const bool fp8 = t.dtype == StDtype::kF8E4M3 || t.dtype == StDtype::kF8E5M2;
       fail(Status::kFormat, where + "dtype " + st_dtype_name(t.dtype) +
                                    " is not supported (expected BF16, F16 or F32" +
-                                   (fp8 ? "; dequantize FP8 checkpoints first)" : ")"));
+                                   (fp8 ? "; convert --hf does not read FP8 checkpoints: Python's "
+                                                 "colibri.torch.from_pretrained(DIR) runs them as stored)"
+                                               : ")"));
     }
     if (t.shape != shape) {
       fail(Status::kFormat, where + "shape " + shape_string(t.shape) + ", expected " + shape_string(shape) +
