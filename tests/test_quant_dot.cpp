@@ -22,6 +22,7 @@
 #include "kernels/kernels.h"
 #include "kernels/quant_dot.h"
 #include "util/half.h"
+#include "util/quant_ref.h"
 #include "util/quant_blocks.h"
 #include "util/weight_format.h"
 
@@ -39,13 +40,16 @@ constexpr WeightType kTypes[] = {WeightType::kQ8_0,  WeightType::kQ4_0,  WeightT
                                  WeightType::kQ6_K,  WeightType::kMXFP4, WeightType::kQ4_1,   WeightType::kQ5_0,
                                  WeightType::kQ5_1,  WeightType::kIQ4_NL, WeightType::kIQ4_XS, WeightType::kQ2_K,
                                  WeightType::kQ3_K,  WeightType::kIQ2_XXS, WeightType::kIQ3_XXS, WeightType::kIQ1_S,
-                                 WeightType::kIQ1_M, WeightType::kIQ2_XS, WeightType::kIQ2_S, WeightType::kIQ3_S};
+                                 WeightType::kIQ1_M, WeightType::kIQ2_XS, WeightType::kIQ2_S, WeightType::kIQ3_S, WeightType::kFP8_E4M3};
 
 // Formats whose dot products the AVX-512 level leaves to the AVX2 level's
 // kernels (quant_dot_avx512 gives nullptr).
 bool avx2_level_only(WeightType /*t*/) { return false; }
 
 const char* type_name(WeightType t) { return colibri::weight_format(t).name; }
+
+// FP8 takes fp32 activations (quant_dot.h): x and zeros, 4 bytes each.
+bool is_fp8(WeightType t) { return t == WeightType::kFP8_E4M3; }
 
 size_t block_elements(WeightType t) { return colibri::weight_format(t).block_elements; }
 size_t block_bytes(WeightType t) { return colibri::weight_format(t).block_bytes; }
@@ -173,6 +177,17 @@ std::vector<uint8_t> random_weights(WeightType t, size_t n, int rows, size_t row
           h[0] = random_scale(rng, 1e-4f, 1e-3f, true);
           std::memcpy(blk + offsetof(colibri::BlockQ6K, d), h, 2);
           break;
+        case WeightType::kFP8_E4M3: {
+          // Float scales of either sign over every code but the NaN ones
+          // (NanCodesGiveNan covers those): normals, subnormals, both zeros.
+          std::uniform_real_distribution<float> mag(1e-3f, 1e-1f);
+          const float d = (rng() & 1u) ? -mag(rng) : mag(rng);
+          std::memcpy(blk, &d, sizeof d);
+          for (size_t i = sizeof d; i < block_bytes(t); ++i) {
+            if ((blk[i] & 0x7f) == 0x7f) blk[i] = static_cast<uint8_t>(blk[i] - 1);
+          }
+          break;
+        }
         case WeightType::kMXFP4:
           // Scales 2^-12 .. 2^-4, and now and then the subnormal ones (e < 2).
           blk[0] = (rng() % 16 == 0) ? static_cast<uint8_t>(rng() % 2) : static_cast<uint8_t>(116 + rng() % 9);
@@ -350,8 +365,16 @@ int act_sum16(const uint8_t* act, size_t n, size_t h) {
   return s;
 }
 
-// One token's dequantised activations (d * q) from its row.
-void decode_act(const uint8_t* act, size_t n, double* x) {
+// One token's dequantised activations (d * q) from its row; FP8's floats.
+void decode_act(WeightType t, const uint8_t* act, size_t n, double* x) {
+  if (is_fp8(t)) {
+    for (size_t i = 0; i < n; ++i) {
+      float v;
+      std::memcpy(&v, act + i * sizeof(float), sizeof v);
+      x[i] = v;
+    }
+    return;
+  }
   for (size_t i = 0; i < n; ++i) x[i] = static_cast<double>(act_d(act, n, i / 32)) * act_qs(act)[i];
 }
 
@@ -389,6 +412,24 @@ void check_quantized_act(const std::vector<float>& x, size_t n_valid, size_t n, 
   }
 }
 
+// FP8's activation row (quant_dot.h): x[0, n_valid) as they are, then
+// zeros (+0.0f) up to n.
+void check_copied_act(const std::vector<float>& x, size_t n_valid, size_t n, const uint8_t* got,
+                      const std::string& what) {
+  for (size_t k = 0; k < n; ++k) {
+    float v;
+    std::memcpy(&v, got + k * sizeof(float), sizeof v);
+    ASSERT_EQ(colibri::float_bits(v), colibri::float_bits(k < n_valid ? x[k] : 0.0f)) << what << " element " << k;
+  }
+}
+
+// The activation row as format t defines it.
+void check_act(WeightType t, const std::vector<float>& x, size_t n_valid, size_t n, const uint8_t* got,
+               const std::string& what) {
+  if (is_fp8(t)) return check_copied_act(x, n_valid, n, got, what);
+  check_quantized_act(x, n_valid, n, got, what);
+}
+
 TEST(QuantDot, TablesAndSizes) {
   using colibri::kernels::Isa;
   for (WeightType t : {WeightType::kF32, WeightType::kF16, WeightType::kBF16}) {
@@ -399,9 +440,14 @@ TEST(QuantDot, TablesAndSizes) {
   }
   for (WeightType t : kTypes) {
     EXPECT_TRUE(colibri::kernels::is_quantized(t));
-    // qs[n], d[n / 32] (float), sums[n / 16] (int16).
-    EXPECT_EQ(colibri::kernels::act_row_bytes(t, 2048), 2048 + 2048 / 32 * 4 + 2048 / 16 * 2);
-    EXPECT_EQ(colibri::kernels::act_row_bytes(t, block_elements(t)), block_elements(t) * 5 / 4);
+    if (is_fp8(t)) {
+      EXPECT_EQ(colibri::kernels::act_row_bytes(t, 2048), 2048 * sizeof(float));
+      EXPECT_EQ(colibri::kernels::act_row_bytes(t, block_elements(t)), block_elements(t) * sizeof(float));
+    } else {
+      // qs[n], d[n / 32] (float), sums[n / 16] (int16).
+      EXPECT_EQ(colibri::kernels::act_row_bytes(t, 2048), 2048 + 2048 / 32 * 4 + 2048 / 16 * 2);
+      EXPECT_EQ(colibri::kernels::act_row_bytes(t, block_elements(t)), block_elements(t) * 5 / 4);
+    }
     EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kScalar), colibri::kernels::quant_dot_scalar(t));
     // Every table's name, also of those this CPU cannot run.
     for (const IsaKernels& k : all_isa_kernels()) {
@@ -471,11 +517,13 @@ TEST(QuantDot, QuantizeActivations) {
         isas[0].get(t)->quantize_act(x.data(), n_valid, n, ref.data());
         const std::string what = std::string(type_name(t)) + " n=" + std::to_string(n) +
                                  " n_valid=" + std::to_string(n_valid);
-        check_quantized_act(x, n_valid, n, ref.data(), "scalar " + what);
-        // One layout for every format: the same bytes as q8_0's.
-        std::vector<uint8_t> q8(bytes, 0x3c);
-        isas[0].get(WeightType::kQ8_0)->quantize_act(x.data(), n_valid, n, q8.data());
-        ASSERT_EQ(0, std::memcmp(q8.data(), ref.data(), bytes)) << what << " vs q8_0";
+        check_act(t, x, n_valid, n, ref.data(), "scalar " + what);
+        if (!is_fp8(t)) {
+          // One layout for every integer format: the same bytes as q8_0's.
+          std::vector<uint8_t> q8(bytes, 0x3c);
+          isas[0].get(WeightType::kQ8_0)->quantize_act(x.data(), n_valid, n, q8.data());
+          ASSERT_EQ(0, std::memcmp(q8.data(), ref.data(), bytes)) << what << " vs q8_0";
+        }
         for (size_t i = 1; i < isas.size(); ++i) {
           std::vector<uint8_t> got(bytes, 0x5a);
           isas[i].get(t)->quantize_act(x.data(), n_valid, n, got.data());
@@ -512,7 +560,7 @@ TEST(QuantDot, QuantizeActivationsEdgeCases) {
       std::vector<uint8_t> ref(bytes);
       isas[0].get(t)->quantize_act(cases[c].data(), n, n, ref.data());
       const std::string what = std::string(type_name(t)) + " case " + std::to_string(c);
-      check_quantized_act(cases[c], n, n, ref.data(), "scalar " + what);
+      check_act(t, cases[c], n, n, ref.data(), "scalar " + what);
       for (size_t i = 1; i < isas.size(); ++i) {
         std::vector<uint8_t> got(bytes);
         isas[i].get(t)->quantize_act(cases[c].data(), n, n, got.data());
@@ -562,7 +610,7 @@ void run_dot_cases(WeightType t, const IsaKernels& isa, const DotCase& c, std::m
     std::vector<std::vector<double>> xs(static_cast<size_t>(max_tokens));
     for (int i = 0; i < max_tokens; ++i) {
       xs[static_cast<size_t>(i)].resize(n);
-      decode_act(act.data() + static_cast<size_t>(i) * act_bytes, n, xs[static_cast<size_t>(i)].data());
+      decode_act(t, act.data() + static_cast<size_t>(i) * act_bytes, n, xs[static_cast<size_t>(i)].data());
     }
     for (int r = 0; r < max_rows; ++r) {
       decode_row(t, w.data() + static_cast<size_t>(r) * row_bytes, n, wd.data(), mag.data());
@@ -672,6 +720,131 @@ TEST_P(QuantDotIsa, DotRows) {
   }
 }
 
+// FP8: every code's value exactly, on every instruction set. Row r holds
+// code r (all 128 of its block, scale 0.375) for r < 256, and rows 256 ..
+// 256 + 127 hold the 128 codes c, c + 1, ... from c = 2 (r - 256) (a mix
+// of signs and exponents in one row). Every product and partial sum is
+// exact (codes of at most 4 significant bits times small integers), so
+// every output equals the float64 value to the bit, whatever the order of
+// the sums. Tokens: a one-hot, all ones, and small random integers; rows
+// in groups that leave every tail size, and token counts 1, 3, 7, 13.
+TEST(QuantDotFp8, EveryCodeExactly) {
+  const WeightType t = WeightType::kFP8_E4M3;
+  const size_t n = colibri::kQKFp8;
+  const int rows = 256 + 128;
+  const size_t row_bytes = colibri::weight_row_bytes(t, n);
+  std::vector<uint8_t> w(row_bytes * rows);
+  const float d = 0.375f;
+  for (int r = 0; r < rows; ++r) {
+    uint8_t* blk = w.data() + static_cast<size_t>(r) * row_bytes;
+    std::memcpy(blk, &d, sizeof d);
+    for (size_t i = 0; i < n; ++i) {
+      blk[sizeof d + i] = static_cast<uint8_t>(r < 256 ? r : 2 * (r - 256) + static_cast<int>(i));
+    }
+  }
+  std::mt19937 rng(8);
+  const int max_tokens = 13;
+  const size_t act_bytes = colibri::kernels::act_row_bytes(t, n);
+  std::vector<float> x(n * max_tokens);
+  for (int i = 0; i < max_tokens; ++i) {
+    for (size_t k = 0; k < n; ++k) {
+      float v = static_cast<float>(static_cast<int>(rng() % 41) - 20);
+      if (i % 3 == 0) v = k == static_cast<size_t>(i * 37) % n ? 1.0f : 0.0f;
+      if (i % 3 == 1) v = 1.0f;
+      x[static_cast<size_t>(i) * n + k] = v;
+    }
+  }
+  std::vector<double> ref(static_cast<size_t>(rows) * max_tokens);
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* codes = w.data() + static_cast<size_t>(r) * row_bytes + sizeof d;
+    for (int i = 0; i < max_tokens; ++i) {
+      double s = 0.0;
+      for (size_t k = 0; k < n; ++k) {
+        s += static_cast<double>(colibri::e4m3_to_float(codes[k])) * x[static_cast<size_t>(i) * n + k];
+      }
+      ref[static_cast<size_t>(i) * rows + r] = d * s;
+    }
+  }
+  for (const IsaKernels& isa : isa_kernels(t)) {
+    const QuantDotKernels* q = isa.get(t);
+    std::vector<uint8_t> act(act_bytes * max_tokens);
+    for (int i = 0; i < max_tokens; ++i) {
+      q->quantize_act(x.data() + static_cast<size_t>(i) * n, n, n, act.data() + static_cast<size_t>(i) * act_bytes);
+    }
+    for (int tokens : {1, 3, 7, 13}) {
+      std::vector<float> out(static_cast<size_t>(rows) * tokens);
+      for (float& o : out) o = colibri::bits_float(0x7fc0deadu);
+      q->dot_rows(w.data(), row_bytes, rows, act.data(), act_bytes, tokens, n, out.data(), rows);
+      for (int i = 0; i < tokens; ++i) {
+        for (int r = 0; r < rows; ++r) {
+          const double want = ref[static_cast<size_t>(i) * rows + r];
+          const float got = out[static_cast<size_t>(i) * rows + r];
+          const std::string what = std::string(q->name) + " tokens=" + std::to_string(tokens) + " token " +
+                                   std::to_string(i) + " row " + std::to_string(r);
+          if (std::isnan(want)) {
+            ASSERT_TRUE(std::isnan(got)) << what << ": " << got;
+          } else {
+            ASSERT_EQ(static_cast<double>(got), want) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+// FP8's NaN codes (0x7f, 0xff) make their row's products NaN for every
+// token, as the reference's NaN products do, wherever the code sits; the
+// other rows of the call stay finite and agree with the scalar table.
+TEST(QuantDotFp8, NanCodesGiveNan) {
+  const WeightType t = WeightType::kFP8_E4M3;
+  std::mt19937 rng(5);
+  const size_t n = 3 * colibri::kQKFp8;
+  const size_t row_bytes = colibri::weight_row_bytes(t, n);
+  const size_t act_bytes = colibri::kernels::act_row_bytes(t, n);
+  for (int rows : {1, 2, 3, 5, 7, 9}) {
+    std::vector<uint8_t> w = random_weights(t, n, rows, row_bytes, rng);
+    std::vector<bool> nan_row(static_cast<size_t>(rows), false);
+    for (int r = 0; r < rows; ++r) {
+      if (r % 2 == 1 && rows > 1) continue;
+      const size_t b = rng() % 3;
+      const size_t i = r == 0 ? 0 : (r == 2 ? colibri::kQKFp8 - 1 : rng() % colibri::kQKFp8);
+      w[static_cast<size_t>(r) * row_bytes + b * block_bytes(t) + sizeof(float) + i] = (r / 2) % 2 ? 0xff : 0x7f;
+      nan_row[static_cast<size_t>(r)] = true;
+    }
+    for (int tokens : {1, 2, 5, 9}) {
+      std::vector<uint8_t> act(act_bytes * static_cast<size_t>(tokens));
+      for (int i = 0; i < tokens; ++i) {
+        std::vector<float> x = random_acts(n, rng);
+        x[rng() % n] = 0.0f;
+        colibri::kernels::quant_dot_scalar(t)->quantize_act(x.data(), n, n, act.data() + static_cast<size_t>(i) * act_bytes);
+      }
+      std::vector<float> scalar_out;
+      for (const IsaKernels& isa : isa_kernels(t)) {
+        const QuantDotKernels* q = isa.get(t);
+        std::vector<float> out(static_cast<size_t>(rows * tokens), 0.0f);
+        q->dot_rows(w.data(), row_bytes, rows, act.data(), act_bytes, tokens, n, out.data(), static_cast<size_t>(rows));
+        for (int i = 0; i < tokens; ++i) {
+          for (int r = 0; r < rows; ++r) {
+            const size_t j = static_cast<size_t>(i * rows + r);
+            const std::string what = std::string(q->name) + " rows=" + std::to_string(rows) +
+                                     " tokens=" + std::to_string(tokens) + " token " + std::to_string(i) + " row " +
+                                     std::to_string(r);
+            if (nan_row[static_cast<size_t>(r)]) {
+              ASSERT_TRUE(std::isnan(out[j])) << what << ": " << out[j];
+            } else {
+              ASSERT_TRUE(std::isfinite(out[j])) << what;
+              if (!scalar_out.empty()) {
+                ASSERT_NEAR(out[j], scalar_out[j], 1e-5 * (1.0 + std::fabs(scalar_out[j]))) << what;
+              }
+            }
+          }
+        }
+        if (scalar_out.empty()) scalar_out = out;
+      }
+    }
+  }
+}
+
 // Weights quantised from floats by the format's reference quantiser (the
 // distributions real models have), checked against the reference
 // dequantiser: this test's decoding agrees with WeightFormat::to_float, and
@@ -698,7 +871,7 @@ TEST_P(QuantDotFormat, ReferenceQuantisedWeights) {
   for (int i = 0; i < tokens; ++i) {
     const std::vector<float> x = random_acts(n, rng);
     colibri::kernels::quant_dot_scalar(t)->quantize_act(x.data(), n, n, act.data() + static_cast<size_t>(i) * act_bytes);
-    decode_act(act.data() + static_cast<size_t>(i) * act_bytes, n, xs[static_cast<size_t>(i)].data());
+    decode_act(t, act.data() + static_cast<size_t>(i) * act_bytes, n, xs[static_cast<size_t>(i)].data());
   }
   std::vector<double> ref(rows * tokens), scale(rows * tokens);
   std::vector<float> wf(n);
@@ -766,6 +939,41 @@ TEST_P(QuantDotFormat, DequantBf16MatchesReference) {
                                                         << " reference " << ref[k];
     }
     for (size_t k = n; k < n + 32; ++k) ASSERT_EQ(got[k], 0xdead) << "wrote past n";
+  }
+#else
+  GTEST_SKIP() << "no x86 kernels";
+#endif
+}
+
+// FP8's bf16 dequantiser on every code under special scales: zeros, a
+// float subnormal (products round in the subnormal range), the largest
+// finite (products overflow), infinities and NaNs of both signs (NaN
+// scale times NaN code included), each bit for bit against
+// float_to_bf16 of the reference.
+TEST(QuantDotFp8, DequantBf16EveryCodeAndScale) {
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  if (!colibri::kernels::cpu_has_avx512_bf16()) GTEST_SKIP() << "no AVX512_BF16";
+  const WeightType t = WeightType::kFP8_E4M3;
+  const colibri::kernels::DequantBf16Fn dq = colibri::kernels::dequant_bf16_avx512(t);
+  ASSERT_NE(dq, nullptr);
+  const uint32_t scales[] = {0x00000000u, 0x80000000u, 0x3f800000u, 0xbe3a5e35u, 0x00012345u, 0x80f00001u,
+                             0x7f7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc01234u, 0x7f812345u,
+                             0x3b800001u, 0x04000000u};
+  const size_t n = 2 * colibri::kQKFp8 * (sizeof scales / sizeof scales[0]);
+  std::vector<uint8_t> w(colibri::weight_row_bytes(t, n));
+  for (size_t b = 0; b < n / colibri::kQKFp8; ++b) {
+    uint8_t* blk = w.data() + b * block_bytes(t);
+    const float d = colibri::bits_float(scales[b / 2]);
+    std::memcpy(blk, &d, sizeof d);
+    for (size_t i = 0; i < colibri::kQKFp8; ++i) blk[sizeof d + i] = static_cast<uint8_t>((b % 2) * 128 + i);
+  }
+  std::vector<float> ref(n);
+  colibri::weight_format(t).to_float(w.data(), ref.data(), n);
+  std::vector<uint16_t> got(n);
+  dq(w.data(), n, got.data());
+  for (size_t k = 0; k < n; ++k) {
+    ASSERT_EQ(got[k], colibri::float_to_bf16(ref[k]))
+        << "scale " << std::hex << scales[k / 256] << " code " << (k % 256) << " reference " << ref[k];
   }
 #else
   GTEST_SKIP() << "no x86 kernels";

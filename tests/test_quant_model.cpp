@@ -58,6 +58,9 @@ const Case kCases[] = {
     {"iq2_xxs_q3_k", COLIBRI_DTYPE_IQ2_XXS, COLIBRI_DTYPE_Q3_K},
     {"iq2_xs_iq3_s", COLIBRI_DTYPE_IQ2_XS, COLIBRI_DTYPE_IQ3_S},
     {"iq2_s_iq3_s", COLIBRI_DTYPE_IQ2_S, COLIBRI_DTYPE_IQ3_S},
+    // FP8: exact codes against fp32 activations, so fp32-grade by default
+    // too (but for the AMX bf16 tier's calls).
+    {"fp8_e4m3", COLIBRI_DTYPE_FP8_E4M3, COLIBRI_DTYPE_FP8_E4M3},
 };
 
 using Opened = colibri_test::OpenedModel;
@@ -131,11 +134,12 @@ TEST_P(QuantModel, MatchesReferenceOnDequantisedWeights) {
     ASSERT_EQ(colibri_model_info(m.model, &info), COLIBRI_OK);
     EXPECT_EQ(info.dtype, c.dtype);
     EXPECT_EQ(info.down_dtype, c.down_dtype);
-    const double tol = exact ? kExactTolerance : kInt8Tolerance;
+    const bool amx = std::string(colibri_cpu_isa()) == "amx";
+    const double tol = exact || (c.dtype == COLIBRI_DTYPE_FP8_E4M3 && !amx) ? kExactTolerance : kInt8Tolerance;
     // On AMX machines the T=130 calls (about 32 tokens per expert) take
     // the bf16 tiles on dequantised rows; every other call the int8 kernels.
     const bool amx_tier = std::string(colibri_model_kernels(m.model)).find("amx-bf16-dequant") != std::string::npos;
-    EXPECT_EQ(amx_tier, !exact && std::string(colibri_cpu_isa()) == "amx") << colibri_model_kernels(m.model);
+    EXPECT_EQ(amx_tier, !exact && amx) << colibri_model_kernels(m.model);
     double worst = 0.0, worst_many = 0.0;
     uint32_t seed = 1;
     for (int32_t T : {1, 3, 17, 130}) {

@@ -530,6 +530,46 @@ void dq_iq1_m(const void* src, size_t n, uint16_t* dst) {
   }
 }
 
+// fp8_e4m3: each code widened exactly (qdot_fp8_impl.h's f16 form times
+// 2^8, the NaN codes replaced by the reference's quiet NaN with the code's
+// sign), then the reference's product d * e4m3, rounded to bf16 in integer
+// arithmetic: d is any float, so the products can be float subnormals,
+// which vcvtne2ps2bf16 would flush.
+inline __m512i fp8_bf16x16(__m512 d, __m256i h) {
+  __m512 e = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  const __m512i bits = _mm512_castps_si512(e);
+  const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan_code = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x43f00000));  // 480
+  e = _mm512_mask_mov_ps(e, nan_code,
+                         _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(mag, bits), _mm512_set1_epi32(0x7fc00000))));
+  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(d, e));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 is_nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, is_nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040)));
+  return r;
+}
+
+void dq_fp8_e4m3(const void* src, size_t n, uint16_t* dst) {
+  const auto* blocks = static_cast<const uint8_t*>(src);
+  for (size_t i = 0; i < n / kQKFp8; ++i, dst += kQKFp8) {
+    const uint8_t* blk = blocks + i * sizeof(BlockFp8E4M3);
+    float ds;
+    std::memcpy(&ds, blk, sizeof ds);
+    const __m512 d = _mm512_set1_ps(ds);
+    for (int j = 0; j < kQKFp8; j += 32) {
+      const __m512i s = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + offsetof(BlockFp8E4M3, qs) + j)));
+      const __m512i h = _mm512_and_si512(_mm512_slli_epi16(s, 7), _mm512_set1_epi16(static_cast<int16_t>(0xbfff)));
+      const __m512i lo = fp8_bf16x16(d, _mm512_castsi512_si256(h));
+      const __m512i hi = fp8_bf16x16(d, _mm512_extracti64x4_epi64(h, 1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j + 16), _mm512_cvtepi32_epi16(hi));
+    }
+  }
+}
+
 }  // namespace
 
 DequantBf16Fn dequant_bf16_avx512(WeightType t) {
@@ -574,6 +614,8 @@ DequantBf16Fn dequant_bf16_avx512(WeightType t) {
       return dq_iq2_s;
     case WeightType::kIQ3_S:
       return dq_iq3_s;
+    case WeightType::kFP8_E4M3:
+      return dq_fp8_e4m3;
     default:
       return nullptr;
   }

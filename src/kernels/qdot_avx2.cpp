@@ -3,9 +3,11 @@
 // kernels, qdot_avx2_impl.h, with vpdpbusd). The u8 x s8 products go
 // through vpmaddubsw into int16 pair sums, as many added in int16 as stay
 // below 2^15 for the codes' range, then vpmaddwd by ones into int32.
+// fp8_e4m3 takes the fp32 kernel of qdot_fp8_impl.h (no integer products).
 //
 // Everything lives in an anonymous namespace (tests/isa_linkage.sh).
 #include "kernels/qdot_avx2_impl.h"
+#include "kernels/qdot_fp8_impl.h"
 
 namespace colibri::kernels {
 namespace {
@@ -56,6 +58,7 @@ const QuantDotKernels kIq3S = {"iq3_s-avx2", quantize_act, dot_rows_grid<Maddubs
 const QuantDotKernels kQ4_K = {"q4_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ6K>};
+const QuantDotKernels kFp8E4M3 = {"fp8_e4m3-avx2", fp8::copy_act, fp8::dot_rows<Fp8Ymm>};
 
 }  // namespace
 
@@ -101,6 +104,8 @@ const QuantDotKernels* quant_dot_avx2(WeightType t) {
       return &kIq2S;
     case WeightType::kIQ3_S:
       return &kIq3S;
+    case WeightType::kFP8_E4M3:
+      return &kFp8E4M3;
     default:
       return nullptr;
   }

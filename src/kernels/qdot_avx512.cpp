@@ -26,6 +26,9 @@
 // are 0..15; the offsets (128, 8) times the blocks' activation sums are
 // subtracted in the same lanes.
 //
+// fp8_e4m3 (fp32 activations): qdot_fp8_impl.h's kernel on zmm, the
+// codes widened exactly through f16, 4 rows x 4 tokens a pass.
+//
 // Weight rows are prefetched far ahead into L2 and nearer into L1: with
 // one token the kernels stream weights from DRAM at close to a plain read
 // loop's rate (about 90% on the machine measured).
@@ -39,6 +42,7 @@
 #include <utility>
 
 #include "kernels/quant_dot.h"
+#include "kernels/qdot_fp8_impl.h"
 #include "kernels/x86_intrinsics.h"
 #include "util/quant_blocks.h"
 
@@ -1350,6 +1354,7 @@ const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act,
                                 dot_rows_gemm_or_ymm<GemmFormat::kIQ4XS, WeightType::kIQ4_XS>};
 const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act, dot_rows_gemm_or_ymm<GemmFormat::kQ3K, WeightType::kQ3_K>};
 const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act, dot_rows_gemm_or_ymm<GemmFormat::kQ2K, WeightType::kQ2_K>};
+const QuantDotKernels kFp8E4M3 = {"fp8_e4m3-avx512-vnni", fp8::copy_act, fp8::dot_rows<Fp8Zmm>};
 
 }  // namespace
 
@@ -1375,6 +1380,8 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
       return &kQ3_K;
     case WeightType::kQ2_K:
       return &kQ2_K;
+    case WeightType::kFP8_E4M3:
+      return &kFp8E4M3;
     default:
       return quant_dot_avx512_ymm(t);
   }

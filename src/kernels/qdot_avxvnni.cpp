@@ -5,10 +5,12 @@
 // q8_0's codes are biased by 128 instead of taking the sign trick. Only
 // called when cpu_has_avx_vnni(): Alder Lake and later client cores, Sierra
 // Forest; CPUs that also have AVX512_VNNI (Sapphire Rapids, Zen 5) take
-// qdot_avx512.cpp unless the level is lowered to avx2.
+// qdot_avx512.cpp unless the level is lowered to avx2. fp8_e4m3 takes the
+// fp32 kernel of qdot_fp8_impl.h, as qdot_avx2.cpp does.
 //
 // Everything lives in an anonymous namespace (tests/isa_linkage.sh).
 #include "kernels/qdot_avx2_impl.h"
+#include "kernels/qdot_fp8_impl.h"
 
 #if !defined(__AVXVNNI__)
 #error "qdot_avxvnni.cpp needs -mavxvnni"
@@ -57,6 +59,7 @@ const QuantDotKernels kIq3S = {"iq3_s-avx2-vnni", quantize_act, dot_rows_grid<Vn
 const QuantDotKernels kQ4_K = {"q4_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx2-vnni", quantize_act, dot_rows_k<VnniDot, Kind::kQ6K>};
+const QuantDotKernels kFp8E4M3 = {"fp8_e4m3-avx2-vnni", fp8::copy_act, fp8::dot_rows<Fp8Ymm>};
 
 }  // namespace
 
@@ -102,6 +105,8 @@ const QuantDotKernels* quant_dot_avx_vnni(WeightType t) {
       return &kIq2S;
     case WeightType::kIQ3_S:
       return &kIq3S;
+    case WeightType::kFP8_E4M3:
+      return &kFp8E4M3;
     default:
       return nullptr;
   }
