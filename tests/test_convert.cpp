@@ -790,7 +790,7 @@ TEST_F(BadCheckpointTest, WrongDtype) {
   expect_error(colibri::Status::kFormat, {expert(0, 1, "w2"), "dtype I32 is not supported"});
   t.dtype = "F8_E4M3";
   t.raw = std::string(t.values.size(), '\0');
-  expect_error(colibri::Status::kFormat, {expert(0, 1, "w2"), "F8_E4M3", "dequantize"});
+  expect_error(colibri::Status::kFormat, {expert(0, 1, "w2"), "F8_E4M3", "colibri.torch.from_pretrained"});
 }
 
 TEST_F(BadCheckpointTest, MissingExpertTensor) {
