@@ -972,8 +972,17 @@ TEST(QuantDotFp8, DequantBf16EveryCodeAndScale) {
   std::vector<uint16_t> got(n);
   dq(w.data(), n, got.data());
   for (size_t k = 0; k < n; ++k) {
+    const uint32_t scale = scales[k / 256];
+    const bool nan_scale = (scale & 0x7fffffffu) > 0x7f800000u;
+    if (nan_scale && (k % 128) == 0x7f) {
+      // NaN times NaN: which operand's NaN (and sign) comes out is the
+      // multiply's operand order (x86 keeps the first), which the
+      // compiler may swap; the format asks for a quiet NaN.
+      EXPECT_EQ(got[k] & 0x7fc0u, 0x7fc0u) << "scale " << std::hex << scale << " code " << (k % 256);
+      continue;
+    }
     ASSERT_EQ(got[k], colibri::float_to_bf16(ref[k]))
-        << "scale " << std::hex << scales[k / 256] << " code " << (k % 256) << " reference " << ref[k];
+        << "scale " << std::hex << scale << " code " << (k % 256) << " reference " << ref[k];
   }
 #else
   GTEST_SKIP() << "no x86 kernels";

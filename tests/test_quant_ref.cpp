@@ -597,7 +597,9 @@ TEST(QuantRefFp8, E4M3CodesAndRounding) {
     }
     const double want = (e == 0 ? m * std::ldexp(1.0, -9) : (8 + m) * std::ldexp(1.0, e - 10)) * ((c & 0x80) ? -1 : 1);
     EXPECT_EQ(static_cast<double>(v), want) << c;
-    if (c != 0x80) EXPECT_EQ(float_to_e4m3(v), code) << c;  // -0 is 0x80 too, but checked below
+    if (c != 0x80) {
+      EXPECT_EQ(float_to_e4m3(v), code) << c;  // -0 is 0x80 too, but checked below
+    }
   }
   EXPECT_EQ(float_to_e4m3(-0.0f), 0x80);
   EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);               // 1 + 1/16: tie, to 1.0 (even mantissa 0)

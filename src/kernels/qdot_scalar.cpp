@@ -557,20 +557,23 @@ float dot_iq3_s(const void* row, const void* act, size_t n) {
 // FP8 weights take fp32 activations (quant_dot.h): x[0, n_valid), zeros to n.
 void copy_act_f32(const float* x, size_t n_valid, size_t n, void* out) {
   auto* o = static_cast<float*>(out);
-  std::memcpy(o, x, n_valid * sizeof(float));
+  if (n_valid > 0) std::memcpy(o, x, n_valid * sizeof(float));  // x may be null when nothing is valid
   for (size_t i = n_valid; i < n; ++i) o[i] = 0.0f;
 }
 
 // Per block: the codes' exact values times the activations summed in
 // float, then d times that sum added to the row's total.
 float dot_fp8_e4m3(const void* row, const void* act, size_t n) {
-  const auto* b = static_cast<const BlockFp8E4M3*>(row);
+  const auto* b = static_cast<const uint8_t*>(row);  // bytes: the float scale is unaligned in a row
   const auto* a = static_cast<const float*>(act);
   float total = 0.0f;
-  for (size_t i = 0; i < n / kQKFp8; ++i, ++b, a += kQKFp8) {
+  for (size_t i = 0; i < n / kQKFp8; ++i, b += sizeof(BlockFp8E4M3), a += kQKFp8) {
+    float d;
+    std::memcpy(&d, b + offsetof(BlockFp8E4M3, d), sizeof d);
+    const uint8_t* qs = b + offsetof(BlockFp8E4M3, qs);
     float s = 0.0f;
-    for (int j = 0; j < kQKFp8; ++j) s += e4m3_to_float(b->qs[j]) * a[j];
-    total += b->d * s;
+    for (int j = 0; j < kQKFp8; ++j) s += e4m3_to_float(qs[j]) * a[j];
+    total += d * s;
   }
   return total;
 }

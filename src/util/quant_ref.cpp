@@ -6,6 +6,7 @@
 #include "util/quant_ref.h"
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -1260,21 +1261,28 @@ uint8_t float_to_e4m3(float v) {
   return sign | static_cast<uint8_t>(exponent << 3 | mantissa);
 }
 
+// Blocks are read and written as bytes: rows of 132-byte blocks leave the
+// float scale unaligned.
 void dequantize_fp8_e4m3(const void* src, float* dst, size_t n) {
-  const auto* b = static_cast<const BlockFp8E4M3*>(src);
-  for (size_t i = 0; i < n / kQKFp8; ++i, ++b) {
-    for (int j = 0; j < kQKFp8; ++j) dst[j] = b->d * e4m3_to_float(b->qs[j]);
+  const auto* b = static_cast<const uint8_t*>(src);
+  for (size_t i = 0; i < n / kQKFp8; ++i, b += sizeof(BlockFp8E4M3)) {
+    float d;
+    std::memcpy(&d, b + offsetof(BlockFp8E4M3, d), sizeof d);
+    const uint8_t* qs = b + offsetof(BlockFp8E4M3, qs);
+    for (int j = 0; j < kQKFp8; ++j) dst[j] = d * e4m3_to_float(qs[j]);
     dst += kQKFp8;
   }
 }
 
 void quantize_fp8_e4m3(const float* src, void* dst, size_t n) {
-  auto* b = static_cast<BlockFp8E4M3*>(dst);
-  for (size_t i = 0; i < n / kQKFp8; ++i, ++b) {
+  auto* b = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < n / kQKFp8; ++i, b += sizeof(BlockFp8E4M3)) {
     float amax = 0.0f;
     for (int j = 0; j < kQKFp8; ++j) amax = std::fmax(amax, std::fabs(src[j]));
-    b->d = amax / 448.0f;
-    for (int j = 0; j < kQKFp8; ++j) b->qs[j] = b->d == 0.0f ? 0 : float_to_e4m3(src[j] / b->d);
+    const float d = amax / 448.0f;
+    std::memcpy(b + offsetof(BlockFp8E4M3, d), &d, sizeof d);
+    uint8_t* qs = b + offsetof(BlockFp8E4M3, qs);
+    for (int j = 0; j < kQKFp8; ++j) qs[j] = d == 0.0f ? 0 : float_to_e4m3(src[j] / d);
     src += kQKFp8;
   }
 }
