@@ -69,7 +69,9 @@ typedef enum colibri_status {
  * per 16), iq3_s (110 bytes, 3.44 bits: grid points of 4 values, sign
  * bytes); and fp8_e4m3 (blocks of 128 FP8 E4M3FN codes under a float
  * scale, 132 bytes, 8.25 bits: Hugging Face's block-scaled FP8
- * checkpoints, each row of a 128 x 128 tile keeping the tile's scale). A
+ * checkpoints, each row of a 128 x 128 tile keeping the tile's scale);
+ * and the ternary tq1_0 and tq2_0 (256 weights of d times -1, 0 or 1 in
+ * 54 and 66 bytes, 1.69 and 2.06 bits: base-3 packed, and 2-bit codes). A
  * row of n weights is ceil(n / block) whole blocks, the last padded with
  * zeros (colibri_dtype_row_bytes). */
 typedef enum colibri_dtype {
@@ -96,7 +98,9 @@ typedef enum colibri_dtype {
   COLIBRI_DTYPE_IQ2_XS = 20,
   COLIBRI_DTYPE_IQ2_S = 21,
   COLIBRI_DTYPE_IQ3_S = 22,
-  COLIBRI_DTYPE_FP8_E4M3 = 23
+  COLIBRI_DTYPE_FP8_E4M3 = 23,
+  COLIBRI_DTYPE_TQ1_0 = 24,
+  COLIBRI_DTYPE_TQ2_0 = 25
 } colibri_dtype_t;
 
 /* Kind of huge pages backing the packed weights. */

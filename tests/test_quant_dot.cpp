@@ -40,7 +40,8 @@ constexpr WeightType kTypes[] = {WeightType::kQ8_0,  WeightType::kQ4_0,  WeightT
                                  WeightType::kQ6_K,  WeightType::kMXFP4, WeightType::kQ4_1,   WeightType::kQ5_0,
                                  WeightType::kQ5_1,  WeightType::kIQ4_NL, WeightType::kIQ4_XS, WeightType::kQ2_K,
                                  WeightType::kQ3_K,  WeightType::kIQ2_XXS, WeightType::kIQ3_XXS, WeightType::kIQ1_S,
-                                 WeightType::kIQ1_M, WeightType::kIQ2_XS, WeightType::kIQ2_S, WeightType::kIQ3_S, WeightType::kFP8_E4M3};
+                                 WeightType::kIQ1_M, WeightType::kIQ2_XS, WeightType::kIQ2_S, WeightType::kIQ3_S, WeightType::kFP8_E4M3,
+                                 WeightType::kTQ1_0, WeightType::kTQ2_0};
 
 // Formats whose dot products the AVX-512 level leaves to the AVX2 level's
 // kernels (quant_dot_avx512 gives nullptr).
@@ -176,6 +177,12 @@ std::vector<uint8_t> random_weights(WeightType t, size_t n, int rows, size_t row
         case WeightType::kQ6_K:
           h[0] = random_scale(rng, 1e-4f, 1e-3f, true);
           std::memcpy(blk + offsetof(colibri::BlockQ6K, d), h, 2);
+          break;
+        case WeightType::kTQ1_0:
+        case WeightType::kTQ2_0:
+          // The scale last; every code byte is valid (TQ2_0's code 3 reads as 2).
+          h[0] = random_scale(rng, 1e-3f, 2e-2f, true);
+          std::memcpy(blk + block_bytes(t) - 2, h, 2);
           break;
         case WeightType::kFP8_E4M3: {
           // Float scales of either sign over every code but the NaN ones

@@ -61,6 +61,10 @@ const Case kCases[] = {
     // FP8: exact codes against fp32 activations, so fp32-grade by default
     // too (but for the AMX bf16 tier's calls).
     {"fp8_e4m3", COLIBRI_DTYPE_FP8_E4M3, COLIBRI_DTYPE_FP8_E4M3},
+    // The ternary formats, alone and with a finer down (as a BitNet-style
+    // model quantised to TQ1_0 keeps some layers in Q4_K / Q8_0).
+    {"tq1_0", COLIBRI_DTYPE_TQ1_0, COLIBRI_DTYPE_TQ1_0}, {"tq2_0", COLIBRI_DTYPE_TQ2_0, COLIBRI_DTYPE_TQ2_0},
+    {"tq1_0_q4_k", COLIBRI_DTYPE_TQ1_0, COLIBRI_DTYPE_Q4_K}, {"tq2_0_tq1_0", COLIBRI_DTYPE_TQ2_0, COLIBRI_DTYPE_TQ1_0},
 };
 
 using Opened = colibri_test::OpenedModel;

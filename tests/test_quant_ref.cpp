@@ -53,7 +53,10 @@ constexpr Format kIq4Xs{"iq4_xs", WeightType::kIQ4_XS, kQKK, sizeof(BlockIq4Xs),
                         dequantize_iq4_xs};
 constexpr Format kQ2K{"q2_k", WeightType::kQ2_K, kQKK, sizeof(BlockQ2K), quantize_q2_k, dequantize_q2_k};
 constexpr Format kQ3K{"q3_k", WeightType::kQ3_K, kQKK, sizeof(BlockQ3K), quantize_q3_k, dequantize_q3_k};
-const Format kFormats[] = {kQ8_0, kQ4_0, kQ4K, kQ5K, kQ6K, kMxfp4, kQ4_1, kQ5_0, kQ5_1, kIq4Nl, kIq4Xs, kQ2K, kQ3K};
+constexpr Format kTq1_0{"tq1_0", WeightType::kTQ1_0, kQKK, sizeof(BlockTq1_0), quantize_tq1_0, dequantize_tq1_0};
+constexpr Format kTq2_0{"tq2_0", WeightType::kTQ2_0, kQKK, sizeof(BlockTq2_0), quantize_tq2_0, dequantize_tq2_0};
+const Format kFormats[] = {kQ8_0,  kQ4_0, kQ4K, kQ5K, kQ6K, kMxfp4,  kQ4_1,
+                           kQ5_0,  kQ5_1, kIq4Nl, kIq4Xs, kQ2K, kQ3K, kTq1_0, kTq2_0};
 
 constexpr size_t kGuard = 64;
 
@@ -293,6 +296,46 @@ TEST(QuantRefLayout, Q6K) {
   }
 }
 
+// TQ1_0's bytes: every base-3 value v < 243 of five trits, stored as
+// ceil(v * 256 / 243), gives back its trits most significant first.
+TEST(QuantRefLayout, Tq1Trits) {
+  for (int v = 0; v < 243; ++v) {
+    const auto q = static_cast<uint8_t>((v * 256 + 242) / 243);
+    int digits = v;
+    for (int k = 4; k >= 0; --k, digits /= 3) ASSERT_EQ(tq1_trit(q, k), digits % 3) << "v " << v << " trit " << k;
+  }
+}
+
+int tq_trit(int e) { return (7 * e + e / 5) % 3; }
+
+TEST(QuantRefLayout, Tq1_0) {
+  std::vector<uint8_t> raw(sizeof(BlockTq1_0));
+  auto* b = reinterpret_cast<BlockTq1_0*>(raw.data());
+  b->d = float_to_f16(-0.5f);
+  // Byte l's trits, first most significant: elements l + 32 k (qs[0, 32)),
+  // 160 + l + 16 k (qs[32, 48)), 240 + l + 4 k (qh, a fifth trit 0).
+  auto pack = [](int first, int stride, int count) {
+    int v = 0;
+    for (int k = 0; k < 5; ++k) v = 3 * v + (k < count ? tq_trit(first + stride * k) : 0);
+    return static_cast<uint8_t>((v * 256 + 242) / 243);
+  };
+  for (int l = 0; l < 32; ++l) b->qs[l] = pack(l, 32, 5);
+  for (int l = 0; l < 16; ++l) b->qs[32 + l] = pack(160 + l, 16, 5);
+  for (int l = 0; l < 4; ++l) b->qh[l] = pack(240 + l, 4, 4);
+  const std::vector<float> y = dequantize(kTq1_0, raw);
+  for (int e = 0; e < kQKK; ++e) ASSERT_EQ(y[e], -0.5f * static_cast<float>(tq_trit(e) - 1)) << "element " << e;
+}
+
+TEST(QuantRefLayout, Tq2_0) {
+  auto code = [](int e) { return (5 * e + e / 7) % 4; };  // 3 included: it reads as 2
+  std::vector<uint8_t> raw(sizeof(BlockTq2_0));
+  auto* b = reinterpret_cast<BlockTq2_0*>(raw.data());
+  b->d = float_to_f16(0.25f);
+  for (int e = 0; e < kQKK; ++e) b->qs[32 * (e / 128) + e % 32] |= static_cast<uint8_t>(code(e) << (2 * ((e / 32) % 4)));
+  const std::vector<float> y = dequantize(kTq2_0, raw);
+  for (int e = 0; e < kQKK; ++e) ASSERT_EQ(y[e], 0.25f * static_cast<float>(code(e) - 1)) << "element " << e;
+}
+
 // ---------------------------------------------------------------------------
 // Agreement with ggml. The hashes are FNV-1a of the bytes ggml's
 // quantize_row_*_ref wrote for these inputs, and of the floats its
@@ -345,6 +388,10 @@ TEST(QuantRefGgml, QuantizeBytes) {
       {&kIq4Xs, {0x4e7326014e008c15ull, 0xd03489bc0e4511b9ull, 0x568b18a94604ed98ull, 0x333ce1e8e22aa07aull}},
       {&kQ2K, {0x476f163ae9052cbfull, 0xfe99129eec52af9eull, 0xfc475c3514d36616ull, 0x5af20433247efd96ull}},
       {&kQ3K, {0xc2bcf38b5bbfc22full, 0x5818d38c15937a0bull, 0xc40600024401c7bfull, 0x598223549aafb800ull}},
+      // The gguf package's TQ1_0 / TQ2_0 quantize_blocks (gguf 0.19.0,
+      // NumPy ports of ggml's quantize_row_tq*_ref) on these inputs.
+      {&kTq1_0, {0xf774bb1273562706ull, 0x78b63882e77c6652ull, 0xca104d2c8ac65b4aull, 0xdbe6bd6b7d577188ull}},
+      {&kTq2_0, {0xb09713ba2ded283aull, 0xfdf1b73a6044b4daull, 0x1ca9a7d15eb689edull, 0xccd968f348d4e08eull}},
   };
   for (const Golden& g : kGolden) {
     for (int which = 0; which < 4; ++which) {
@@ -367,6 +414,10 @@ std::vector<uint8_t> random_blocks(const Format& f, size_t blocks, uint64_t seed
     fields = {offsetof(BlockQ3K, d)};
   } else if (f.type == WeightType::kQ2_K) {
     fields = {offsetof(BlockQ2K, d), offsetof(BlockQ2K, dmin)};
+  } else if (f.type == WeightType::kTQ1_0) {
+    fields = {offsetof(BlockTq1_0, d)};
+  } else if (f.type == WeightType::kTQ2_0) {
+    fields = {offsetof(BlockTq2_0, d)};
   } else if (f.type == WeightType::kQ4_K || f.type == WeightType::kQ5_K || f.type == WeightType::kQ4_1 ||
              f.type == WeightType::kQ5_1) {
     fields = {0, 2};  // d, dmin / m
@@ -396,6 +447,8 @@ TEST(QuantRefGgml, DequantizeRandomBlocks) {
       {&kQ4_1, 0x874e7067f68900e3ull}, {&kQ5_0, 0xd2c88d2fabfa1c96ull}, {&kQ5_1, 0x0b764fd6fbe88b06ull},
       {&kIq4Nl, 0xd2be4bb2f1a3ca1cull}, {&kIq4Xs, 0x879f53c43ab3484bull}, {&kQ2K, 0x42ed37be6ebe4a68ull},
       {&kQ3K, 0xa2ff919f35d0c5fdull},
+      // The gguf package's TQ1_0 / TQ2_0 dequantize_blocks (gguf 0.19.0).
+      {&kTq1_0, 0x801178b520f96d2full}, {&kTq2_0, 0xf201435fb3210506ull},
   };
   for (const Golden& g : kGolden) {
     const std::vector<float> y = dequantize(*g.f, random_blocks(*g.f, 2048 / g.f->block, 11));
@@ -492,7 +545,7 @@ std::vector<float> random_data(Dist d, size_t n, uint32_t seed) {
 }
 
 // Indexed by format (kFormats order), then Dist.
-constexpr double kRoundTripBound[13][7] = {
+constexpr double kRoundTripBound[15][7] = {
     // normal uniform heavy  negative outlier small  large
     {0.008, 0.0057, 0.017, 0.0078, 0.018, 0.0083, 0.008},  // q8_0
     {0.13, 0.098, 0.17, 0.126, 0.165, 0.13, 0.13},         // q4_0
@@ -507,6 +560,10 @@ constexpr double kRoundTripBound[13][7] = {
     {0.078, 0.065, 0.099, 0.074, 0.112, 0.081, 0.077},      // iq4_xs
     {0.305, 0.24, 0.315, 0.17, 0.215, 0.305, 0.3},          // q2_k (four levels)
     {0.156, 0.128, 0.156, 0.149, 0.097, 0.157, 0.154},      // q3_k
+    // The ternary formats at 1.05x (1.5x would pass all zeros): three
+    // levels under one scale per 256, the same values in both.
+    {0.85, 0.53, 0.63, 0.85, 0.32, 0.85, 0.84},             // tq1_0
+    {0.85, 0.53, 0.63, 0.85, 0.32, 0.85, 0.84},             // tq2_0
 };
 static_assert(std::size(kRoundTripBound) == std::size(kFormats));
 
@@ -560,6 +617,10 @@ TEST(QuantRefRoundTrip, ZeroBlocks) {
         if (f.type == WeightType::kQ5_0) expect = i == 1 ? 0x80 : (i >= 2 && i < 6 ? 0xff : 0x00);
         if (f.type == WeightType::kIQ4_NL) expect = i < 2 ? 0x00 : 0x88;
         if (f.type == WeightType::kIQ4_XS) expect = i == 0 ? 0x00 : i == 1 ? 0x80 : i < 4 ? 0xaa : i < 8 ? 0x00 : 0x88;
+        // tq1_0: every trit 1, 11111 in base 3 (121) as ceil(121 * 256 /
+        // 243) = 128, qh's 1111 and a 0 (120) as 127; tq2_0: codes 01.
+        if (f.type == WeightType::kTQ1_0) expect = i < 48 ? 0x80 : i < 52 ? 0x7f : 0x00;
+        if (f.type == WeightType::kTQ2_0) expect = i < 64 ? 0x55 : 0x00;
         ASSERT_EQ(q[b * f.bytes + i], expect) << f.name << " block " << b << " byte " << i;
       }
     }
@@ -671,8 +732,10 @@ TEST(QuantRefRoundTrip, Idempotence) {
       const std::vector<uint8_t> q1 = quantize(f, x);
       const std::vector<float> y1 = dequantize(f, q1);
       const std::vector<uint8_t> q2 = quantize(f, y1);
-      // iq4_nl searches its scale as the K formats do.
-      if (f.block == kQK32 && f.type != WeightType::kIQ4_NL) {
+      // iq4_nl searches its scale as the K formats do; the ternary
+      // formats' largest value is d itself, so d and the levels come back.
+      const bool ternary = f.type == WeightType::kTQ1_0 || f.type == WeightType::kTQ2_0;
+      if ((f.block == kQK32 && f.type != WeightType::kIQ4_NL) || ternary) {
         EXPECT_EQ(q2, q1) << f.name << " " << dist_name(kDists[di]);
       } else {
         EXPECT_LT(rel_l2(dequantize(f, q2), y1), kRoundTripBound[fi][di]) << f.name << " " << dist_name(kDists[di]);
@@ -698,6 +761,8 @@ bool scales_finite(const Format& f, const std::vector<uint8_t>& q) {
     } else if (f.type == WeightType::kQ2_K) {
       std::memcpy(h, p + offsetof(BlockQ2K, d), 4);
       count = 2;
+    } else if (f.type == WeightType::kTQ1_0 || f.type == WeightType::kTQ2_0) {
+      std::memcpy(&h[0], p + f.bytes - 2, 2);  // d last
     } else {
       std::memcpy(&h[0], p, 2);
       const bool two = f.type == WeightType::kQ4_K || f.type == WeightType::kQ5_K || f.type == WeightType::kQ4_1 ||
@@ -756,7 +821,11 @@ TEST(QuantRefDegenerate, TinyValuesNeverWorseThanZero) {
       // and scale: below f16's subnormals (6e-8) the stored min can round
       // to one subnormal step while every level rounds to 0. Their bytes
       // are llama.cpp's; the check keeps them finite.
-      const bool min_format = f.type == WeightType::kQ4_1 || f.type == WeightType::kQ5_1;
+      // Likewise the ternary formats, which round each weight against the
+      // unrounded max |x|: where the stored d rounds up to f16's smallest
+      // subnormal, the weights above half of max |x| take it.
+      const bool min_format = f.type == WeightType::kQ4_1 || f.type == WeightType::kQ5_1 ||
+                              f.type == WeightType::kTQ1_0 || f.type == WeightType::kTQ2_0;
       if (!(min_format && scale < 1e-6f)) {
         EXPECT_LE(rel_l2(y, x), 1.0) << f.name << " scale " << scale;
       }

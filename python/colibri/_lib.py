@@ -46,17 +46,18 @@ DTYPE_Q4_1, DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_IQ4_NL, DTYPE_IQ4_XS, DTYPE_Q2_K, DTYP
 DTYPE_IQ2_XXS, DTYPE_IQ3_XXS, DTYPE_IQ1_S, DTYPE_IQ1_M = 16, 17, 18, 19
 DTYPE_IQ2_XS, DTYPE_IQ2_S, DTYPE_IQ3_S = 20, 21, 22
 DTYPE_FP8_E4M3 = 23
+DTYPE_TQ1_0, DTYPE_TQ2_0 = 24, 25
 DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16", DTYPE_Q8_0: "q8_0",
                DTYPE_Q4_0: "q4_0", DTYPE_Q4_K: "q4_k", DTYPE_Q5_K: "q5_k", DTYPE_Q6_K: "q6_k",
                DTYPE_MXFP4: "mxfp4", DTYPE_Q4_1: "q4_1", DTYPE_Q5_0: "q5_0", DTYPE_Q5_1: "q5_1",
                DTYPE_IQ4_NL: "iq4_nl", DTYPE_IQ4_XS: "iq4_xs", DTYPE_Q2_K: "q2_k", DTYPE_Q3_K: "q3_k",
                DTYPE_IQ2_XXS: "iq2_xxs", DTYPE_IQ3_XXS: "iq3_xxs", DTYPE_IQ1_S: "iq1_s", DTYPE_IQ1_M: "iq1_m",
                DTYPE_IQ2_XS: "iq2_xs", DTYPE_IQ2_S: "iq2_s", DTYPE_IQ3_S: "iq3_s",
-               DTYPE_FP8_E4M3: "fp8_e4m3"}
+               DTYPE_FP8_E4M3: "fp8_e4m3", DTYPE_TQ1_0: "tq1_0", DTYPE_TQ2_0: "tq2_0"}
 QUANTIZED_DTYPES = frozenset({DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_MXFP4, DTYPE_Q4_1,
                               DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_IQ4_NL, DTYPE_IQ4_XS, DTYPE_Q2_K, DTYPE_Q3_K,
                               DTYPE_IQ2_XXS, DTYPE_IQ3_XXS, DTYPE_IQ1_S, DTYPE_IQ1_M, DTYPE_IQ2_XS, DTYPE_IQ2_S,
-                              DTYPE_IQ3_S, DTYPE_FP8_E4M3})
+                              DTYPE_IQ3_S, DTYPE_FP8_E4M3, DTYPE_TQ1_0, DTYPE_TQ2_0})
 DTYPE_CODES = {v: k for k, v in DTYPE_NAMES.items()}
 
 HUGE_PAGE_NAMES = {0: "none", 1: "transparent", 2: "hugetlbfs"}

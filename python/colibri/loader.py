@@ -51,7 +51,7 @@ __all__ = ["from_pretrained"]
 _GGUF_DTYPES = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1",
                 10: "q2_k", 11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k", 16: "iq2_xxs", 17: "iq2_xs",
                 18: "iq3_xxs", 19: "iq1_s", 20: "iq4_nl", 21: "iq3_s", 22: "iq2_s", 23: "iq4_xs", 29: "iq1_m",
-                39: "mxfp4"}
+                34: "tq1_0", 35: "tq2_0", 39: "mxfp4"}
 
 
 @dataclasses.dataclass

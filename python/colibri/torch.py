@@ -62,7 +62,7 @@ _DTYPES = {
 
 
 _BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4", "iq4_nl",
-                 "iq4_xs", "fp8_e4m3", "q4_k_m")
+                 "iq4_xs", "fp8_e4m3", "tq1_0", "tq2_0", "q4_k_m")
 
 
 def _colibri_dtype(dtype, like=None):

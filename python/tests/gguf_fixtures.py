@@ -43,6 +43,8 @@ GGUF_TYPE = {
     "iq2_xs": Q.IQ2_XS,
     "iq2_s": Q.IQ2_S,
     "iq3_s": Q.IQ3_S,
+    "tq1_0": Q.TQ1_0,
+    "tq2_0": Q.TQ2_0,
 }
 
 
@@ -86,7 +88,7 @@ def encode(w: np.ndarray, dtype: str, reference: bool = True) -> tuple[np.ndarra
     if t == Q.F16:
         h = w.astype(np.float16)
         return h, h.astype(np.float32)
-    if t in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+    if t in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.TQ1_0, Q.TQ2_0):
         raw = gguf.quants.quantize(w, t)
     elif dtype in _GRID_BLOCKS:
         # Read, not made (no quantiser without an importance matrix): random
@@ -345,14 +347,16 @@ _ARCH = {
 # (llama.cpp's quantiser falls back likewise, Q6_K -> Q8_0).
 _BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q8_0": 32, "q4_0": 32, "mxfp4": 32, "q4_1": 32, "q5_0": 32,
           "q5_1": 32, "iq4_nl": 32, "iq4_xs": 256, "q2_k": 256, "q3_k": 256, "iq2_xxs": 256,
-          "iq3_xxs": 256, "iq1_s": 256, "iq1_m": 256, "iq2_xs": 256, "iq2_s": 256, "iq3_s": 256}
+          "iq3_xxs": 256, "iq1_s": 256, "iq1_m": 256, "iq2_xs": 256, "iq2_s": 256, "iq3_s": 256,
+          "tq1_0": 256, "tq2_0": 256}
 
 _FILE_TYPE = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K",
               "mxfp4": "MOSTLY_MXFP4_MOE", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
               "iq4_nl": "MOSTLY_IQ4_NL", "iq4_xs": "MOSTLY_IQ4_XS", "q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_M",
               "iq2_xxs": "MOSTLY_IQ2_XXS", "iq3_xxs": "MOSTLY_IQ3_XXS", "iq1_s": "MOSTLY_IQ1_S",
-              "iq1_m": "MOSTLY_IQ1_M", "iq2_xs": "MOSTLY_IQ2_XS", "iq2_s": "MOSTLY_IQ2_S", "iq3_s": "MOSTLY_IQ3_S"}
+              "iq1_m": "MOSTLY_IQ1_M", "iq2_xs": "MOSTLY_IQ2_XS", "iq2_s": "MOSTLY_IQ2_S", "iq3_s": "MOSTLY_IQ3_S",
+              "tq1_0": "MOSTLY_TQ1_0", "tq2_0": "MOSTLY_TQ2_0"}
 
 
 def _byte_level_vocab(n: int, specials=("<|endoftext|>", "<|startoftext|>")):

@@ -112,6 +112,10 @@ CASES = [
     ("qwen3moe", "iq2_xs", "iq3_s", dict()),
     ("olmoe", "iq2_s", "iq3_s", dict()),
     ("deepseek2", "iq1_m", "iq2_xxs", dict(dense_blocks=1, shared_d_ff=256, block_down_dtypes=["iq2_xxs", "iq1_s"])),
+    # The ternary TQ1_0 / TQ2_0 (gguf's own quantisers), alone and mixed with
+    # a finer down from block to block.
+    ("qwen3moe", "tq1_0", "tq1_0", dict()),
+    ("deepseek2", "tq2_0", "tq1_0", dict(dense_blocks=1, shared_d_ff=256, block_down_dtypes=["tq1_0", "q4_k"])),
     ("qwen3moe", "bf16", "bf16", dict()),
     ("llama", "f16", "f16", dict()),
     ("qwen2moe", "f32", "f32", dict(shared_d_ff=128, router_dtype="bf16")),

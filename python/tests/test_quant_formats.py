@@ -5,7 +5,7 @@ port of ggml's reference code that writes and reads GGUF files:
 - what colibri.quantize writes, gguf dequantises to the same float32 bits
   as colibri.dequantize, for every format;
 - for the block formats gguf can quantise (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-  MXFP4), colibri's bytes are gguf's bytes;
+  MXFP4, TQ1_0, TQ2_0), colibri's bytes are gguf's bytes;
 - random blocks (every f16 scale finite) dequantise bit for bit alike.
 
 The K quantisers' agreement with ggml itself is pinned in
@@ -39,8 +39,10 @@ FORMATS = {
     "iq4_xs": (GGMLQuantizationType.IQ4_XS, 256, 136, (0,)),
     "q2_k": (GGMLQuantizationType.Q2_K, 256, 84, (80, 82)),
     "q3_k": (GGMLQuantizationType.Q3_K, 256, 110, (108,)),
+    "tq1_0": (GGMLQuantizationType.TQ1_0, 256, 54, (52,)),
+    "tq2_0": (GGMLQuantizationType.TQ2_0, 256, 66, (64,)),
 }
-GGUF_QUANTIZES = ("q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1")
+GGUF_QUANTIZES = ("q8_0", "q4_0", "mxfp4", "q4_1", "q5_0", "q5_1", "tq1_0", "tq2_0")
 # Formats read as stored, never made (their quantisers need an importance
 # matrix): only their random blocks are compared, and quantising is refused.
 READ_ONLY = {
@@ -57,7 +59,7 @@ READ_ONLY = {
 # (test_quant_ref.cpp holds the tight ones).
 ROUND_TRIP_BOUND = {"q8_0": 0.01, "q4_0": 0.15, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03, "mxfp4": 0.2,
                     "q4_1": 0.15, "q5_0": 0.08, "q5_1": 0.08, "iq4_nl": 0.12, "iq4_xs": 0.12, "q2_k": 0.45,
-                    "q3_k": 0.22}
+                    "q3_k": 0.22, "tq1_0": 0.85, "tq2_0": 0.85}
 
 KINDS = ("normal", "uniform", "heavy", "negative", "outliers", "small", "large", "sparse", "zeros")
 

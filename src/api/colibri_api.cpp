@@ -136,7 +136,9 @@ static_assert(COLIBRI_DTYPE_F32 == static_cast<int>(colibri::WeightType::kF32) &
               COLIBRI_DTYPE_IQ2_S == static_cast<int>(colibri::WeightType::kIQ2_S) &&
               COLIBRI_DTYPE_IQ3_S == static_cast<int>(colibri::WeightType::kIQ3_S) &&
               COLIBRI_DTYPE_FP8_E4M3 == static_cast<int>(colibri::WeightType::kFP8_E4M3) &&
-              colibri::kWeightTypeCount == COLIBRI_DTYPE_FP8_E4M3 + 1);
+              COLIBRI_DTYPE_TQ1_0 == static_cast<int>(colibri::WeightType::kTQ1_0) &&
+              COLIBRI_DTYPE_TQ2_0 == static_cast<int>(colibri::WeightType::kTQ2_0) &&
+              colibri::kWeightTypeCount == COLIBRI_DTYPE_TQ2_0 + 1);
 static_assert(COLIBRI_ROUTER_GPT_OSS == colibri::kLastRouterFamily &&
               COLIBRI_ROUTER_DEEPSEEK_V3 == static_cast<int>(colibri::RouterFamily::kDeepseekV3) &&
               COLIBRI_ROUTER_MIXTRAL == static_cast<int>(colibri::RouterFamily::kMixtral) &&
@@ -216,6 +218,8 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
     case COLIBRI_DTYPE_IQ2_S: return "iq2_s";
     case COLIBRI_DTYPE_IQ3_S: return "iq3_s";
     case COLIBRI_DTYPE_FP8_E4M3: return "fp8_e4m3";
+    case COLIBRI_DTYPE_TQ1_0: return "tq1_0";
+    case COLIBRI_DTYPE_TQ2_0: return "tq2_0";
   }
   return "unknown";
 }
@@ -226,7 +230,7 @@ const char* colibri_cpu_isa(void) { return colibri::kernels::isa_name(colibri::k
 
 namespace {
 
-bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_FP8_E4M3; }
+bool known_dtype(int dtype) { return dtype >= COLIBRI_DTYPE_F32 && dtype <= COLIBRI_DTYPE_TQ2_0; }
 
 // Checks a conversion's arguments; the byte count of its rows.
 size_t conversion_bytes(const char* function, int dtype, size_t rows, size_t n) {

@@ -65,6 +65,8 @@ inline constexpr uint32_t kIQ2_S = 22;
 inline constexpr uint32_t kIQ4_XS = 23;
 inline constexpr uint32_t kIQ1_M = 29;
 inline constexpr uint32_t kBF16 = 30;
+inline constexpr uint32_t kTQ1_0 = 34;
+inline constexpr uint32_t kTQ2_0 = 35;
 inline constexpr uint32_t kMXFP4 = 39;
 }  // namespace ggml_type
 

@@ -207,7 +207,7 @@ bool parse_dtype_mix(const std::string& name, WeightType* out, WeightType* down)
 
 const char* dtype_names() {
   return "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, "
-         "iq3_xxs, iq3_s, iq4_nl, iq4_xs, fp8_e4m3";
+         "iq3_xxs, iq3_s, iq4_nl, iq4_xs, fp8_e4m3, tq1_0, tq2_0";
 }
 
 std::string dtype_pair_problem(WeightType dtype, WeightType down_dtype) {

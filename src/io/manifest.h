@@ -141,7 +141,7 @@ std::string manifest_to_json(const Manifest& manifest);
 std::string expert_types(const Manifest& m, int32_t layer);
 // "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k",
 // "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs",
-// "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "iq4_xs", "fp8_e4m3".
+// "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "iq4_xs", "fp8_e4m3", "tq1_0", "tq2_0".
 bool parse_dtype(const std::string& name, WeightType* out);
 // As parse_dtype, plus the mixes: "q4_k_m" is q4_k gate and up with q6_k
 // down (the larger of the two types llama.cpp's Q4_K_M gives expert down

@@ -570,6 +570,66 @@ void dq_fp8_e4m3(const void* src, size_t n, uint16_t* dst) {
   }
 }
 
+// tq1_0 / tq2_0: code c's value is the reference's (c - 1) * d, a 4-entry
+// table. TQ1_0's trits as the reference takes them: the bytes widened to
+// words, times 3^k (the low byte is the byte product mod 256), times 3,
+// the high byte.
+inline __m512 ternary_values(uint16_t d) { return _mm512_mul_ps(_mm512_sub_ps(iota16(), _mm512_set1_ps(1.0f)), _mm512_set1_ps(h2f(d))); }
+
+inline __m512i tq1_trits(__m512i words, __m512i pow3) {
+  const __m512i shifted = _mm512_and_si512(_mm512_mullo_epi16(words, pow3), _mm512_set1_epi16(0xff));
+  return _mm512_srli_epi16(_mm512_mullo_epi16(shifted, _mm512_set1_epi16(3)), 8);
+}
+
+void dq_tq1_0(const void* src, size_t n, uint16_t* dst) {
+  const auto* blk = static_cast<const uint8_t*>(src);
+  // qs[32, 48) twice (word indices 0-15), then qh (16-19) four times.
+  const __m512i pair = _mm512_setr_epi32(0x00010000, 0x00030002, 0x00050004, 0x00070006, 0x00090008, 0x000b000a,
+                                         0x000d000c, 0x000f000e, 0x00010000, 0x00030002, 0x00050004, 0x00070006,
+                                         0x00090008, 0x000b000a, 0x000d000c, 0x000f000e);
+  const __m512i tail = _mm512_setr_epi32(0x00010000, 0x00030002, 0x00050004, 0x00070006, 0x00090008, 0x000b000a,
+                                         0x000d000c, 0x000f000e, 0x00110010, 0x00130012, 0x00110010, 0x00130012,
+                                         0x00110010, 0x00130012, 0x00110010, 0x00130012);
+  const __m512i halves = _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1);
+  const __m512i tail_pow = _mm512_setr_epi32(0x00510051, 0x00510051, 0x00510051, 0x00510051, 0x00510051, 0x00510051,
+                                             0x00510051, 0x00510051, 0x00010001, 0x00010001, 0x00030003, 0x00030003,
+                                             0x00090009, 0x00090009, 0x001b001b, 0x001b001b);
+  for (size_t i = 0; i < n / kQKK; ++i, blk += sizeof(BlockTq1_0), dst += kQKK) {
+    uint16_t d;
+    std::memcpy(&d, blk + offsetof(BlockTq1_0, d), sizeof d);
+    const __m512 v = ternary_values(d);
+    const __m512i table = bf16x32(v, v);
+    const __m512i head = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    int pow3 = 1;
+    for (int k = 0; k < 5; ++k, pow3 *= 3) {
+      store32(dst + 32 * k, _mm512_permutexvar_epi16(tq1_trits(head, _mm512_set1_epi16(static_cast<int16_t>(pow3))), table));
+    }
+    // Bytes 32-51 (qs[32, 48), qh): a masked load stays inside the block.
+    const __m512i rest = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(0xfffffu, blk + 32));
+    const __m512i p = _mm512_permutexvar_epi16(pair, rest);
+    store32(dst + 160, _mm512_permutexvar_epi16(tq1_trits(p, halves), table));
+    store32(dst + 192, _mm512_permutexvar_epi16(tq1_trits(p, _mm512_mullo_epi16(halves, _mm512_set1_epi16(9))), table));
+    store32(dst + 224, _mm512_permutexvar_epi16(tq1_trits(_mm512_permutexvar_epi16(tail, rest), tail_pow), table));
+  }
+}
+
+void dq_tq2_0(const void* src, size_t n, uint16_t* dst) {
+  const auto* blk = static_cast<const uint8_t*>(src);
+  const __m256i m2 = _mm256_set1_epi8(0x03);
+  for (size_t i = 0; i < n / kQKK; ++i, blk += sizeof(BlockTq2_0)) {
+    uint16_t d;
+    std::memcpy(&d, blk + offsetof(BlockTq2_0, d), sizeof d);
+    const __m512 v = ternary_values(d);
+    const __m512i table = bf16x32(v, v);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * h));
+      for (int k = 0; k < 4; ++k, dst += 32) {
+        store32(dst, lookup32(table, _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m2)));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 DequantBf16Fn dequant_bf16_avx512(WeightType t) {
@@ -616,6 +676,10 @@ DequantBf16Fn dequant_bf16_avx512(WeightType t) {
       return dq_iq3_s;
     case WeightType::kFP8_E4M3:
       return dq_fp8_e4m3;
+    case WeightType::kTQ1_0:
+      return dq_tq1_0;
+    case WeightType::kTQ2_0:
+      return dq_tq2_0;
     default:
       return nullptr;
   }

@@ -7,6 +7,7 @@
 //
 // Everything lives in an anonymous namespace (tests/isa_linkage.sh).
 #include "kernels/qdot_avx2_impl.h"
+#include "kernels/qdot_ternary_impl.h"
 #include "kernels/qdot_fp8_impl.h"
 
 namespace colibri::kernels {
@@ -60,6 +61,9 @@ const QuantDotKernels kQ5_K = {"q5_k-avx2", quantize_act, dot_rows_k<MaddubsDot,
 const QuantDotKernels kQ6_K = {"q6_k-avx2", quantize_act, dot_rows_k<MaddubsDot, Kind::kQ6K>};
 const QuantDotKernels kFp8E4M3 = {"fp8_e4m3-avx2", fp8::copy_act, fp8::dot_rows<Fp8Ymm>};
 
+const QuantDotKernels kTq1_0 = {"tq1_0-avx2", quantize_act, dot_rows_ternary<MaddubsDot, Ternary::kTq1>};
+const QuantDotKernels kTq2_0 = {"tq2_0-avx2", quantize_act, dot_rows_ternary<MaddubsDot, Ternary::kTq2>};
+
 }  // namespace
 
 const QuantDotKernels* quant_dot_avx2(WeightType t) {
@@ -106,6 +110,10 @@ const QuantDotKernels* quant_dot_avx2(WeightType t) {
       return &kIq3S;
     case WeightType::kFP8_E4M3:
       return &kFp8E4M3;
+    case WeightType::kTQ1_0:
+      return &kTq1_0;
+    case WeightType::kTQ2_0:
+      return &kTq2_0;
     default:
       return nullptr;
   }

@@ -9,6 +9,7 @@
 //
 // Everything lives in an anonymous namespace (tests/isa_linkage.sh).
 #include "kernels/qdot_avx2_impl.h"
+#include "kernels/qdot_ternary_impl.h"
 
 #if !defined(__AVX512VNNI__) || !defined(__AVX512VL__)
 #error "qdot_avx512vl.cpp needs -mavx512vnni -mavx512vl"
@@ -48,6 +49,9 @@ const QuantDotKernels kIq2Xs = {"iq2_xs-avx512-vnni", quantize_act, dot_rows_gri
 const QuantDotKernels kIq2S = {"iq2_s-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq2S>};
 const QuantDotKernels kIq3S = {"iq3_s-avx512-vnni", quantize_act, dot_rows_grid<EvexVnniDot, Grid::kIq3S>};
 
+const QuantDotKernels kTq1_0 = {"tq1_0-avx512-vnni", quantize_act, dot_rows_ternary<EvexVnniDot, Ternary::kTq1>};
+const QuantDotKernels kTq2_0 = {"tq2_0-avx512-vnni", quantize_act, dot_rows_ternary<EvexVnniDot, Ternary::kTq2>};
+
 }  // namespace
 
 const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
@@ -80,6 +84,10 @@ const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
       return &kIq2S;
     case WeightType::kIQ3_S:
       return &kIq3S;
+    case WeightType::kTQ1_0:
+      return &kTq1_0;
+    case WeightType::kTQ2_0:
+      return &kTq2_0;
     default:
       return nullptr;
   }

@@ -552,6 +552,37 @@ float dot_iq3_s(const void* row, const void* act, size_t n) {
   return acc;
 }
 
+// ---------------------------------------------------------------- ternary
+
+// TQ1_0 / TQ2_0: codes t of 0..2 (TQ2_0's 3 too) with x = d * (t - 1), so
+// per activation block d * da * ((t . a) - (sum a)), the sums from the
+// activation row. tq_code(block, e) is element e's code.
+int tq1_code(const BlockTq1_0& b, int e) {
+  if (e < 160) return tq1_trit(b.qs[e % 32], e / 32);
+  if (e < 240) return tq1_trit(b.qs[32 + (e - 160) % 16], (e - 160) / 16);
+  return tq1_trit(b.qh[(e - 240) % 4], (e - 240) / 4);
+}
+int tq2_code(const BlockTq2_0& b, int e) { return (b.qs[32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3; }
+
+template <class Block, int (*Code)(const Block&, int)>
+float dot_ternary(const void* row, const void* act, size_t n) {
+  const auto* w = static_cast<const Block*>(row);
+  const ActRow a = act_row(act, n);
+  float acc = 0.0f;
+  for (size_t b = 0; b < n / kQKK; ++b) {
+    const float d = f16_to_float(w[b].d);
+    const int8_t* aq = a.qs + kQKK * b;
+    for (int j = 0; j < kQKK / kActBlock; ++j) {
+      int32_t dot = 0;
+      for (int l = 0; l < kActBlock; ++l) dot += Code(w[b], kActBlock * j + l) * aq[kActBlock * j + l];
+      const size_t h = 16 * b + 2 * static_cast<size_t>(j);
+      dot -= act_sum16(a, h) + act_sum16(a, h + 1);
+      acc += d * act_d(a, 8 * b + static_cast<size_t>(j)) * static_cast<float>(dot);
+    }
+  }
+  return acc;
+}
+
 // ---------------------------------------------------------------- fp8_e4m3
 
 // FP8 weights take fp32 activations (quant_dot.h): x[0, n_valid), zeros to n.
@@ -612,6 +643,8 @@ constexpr QuantDotKernels kIq2Xs = {"iq2_xs-scalar", quantize_act, dot_rows<dot_
 constexpr QuantDotKernels kIq2S = {"iq2_s-scalar", quantize_act, dot_rows<dot_iq2_xs_s<BlockIq2S>>};
 constexpr QuantDotKernels kIq3S = {"iq3_s-scalar", quantize_act, dot_rows<dot_iq3_s>};
 constexpr QuantDotKernels kFp8E4M3 = {"fp8_e4m3-scalar", copy_act_f32, dot_rows<dot_fp8_e4m3>};
+constexpr QuantDotKernels kTq1_0 = {"tq1_0-scalar", quantize_act, dot_rows<dot_ternary<BlockTq1_0, tq1_code>>};
+constexpr QuantDotKernels kTq2_0 = {"tq2_0-scalar", quantize_act, dot_rows<dot_ternary<BlockTq2_0, tq2_code>>};
 
 }  // namespace
 
@@ -659,6 +692,10 @@ const QuantDotKernels* quant_dot_scalar(WeightType t) {
       return &kIq3S;
     case WeightType::kFP8_E4M3:
       return &kFp8E4M3;
+    case WeightType::kTQ1_0:
+      return &kTq1_0;
+    case WeightType::kTQ2_0:
+      return &kTq2_0;
     default:
       return nullptr;
   }

@@ -30,6 +30,8 @@ bool is_quantized(WeightType t) {
     case WeightType::kIQ2_S:
     case WeightType::kIQ3_S:
     case WeightType::kFP8_E4M3:
+    case WeightType::kTQ1_0:
+    case WeightType::kTQ2_0:
       return true;
     default:
       return false;

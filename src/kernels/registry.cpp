@@ -26,7 +26,8 @@ constexpr uint32_t kBlockTypes = type_bit(WeightType::kQ8_0) | type_bit(WeightTy
                                  type_bit(WeightType::kIQ3_XXS) | type_bit(WeightType::kIQ1_S) |
                                  type_bit(WeightType::kIQ1_M) | type_bit(WeightType::kIQ2_XS) |
                                  type_bit(WeightType::kIQ2_S) | type_bit(WeightType::kIQ3_S) |
-                                 type_bit(WeightType::kFP8_E4M3);
+                                 type_bit(WeightType::kFP8_E4M3) |
+                                 type_bit(WeightType::kTQ1_0) | type_bit(WeightType::kTQ2_0);
 
 constexpr uint8_t precision_bit(PrefillPrecision p) { return static_cast<uint8_t>(1u << static_cast<unsigned>(p)); }
 constexpr uint8_t kDefaultPrecision = precision_bit(PrefillPrecision::kDefault);

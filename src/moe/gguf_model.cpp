@@ -91,6 +91,12 @@ bool weight_type_of(uint32_t ggml, WeightType* out) {
     case ggml_type::kIQ3_S:
       *out = WeightType::kIQ3_S;
       return true;
+    case ggml_type::kTQ1_0:
+      *out = WeightType::kTQ1_0;
+      return true;
+    case ggml_type::kTQ2_0:
+      *out = WeightType::kTQ2_0;
+      return true;
     default:
       return false;
   }
@@ -343,7 +349,7 @@ class Loader {
       bad_tensor(*e.file, e.tensor->name,
                  "is " + ggml_type_name(e.tensor->type) +
                      ", a type Colibri does not compute (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, "
-                     "Q5_K, Q6_K, MXFP4, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS)",
+                     "Q5_K, Q6_K, MXFP4, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0)",
                  Status::kUnsupported);
     }
     return t;

@@ -1,7 +1,7 @@
 // Byte layouts of the block-quantised weight formats, exactly as GGUF
 // stores them (ggml's block_q8_0, block_q4_0, block_q4_1, block_q5_0,
 // block_q5_1, block_q2_K, block_q3_K, block_q4_K, block_q5_K, block_q6_K, block_mxfp4,
-// block_iq4_nl, block_iq4_xs), so model files, GGUF tensors and memory
+// block_iq4_nl, block_iq4_xs, block_tq1_0, block_tq2_0), so model files, GGUF tensors and memory
 // hold the same bytes.
 // docs/FORMAT.md describes every field; weight_format.h owns the sizes.
 #pragma once
@@ -217,6 +217,28 @@ struct BlockFp8E4M3 {
   uint8_t qs[kQKFp8];
 };
 
+// TQ1_0 (1.6875 bits): ternary weights x = d * (t - 1), t in {0, 1, 2},
+// packed in base 3, five to a byte with the first of them most significant
+// and the byte stored as ceil(value * 256 / 243), so that trit k of byte q
+// is ((uint8_t)(q * 3^k) * 3) >> 8 (ggml's block_tq1_0). qs[0, 32): element
+// 32 k + l is trit k of qs[l]; qs[32, 48): element 160 + 16 k + l is trit k
+// of qs[32 + l]; qh[4] (four trits a byte): element 240 + 4 k + l is trit k
+// of qh[l].
+struct BlockTq1_0 {
+  uint8_t qs[48];
+  uint8_t qh[4];
+  uint16_t d;  // f16
+};
+// TQ2_0 (2.0625 bits): two-bit codes t, x = d * (t - 1) (3 reads as 2),
+// q2_K's code order: element 128 h + 32 j + l is bits 2 j of qs[32 h + l]
+// (ggml's block_tq2_0).
+struct BlockTq2_0 {
+  uint8_t qs[kQKK / 4];
+  uint16_t d;  // f16
+};
+
+static_assert(sizeof(BlockTq1_0) == 54);
+static_assert(sizeof(BlockTq2_0) == 66);
 static_assert(sizeof(BlockFp8E4M3) == 132);
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockIq2Xs) == 74);

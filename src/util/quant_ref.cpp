@@ -693,6 +693,43 @@ void dequantize_q6_k(const void* src, float* dst, size_t n) {
   }
 }
 
+int tq1_trit(uint8_t q, int k) {
+  static constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
+  const auto shifted = static_cast<uint8_t>(q * kPow3[k]);
+  return (shifted * 3) >> 8;
+}
+
+void dequantize_tq1_0(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockTq1_0*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    // Element order: 5 trits x 32 bytes, 5 x 16 bytes, then 4 x 4 bytes.
+    struct Run {
+      const uint8_t* bytes;
+      int width;
+      int trits;
+    };
+    const Run runs[3] = {{b->qs, 32, 5}, {b->qs + 32, 16, 5}, {b->qh, 4, 4}};
+    for (const Run& r : runs) {
+      for (int k = 0; k < r.trits; ++k, dst += r.width) {
+        for (int l = 0; l < r.width; ++l) dst[l] = static_cast<float>(tq1_trit(r.bytes[l], k) - 1) * d;
+      }
+    }
+  }
+}
+
+void dequantize_tq2_0(const void* src, float* dst, size_t n) {
+  const auto* b = static_cast<const BlockTq2_0*>(src);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b) {
+    const float d = f16_to_float(b->d);
+    for (int e = 0; e < kQKK; ++e) {
+      const int code = (b->qs[32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3;
+      dst[e] = static_cast<float>(code - 1) * d;
+    }
+    dst += kQKK;
+  }
+}
+
 void quantize_q8_0(const float* src, void* dst, size_t n) {
   auto* b = static_cast<BlockQ8_0*>(dst);
   for (size_t i = 0; i < n / kQK32; ++i, ++b, src += kQK32) {
@@ -1284,6 +1321,61 @@ void quantize_fp8_e4m3(const float* src, void* dst, size_t n) {
     uint8_t* qs = b + offsetof(BlockFp8E4M3, qs);
     for (int j = 0; j < kQKFp8; ++j) qs[j] = d == 0.0f ? 0 : float_to_e4m3(src[j] / d);
     src += kQKFp8;
+  }
+}
+
+namespace {
+
+// The ternary formats' shared first step: d = max |x| as an f16 (past the
+// f16 range the largest finite one: ggml writes inf there), and each
+// weight's code round(x / d) + 1 in 0..2, rounding half away from zero as
+// ggml's lroundf; a NaN weight, which ggml leaves undefined, reads as 0.
+uint16_t ternary_codes(const float* x, uint8_t* t) {
+  float amax = 0;
+  for (int j = 0; j < kQKK; ++j) {
+    const float a = std::fabs(x[j]);
+    if (a > amax) amax = a;
+  }
+  const float id = amax != 0 ? 1.0f / amax : 0.0f;
+  for (int j = 0; j < kQKK; ++j) {
+    const float r = std::round(x[j] * id);
+    t[j] = static_cast<uint8_t>(r != r ? 1 : (r > 1 ? 2 : (r < -1 ? 0 : static_cast<int>(r) + 1)));
+  }
+  return f16_scale(amax);
+}
+
+// Trits t[0], t[stride], .. (count of them, the first most significant) as
+// one TQ1_0 byte: base 3 padded to five trits, scaled to ceil(v * 256 / 243).
+uint8_t pack_trits(const uint8_t* t, int stride, int count) {
+  unsigned v = 0;
+  for (int k = 0; k < 5; ++k) v = 3 * v + (k < count ? t[k * stride] : 0u);
+  return static_cast<uint8_t>((v * 256 + 242) / 243);
+}
+
+}  // namespace
+
+void quantize_tq1_0(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockTq1_0*>(dst);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b, src += kQKK) {
+    uint8_t t[kQKK];
+    b->d = ternary_codes(src, t);
+    for (int l = 0; l < 32; ++l) b->qs[l] = pack_trits(t + l, 32, 5);
+    for (int l = 0; l < 16; ++l) b->qs[32 + l] = pack_trits(t + 160 + l, 16, 5);
+    for (int l = 0; l < 4; ++l) b->qh[l] = pack_trits(t + 240 + l, 4, 4);
+  }
+}
+
+void quantize_tq2_0(const float* src, void* dst, size_t n) {
+  auto* b = static_cast<BlockTq2_0*>(dst);
+  for (size_t i = 0; i < n / kQKK; ++i, ++b, src += kQKK) {
+    uint8_t t[kQKK];
+    b->d = ternary_codes(src, t);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* q = t + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        b->qs[32 * h + l] = static_cast<uint8_t>(q[l] | (q[l + 32] << 2) | (q[l + 64] << 4) | (q[l + 96] << 6));
+      }
+    }
   }
 }
 

@@ -58,6 +58,11 @@ void dequantize_fp8_e4m3(const void* src, float* dst, size_t n);
 // weight_quant at a 1 x 128 tile.
 void quantize_fp8_e4m3(const float* src, void* dst, size_t n);
 
+void dequantize_tq1_0(const void* src, float* dst, size_t n);
+void dequantize_tq2_0(const void* src, float* dst, size_t n);
+// Trit k (0..4) of a TQ1_0 byte, 0..2 (BlockTq1_0).
+int tq1_trit(uint8_t q, int k);
+
 void quantize_q8_0(const float* src, void* dst, size_t n);
 void quantize_q4_0(const float* src, void* dst, size_t n);
 void quantize_q4_k(const float* src, void* dst, size_t n);
@@ -76,5 +81,10 @@ void quantize_q3_k(const float* src, void* dst, size_t n);
 // bytes to ggml's.
 void quantize_iq4_nl(const float* src, void* dst, size_t n);
 void quantize_iq4_xs(const float* src, void* dst, size_t n);
+// ggml's quantize_row_tq1_0_ref / quantize_row_tq2_0_ref (the gguf
+// package's TQ1_0 / TQ2_0 quantize_blocks): d = max |x| per 256, each
+// weight rounded (half away from zero) to -1, 0 or 1 of d.
+void quantize_tq1_0(const float* src, void* dst, size_t n);
+void quantize_tq2_0(const float* src, void* dst, size_t n);
 
 }  // namespace colibri

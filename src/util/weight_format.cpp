@@ -64,6 +64,8 @@ constexpr WeightFormat kFormats[kWeightTypeCount] = {
     {WeightType::kIQ3_S, "iq3_s", kQKK, sizeof(BlockIq3S), dequantize_iq3_s, nullptr, true},
     {WeightType::kFP8_E4M3, "fp8_e4m3", kQKFp8, sizeof(BlockFp8E4M3), dequantize_fp8_e4m3, quantize_fp8_e4m3,
      true},
+    {WeightType::kTQ1_0, "tq1_0", kQKK, sizeof(BlockTq1_0), dequantize_tq1_0, quantize_tq1_0, true},
+    {WeightType::kTQ2_0, "tq2_0", kQKK, sizeof(BlockTq2_0), dequantize_tq2_0, quantize_tq2_0, true},
 };
 
 }  // namespace

@@ -42,8 +42,10 @@ enum class WeightType : uint8_t {
   kIQ2_S = 21,
   kIQ3_S = 22,
   kFP8_E4M3 = 23,
+  kTQ1_0 = 24,
+  kTQ2_0 = 25,
 };
-inline constexpr int kWeightTypeCount = 24;
+inline constexpr int kWeightTypeCount = 26;
 
 struct WeightFormat {
   WeightType type;

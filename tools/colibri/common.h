@@ -70,13 +70,14 @@ inline const std::vector<std::string>& precision_names() {
 // The weight types --dtype takes (gen, convert, quantize), and a label
 // such as "q4_k (down q6_k)".
 inline constexpr const char* kDtypeChoices =
-    "f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, iq4_nl, iq4_xs, fp8_e4m3, q4_k_m; "
+    "f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, iq4_nl, iq4_xs, fp8_e4m3, "
+    "tq1_0, tq2_0, q4_k_m; "
     "gen also iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s (random codes: read, not made)";
 inline const std::vector<std::string>& dtype_choices() {
   static const std::vector<std::string> names{"f16",  "bf16", "f32",  "q8_0", "q4_0",  "q4_1",   "q5_0",   "q5_1",  "q2_k",
                                                  "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4", "iq4_nl", "iq4_xs", "q4_k_m",
                                                  "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs",
-                                                 "iq3_s", "fp8_e4m3"};
+                                                 "iq3_s", "fp8_e4m3", "tq1_0", "tq2_0"};
   return names;
 }
 std::string dtype_label(colibri_dtype_t dtype, colibri_dtype_t down_dtype);
