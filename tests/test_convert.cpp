@@ -226,24 +226,6 @@ std::vector<double> decode(const std::string& bytes, colibri::WeightType d) {
   return out;
 }
 
-// down(silu(gate x) * up x) in float64; w holds gate, up, down.
-std::vector<double> ffn(const std::vector<double>& w, size_t F, const float* x) {
-  const size_t D = kD;
-  std::vector<double> h(F), y(D, 0.0);
-  for (size_t f = 0; f < F; ++f) {
-    double g = 0, u = 0;
-    for (size_t d = 0; d < D; ++d) {
-      g += w[f * D + d] * x[d];
-      u += w[F * D + f * D + d] * x[d];
-    }
-    h[f] = g / (1.0 + std::exp(-g)) * u;
-  }
-  for (size_t d = 0; d < D; ++d) {
-    for (size_t f = 0; f < F; ++f) y[d] += w[2 * F * D + d * F + f] * h[f];
-  }
-  return y;
-}
-
 bool no_partial_left(const std::string& out) {
   const fs::path p(out);
   for (const auto& entry : fs::directory_iterator(p.parent_path())) {
@@ -353,7 +335,7 @@ void check_model(const std::string& out, const Checkpoint& ck, const Case& c, co
         for (int d = 0; d < kD; ++d) g += gate[static_cast<size_t>(d)] * xt[d];
         s = 1.0 / (1.0 + std::exp(-g));
       }
-      const std::vector<double> y = ffn(sw, static_cast<size_t>(c.shared_d_ff), xt);
+      const std::vector<double> y = colibri_test::swiglu_ffn(sw, kD, static_cast<size_t>(c.shared_d_ff), xt);
       for (int d = 0; d < kD; ++d) ref[static_cast<size_t>(t) * kD + d] += s * y[static_cast<size_t>(d)];
     }
   }
@@ -790,7 +772,7 @@ TEST_F(BadCheckpointTest, WrongDtype) {
   expect_error(colibri::Status::kFormat, {expert(0, 1, "w2"), "dtype I32 is not supported"});
   t.dtype = "F8_E4M3";
   t.raw = std::string(t.values.size(), '\0');
-  expect_error(colibri::Status::kFormat, {expert(0, 1, "w2"), "F8_E4M3", "colibri.torch.from_pretrained"});
+  expect_error(colibri::Status::kFormat, {expert(0, 1, "w2"), "F8_E4M3", "quantization_config"});
 }
 
 TEST_F(BadCheckpointTest, MissingExpertTensor) {

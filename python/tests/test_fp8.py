@@ -227,3 +227,47 @@ def test_bad_fp8_checkpoints_are_refused(tmp_path):
     open(cfg_path, "w").write(json.dumps(cfg))
     with pytest.raises(ValueError, match="no quantization_config"):
         ct.from_pretrained(path)
+
+
+def test_convert_hf_keeps_fp8_as_stored(tmp_path):
+    """colibri convert --hf on the transformers-saved DeepSeek-V3 FP8
+    checkpoint: each expert file holds the checkpoint's codes and scales as
+    fp8_e4m3 rows (Fp8Weight.packed), the shared expert's too, whichever
+    layout (per-expert or fused) this transformers saved."""
+    import subprocess
+    from safetensors.torch import load_file
+    from helpers import find_cli
+
+    cli = find_cli()
+    if cli is None:
+        pytest.skip("colibri CLI not found: build target colibri_cli and set COLIBRI_CLI")
+    path, _ = fp8_checkpoint(tmp_path, "deepseek_v3")
+    out = tmp_path / "converted"
+    r = subprocess.run([cli, "convert", "--hf", path, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    state = load_file(os.path.join(path, "model.safetensors"))
+    manifest = json.loads((out / "colibri.json").read_text())
+    assert manifest["dtype"] == "fp8_e4m3"
+
+    def packed(prefix, e=None):
+        rows = []
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            key = prefix + proj + ".weight"
+            if key in state:
+                w = Fp8Weight(state[key], state[key + "_scale_inv"], (128, 128), key)
+                rows.append(w.packed().tobytes())
+                continue
+            fused = prefix + ("gate_up_proj" if proj != "down_proj" else "down_proj")
+            if proj == "up_proj":
+                continue  # gate_up covers both
+            codes, scale = state[fused][e], state[fused + "_scale_inv"][e]
+            rows.append(Fp8Weight(codes, scale, (128, 128), fused).packed().tobytes())
+        return b"".join(rows)
+
+    for j, hf in enumerate((1, 2)):
+        block = "model.layers.%d.mlp." % hf
+        per_expert = block + "experts.0.gate_proj.weight" in state
+        for e in range(8):
+            want = packed(block + "experts.%d." % e) if per_expert else packed(block + "experts.", e)
+            assert (out / ("layer_%02d" % j) / ("expert_%02d.bin" % e)).read_bytes() == want, (hf, e)
+        assert (out / ("layer_%02d" % j) / "shared_expert.bin").read_bytes() == packed(block + "shared_experts.")

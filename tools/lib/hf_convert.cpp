@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -17,6 +18,8 @@
 #include "lib/model_writer.h"
 #include "lib/safetensors.h"
 #include "util/error.h"
+#include "util/quant_blocks.h"
+#include "util/quant_ref.h"
 
 namespace colibri {
 
@@ -167,6 +170,46 @@ class ConfigReader {
   const std::string& model_type_;
 };
 
+// quantization_config: "fp8" (block-scaled e4m3, DeepSeek's and Qwen3's
+// FP8 checkpoints) sets the scale tiles; "mxfp4" (gpt-oss) is read from its
+// tensors; anything else stores its weights in a way Colibri cannot read.
+void parse_quantization_config(const json& doc, const std::string& source, HfMoeConfig& c) {
+  const auto it = doc.find("quantization_config");
+  if (it == doc.end() || it->is_null()) return;
+  const std::string where = source + ": quantization_config";
+  if (!it->is_object()) fail(Status::kFormat, where + " must be an object, not " + it->dump());
+  const ConfigReader q(*it, where, c.model_type);
+  const std::string method = q.string_or("quant_method", "");
+  if (method == "mxfp4") return;
+  if (method != "fp8") {
+    fail(Status::kUnsupported, where + ": field \"quant_method\": \"" + method +
+                                   "\" is not supported (convert --hf reads \"fp8\" and \"mxfp4\" checkpoints, "
+                                   "and unquantised ones)");
+  }
+  if (const std::string fmt = q.string_or("fmt", "e4m3"); fmt != "e4m3") {
+    fail(Status::kUnsupported, where + ": field \"fmt\": \"" + fmt + "\" is not supported (FP8 is read as e4m3)");
+  }
+  if (const std::string scheme = q.string_or("activation_scheme", "dynamic"); scheme != "dynamic") {
+    fail(Status::kUnsupported, where + ": field \"activation_scheme\": \"" + scheme +
+                                   "\" is not supported (FP8 weights are read with dynamic, unquantised activations)");
+  }
+  if (!q.has("weight_block_size")) {
+    q.bad("weight_block_size", "missing: convert --hf reads block-scaled FP8 ([rows, columns], e.g. [128, 128])");
+  }
+  const json& block = it->at("weight_block_size");
+  if (!block.is_array() || block.size() != 2 || !block[0].is_number_integer() || !block[1].is_number_integer() ||
+      block[0].get<int64_t>() < 1 || block[1].get<int64_t>() < 1 || block[0].get<int64_t>() > kMaxDim ||
+      block[1].get<int64_t>() > kMaxDim) {
+    q.bad("weight_block_size", block.dump() + " is not [rows, columns] of positive integers");
+  }
+  if (block[1].get<int64_t>() % kQKFp8 != 0) {
+    q.bad("weight_block_size", block.dump() + ": the column block must be a multiple of " + std::to_string(kQKFp8) +
+                                   " (one fp8_e4m3 block's scale)");
+  }
+  c.fp8_block_rows = static_cast<int32_t>(block[0].get<int64_t>());
+  c.fp8_block_cols = static_cast<int32_t>(block[1].get<int64_t>());
+}
+
 std::string shape_string(const std::vector<uint64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -267,8 +310,10 @@ class Checkpoint {
   mutable std::vector<std::unique_ptr<SafetensorsFile>> shards_;
 };
 
+// An FP8 matrix's weight_scale_inv (empty for float tensors).
 struct ExpertRefs {
   TensorRef gate, up, down;
+  TensorRef gate_scale, up_scale, down_scale;
 };
 
 // Every tensor one converted layer needs, resolved and checked.
@@ -284,6 +329,7 @@ struct LayerPlan {
   bool fused = false;
   std::vector<ExpertRefs> experts;  // per-expert layout
   TensorRef gate_up, down;          // fused layout: [E][2F][D], [E][D][F]
+  TensorRef gate_up_scale, down_scale;  // of FP8 fused tensors: [E][2F / br][D / bc], [E][D / br][F / bc]
   ExpertRefs shared;
   TensorRef shared_gate;
 };
@@ -327,6 +373,8 @@ class Planner {
       const TensorRef down = find_either(block + ".experts.down_proj");
       if (!down) missing(block + ".experts.down_proj");
       p.down = checked(down, {E, D, F}, ex + ", hidden_size, " + ff);
+      p.gate_up_scale = scale_of(p.gate_up);
+      p.down_scale = scale_of(p.down);
     } else {
       if (!per_expert) {
         fail(Status::kFormat, ckpt_.where() + ": missing tensor \"" + first + "\" (nor fused \"" + block +
@@ -416,6 +464,9 @@ class Planner {
     r.gate = require(prefix + proj[0] + ".weight", {F, D}, f_name + ", hidden_size");
     r.up = require(prefix + proj[1] + ".weight", {F, D}, f_name + ", hidden_size");
     r.down = require(prefix + proj[2] + ".weight", {D, F}, "hidden_size, " + f_name);
+    r.gate_scale = scale_of(r.gate);
+    r.up_scale = scale_of(r.up);
+    r.down_scale = scale_of(r.down);
     return r;
   }
 
@@ -438,17 +489,49 @@ class Planner {
   TensorRef checked(const TensorRef& r, const std::vector<uint64_t>& shape, const std::string& dims) const {
     const StTensor& t = *r.tensor;
     const std::string where = r.file->path() + ": tensor \"" + t.name + "\": ";
-    if (t.dtype != StDtype::kBF16 && t.dtype != StDtype::kF16 && t.dtype != StDtype::kF32) {
+    const bool fp8_checkpoint = c_.fp8_block_rows > 0;
+    const bool float_dtype = t.dtype == StDtype::kBF16 || t.dtype == StDtype::kF16 || t.dtype == StDtype::kF32;
+    if (!float_dtype && !(fp8_checkpoint && t.dtype == StDtype::kF8E4M3)) {
       const bool fp8 = t.dtype == StDtype::kF8E4M3 || t.dtype == StDtype::kF8E5M2;
-      fail(Status::kFormat, where + "dtype " + st_dtype_name(t.dtype) +
-                                   " is not supported (expected BF16, F16 or F32" +
-                                   (fp8 ? "; convert --hf does not read FP8 checkpoints: Python's "
-                                                 "colibri.torch.from_pretrained(DIR) runs them as stored)"
-                                               : ")"));
+      fail(Status::kFormat, where + "dtype " + st_dtype_name(t.dtype) + " is not supported (expected BF16, F16 or F32" +
+                                   (fp8_checkpoint ? ", or F8_E4M3 with its weight_scale_inv)"
+                                    : fp8 ? "; FP8 tensors need config.json's quantization_config with quant_method "
+                                            "\"fp8\" and weight_block_size)"
+                                          : ")"));
     }
     if (t.shape != shape) {
       fail(Status::kFormat, where + "shape " + shape_string(t.shape) + ", expected " + shape_string(shape) +
                                    " (" + dims + " from config.json)");
+    }
+    return r;
+  }
+
+  // An F8_E4M3 matrix's scales, "<name>_scale_inv": one float per
+  // weight_block_size tile of each matrix ([.., ceil(rows / br),
+  // ceil(cols / bc)], the leading dimensions as the weight's); empty for a
+  // float tensor.
+  TensorRef scale_of(const TensorRef& w) const {
+    const StTensor& t = *w.tensor;
+    if (t.dtype != StDtype::kF8E4M3) return {};
+    const std::string name = t.name + "_scale_inv";
+    const TensorRef r = ckpt_.find(name);
+    if (!r) {
+      fail(Status::kFormat, w.file->path() + ": tensor \"" + t.name + "\" is F8_E4M3 but the checkpoint has no \"" +
+                                   name + "\"");
+    }
+    std::vector<uint64_t> want = t.shape;
+    const size_t n = want.size();
+    want[n - 2] = (want[n - 2] + static_cast<uint64_t>(c_.fp8_block_rows) - 1) / static_cast<uint64_t>(c_.fp8_block_rows);
+    want[n - 1] = (want[n - 1] + static_cast<uint64_t>(c_.fp8_block_cols) - 1) / static_cast<uint64_t>(c_.fp8_block_cols);
+    const StTensor& st = *r.tensor;
+    const std::string where = r.file->path() + ": tensor \"" + name + "\": ";
+    if (st.dtype != StDtype::kF32 && st.dtype != StDtype::kBF16 && st.dtype != StDtype::kF16) {
+      fail(Status::kFormat, where + "dtype " + st_dtype_name(st.dtype) + ", expected F32, BF16 or F16");
+    }
+    if (st.shape != want) {
+      fail(Status::kFormat, where + "shape " + shape_string(st.shape) + ", expected " + shape_string(want) + " (" +
+                                   shape_string(t.shape) + " in " + std::to_string(c_.fp8_block_rows) + " x " +
+                                   std::to_string(c_.fp8_block_cols) + " tiles, weight_block_size)");
     }
     return r;
   }
@@ -462,11 +545,69 @@ WeightType weight_type_of_tensor(StDtype d) {
   switch (d) {
     case StDtype::kF32: return WeightType::kF32;
     case StDtype::kBF16: return WeightType::kBF16;
+    case StDtype::kF8E4M3: return WeightType::kFP8_E4M3;
     default: return WeightType::kF16;
   }
 }
 
 void read_all(const TensorRef& r, float* out) { r.file->read_floats(*r.tensor, 0, r.tensor->n_elements, out); }
+
+// One FP8 matrix's codes and tile scales, read from the checkpoint.
+struct Fp8Matrix {
+  std::vector<uint8_t> codes;  // [rows][cols]
+  std::vector<float> scales;   // [ceil(rows / br)][ceil(cols / bc)]
+  size_t tile_cols = 0;        // ceil(cols / bc)
+
+  // Matrix `index` of `w` ([.., rows, cols], F8_E4M3) and its scales.
+  void read(const TensorRef& w, const TensorRef& scale, const HfMoeConfig& c, uint64_t index, size_t rows,
+            size_t cols) {
+    const size_t br = static_cast<size_t>(c.fp8_block_rows), bc = static_cast<size_t>(c.fp8_block_cols);
+    tile_cols = (cols + bc - 1) / bc;
+    const size_t tiles = (rows + br - 1) / br * tile_cols;
+    codes.resize(rows * cols);
+    scales.resize(tiles);
+    w.file->read_u8(*w.tensor, index * rows * cols, codes.size(), codes.data());
+    scale.file->read_floats(*scale.tensor, index * tiles, tiles, scales.data());
+  }
+
+  float scale_at(const HfMoeConfig& c, size_t row, size_t col) const {
+    return scales[row / static_cast<size_t>(c.fp8_block_rows) * tile_cols + col / static_cast<size_t>(c.fp8_block_cols)];
+  }
+};
+
+// Matrix `index` ([rows][cols]) of `w` as floats: an FP8 tensor's codes
+// times their tile's scale, rounded once to float (the fp8_e4m3 reference
+// dequantiser's values), or a float tensor's values.
+void read_matrix(const TensorRef& w, const TensorRef& scale, const HfMoeConfig& c, uint64_t index, size_t rows,
+                 size_t cols, Fp8Matrix& fp8, float* out) {
+  if (!scale) {
+    w.file->read_floats(*w.tensor, index * rows * cols, rows * cols, out);
+    return;
+  }
+  fp8.read(w, scale, c, index, rows, cols);
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t j = 0; j < cols; ++j) out[r * cols + j] = e4m3_to_float(fp8.codes[r * cols + j]) * fp8.scale_at(c, r, j);
+  }
+}
+
+// The same matrix as fp8_e4m3 rows, codes and scales as stored: each
+// 128-value block lies inside one tile (the column block is a multiple of
+// 128), whose scale becomes the block's; a row's last block is padded with
+// zero codes.
+void encode_fp8_matrix(const TensorRef& w, const TensorRef& scale, const HfMoeConfig& c, uint64_t index, size_t rows,
+                       size_t cols, Fp8Matrix& fp8, uint8_t* out) {
+  fp8.read(w, scale, c, index, rows, cols);
+  const size_t blocks = (cols + kQKFp8 - 1) / kQKFp8;
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t b = 0; b < blocks; ++b) {
+      BlockFp8E4M3 blk{};
+      const size_t first = b * kQKFp8, n = std::min<size_t>(kQKFp8, cols - first);
+      blk.d = fp8.scale_at(c, r, first);
+      std::memcpy(blk.qs, fp8.codes.data() + r * cols + first, n);
+      std::memcpy(out + (r * blocks + b) * sizeof blk, &blk, sizeof blk);
+    }
+  }
+}
 
 // `rows` rows of n values from MXFP4 blocks and scales, starting at row `first`.
 void read_hf_mxfp4(const TensorRef& blocks, const TensorRef& scales, uint64_t first, size_t rows, size_t n,
@@ -650,6 +791,7 @@ HfMoeConfig parse_hf_config(const std::string& text, const std::string& source) 
       break;
     }
   }
+  parse_quantization_config(doc, source, c);
   if (c.moe_layers.empty()) {
     fail(Status::kFormat, source + ": no MoE layer among the " + std::to_string(c.n_hidden_layers) +
                                  " decoder layers (check decoder_sparse_step, mlp_only_layers, "
@@ -729,26 +871,50 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
   spec.expert_bias = c.expert_bias;
   spec.source_json = json{{"format", "hf"}, {"model_type", c.model_type}, {"layers", result.layers}}.dump();
 
-  const size_t DF = static_cast<size_t>(c.d_model) * static_cast<size_t>(c.d_ff);
+  const size_t D = static_cast<size_t>(c.d_model), F = static_cast<size_t>(c.d_ff);
+  const size_t DF = D * F;
   std::vector<uint8_t> codes, scales;
   std::vector<float> rows;
+  Fp8Matrix fp8;
   ModelFill fill;
   fill.expert = [&](int32_t layer, int32_t expert, float* w) {
     const LayerPlan& p = plans[static_cast<size_t>(layer)];
     const uint64_t e = static_cast<uint64_t>(expert);
     if (p.gpt_oss) {
-      read_gpt_oss_expert(p, e, static_cast<size_t>(c.d_model), static_cast<size_t>(c.d_ff), w, codes, scales, rows);
+      read_gpt_oss_expert(p, e, D, F, w, codes, scales, rows);
     } else if (p.fused) {
       // gate_up_proj[e] is gate rows then up rows: the expert file's layout.
-      p.gate_up.file->read_floats(*p.gate_up.tensor, e * 2 * DF, 2 * DF, w);
-      p.down.file->read_floats(*p.down.tensor, e * DF, DF, w + 2 * DF);
+      read_matrix(p.gate_up, p.gate_up_scale, c, e, 2 * F, D, fp8, w);
+      read_matrix(p.down, p.down_scale, c, e, D, F, fp8, w + 2 * DF);
     } else {
       const ExpertRefs& x = p.experts[static_cast<size_t>(expert)];
-      read_all(x.gate, w);
-      read_all(x.up, w + DF);
-      read_all(x.down, w + 2 * DF);
+      read_matrix(x.gate, x.gate_scale, c, 0, F, D, fp8, w);
+      read_matrix(x.up, x.up_scale, c, 0, F, D, fp8, w + DF);
+      read_matrix(x.down, x.down_scale, c, 0, D, F, fp8, w + 2 * DF);
     }
   };
+  // FP8 written as fp8_e4m3: codes and scales kept as stored, no float
+  // round trip (a re-quantisation would pick new scales and round again).
+  const bool keep_fp8 = result.dtype == WeightType::kFP8_E4M3 && result.down_dtype == WeightType::kFP8_E4M3;
+  if (keep_fp8) {
+    const uint64_t gate_bytes = Manifest::matrix_bytes(WeightType::kFP8_E4M3, c.d_ff, c.d_model);
+    fill.expert_encoded = [&, gate_bytes](int32_t layer, int32_t expert, uint8_t* bytes) {
+      const LayerPlan& p = plans[static_cast<size_t>(layer)];
+      const uint64_t e = static_cast<uint64_t>(expert);
+      if (p.fused) {
+        if (!p.gate_up_scale || !p.down_scale) return false;
+        encode_fp8_matrix(p.gate_up, p.gate_up_scale, c, e, 2 * F, D, fp8, bytes);
+        encode_fp8_matrix(p.down, p.down_scale, c, e, D, F, fp8, bytes + 2 * gate_bytes);
+        return true;
+      }
+      const ExpertRefs& x = p.experts[static_cast<size_t>(expert)];
+      if (!x.gate_scale || !x.up_scale || !x.down_scale) return false;
+      encode_fp8_matrix(x.gate, x.gate_scale, c, 0, F, D, fp8, bytes);
+      encode_fp8_matrix(x.up, x.up_scale, c, 0, F, D, fp8, bytes + gate_bytes);
+      encode_fp8_matrix(x.down, x.down_scale, c, 0, D, F, fp8, bytes + 2 * gate_bytes);
+      return true;
+    };
+  }
   fill.router = [&](int32_t layer, float* router, float* bias) {
     const LayerPlan& p = plans[static_cast<size_t>(layer)];
     read_all(p.router, router);
@@ -757,17 +923,34 @@ HfConvertResult convert_hf_checkpoint(const HfConvertOptions& options) {
       else std::fill(bias, bias + c.n_experts, 0.0f);
     }
   };
+  const size_t SF_rows = static_cast<size_t>(c.shared_d_ff);
+  auto read_shared_gate = [&](const LayerPlan& p, float* gate) {
+    if (gate == nullptr) return;
+    if (p.shared_gate) read_all(p.shared_gate, gate);
+    else std::fill(gate, gate + c.d_model, 0.0f);
+  };
   fill.shared = [&](int32_t layer, float* w, float* gate) {
     const LayerPlan& p = plans[static_cast<size_t>(layer)];
-    const size_t SF = static_cast<size_t>(c.d_model) * static_cast<size_t>(c.shared_d_ff);
-    read_all(p.shared.gate, w);
-    read_all(p.shared.up, w + SF);
-    read_all(p.shared.down, w + 2 * SF);
-    if (gate != nullptr) {
-      if (p.shared_gate) read_all(p.shared_gate, gate);
-      else std::fill(gate, gate + c.d_model, 0.0f);
-    }
+    const ExpertRefs& x = p.shared;
+    const size_t SF = D * SF_rows;
+    read_matrix(x.gate, x.gate_scale, c, 0, SF_rows, D, fp8, w);
+    read_matrix(x.up, x.up_scale, c, 0, SF_rows, D, fp8, w + SF);
+    read_matrix(x.down, x.down_scale, c, 0, D, SF_rows, fp8, w + 2 * SF);
+    read_shared_gate(p, gate);
   };
+  if (keep_fp8 && c.shared_d_ff > 0) {
+    const uint64_t gate_bytes = Manifest::matrix_bytes(WeightType::kFP8_E4M3, c.shared_d_ff, c.d_model);
+    fill.shared_encoded = [&, gate_bytes](int32_t layer, uint8_t* bytes, float* gate) {
+      const LayerPlan& p = plans[static_cast<size_t>(layer)];
+      const ExpertRefs& x = p.shared;
+      if (!x.gate_scale || !x.up_scale || !x.down_scale) return false;
+      encode_fp8_matrix(x.gate, x.gate_scale, c, 0, SF_rows, D, fp8, bytes);
+      encode_fp8_matrix(x.up, x.up_scale, c, 0, SF_rows, D, fp8, bytes + gate_bytes);
+      encode_fp8_matrix(x.down, x.down_scale, c, 0, D, SF_rows, fp8, bytes + 2 * gate_bytes);
+      read_shared_gate(p, gate);
+      return true;
+    };
+  }
   const int32_t n_layers = spec.n_layers;
   fill.progress = [&](uint64_t done, uint64_t total) {
     result.bytes_written = done;

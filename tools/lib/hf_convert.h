@@ -40,6 +40,10 @@ struct HfMoeConfig {
   bool expert_bias = false;
   RouterDesc router{};
   std::vector<int32_t> moe_layers;  // HF decoder layer indices, ascending
+  // quantization_config.quant_method "fp8": the weight_block_size of the
+  // scale tiles (weight_scale_inv); 0 when the checkpoint is not FP8.
+  int32_t fp8_block_rows = 0;
+  int32_t fp8_block_cols = 0;
 };
 
 // "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, gpt_oss".

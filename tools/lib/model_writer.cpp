@@ -101,13 +101,19 @@ std::vector<uint8_t> encode_weights(const float* w, size_t n, WeightType t) {
   return out;
 }
 
+// Bytes of an expert's gate, up and down matrices in the manifest's types.
+uint64_t expert_matrix_bytes(const Manifest& m, int32_t d_ff) {
+  return 2 * Manifest::matrix_bytes(m.weight_type(), d_ff, m.d_model) +
+         Manifest::matrix_bytes(m.down_weight_type(), m.d_model, d_ff);
+}
+
 // An expert's gate, up [F][D] and down [D][F] in the manifest's types, rows
 // of whole blocks, then its f32 biases when `biased`.
 std::vector<uint8_t> encode_expert(const float* w, const Manifest& m, int32_t d_ff, bool biased, bool stand_in) {
   const size_t D = static_cast<size_t>(m.d_model);
   const size_t F = static_cast<size_t>(d_ff);
   const uint64_t gate_bytes = Manifest::matrix_bytes(m.weight_type(), d_ff, m.d_model);
-  const uint64_t matrices = 2 * gate_bytes + Manifest::matrix_bytes(m.down_weight_type(), m.d_model, d_ff);
+  const uint64_t matrices = expert_matrix_bytes(m, d_ff);
   const size_t biases = biased ? 2 * F + D : 0;
   std::vector<uint8_t> out(matrices + biases * sizeof(float));
   encode_rows(m.weight_type(), w, 2 * F, D, out.data(), stand_in);
@@ -193,6 +199,7 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
   std::vector<float> router;
   if (m.has_router()) router.assign(E * D + (m.router_has_bias() ? E : 0), 0.0f);
   std::vector<float> gate(m.shared_gate ? D : 0);
+  std::vector<uint8_t> encoded;
   for (int32_t l = 0; l < spec.n_layers; ++l) {
     if (spec.n_layers > 1) {
       const std::string first = m.expert_file(l, 0);
@@ -204,12 +211,24 @@ void write_model_dir(const std::string& dir, const ModelWriteSpec& spec, const M
       write_one(m.router_file(l), encode_weights(router.data(), router.size(), WeightType::kF32));
     }
     for (int32_t e = 0; e < spec.n_experts; ++e) {
+      if (fill.expert_encoded && !m.expert_bias) {
+        encoded.resize(expert_matrix_bytes(m, spec.d_ff));
+        if (fill.expert_encoded(l, e, encoded.data())) {
+          write_one(m.expert_file(l, e), encoded);
+          continue;
+        }
+      }
       fill.expert(l, e, w.data());
       write_one(m.expert_file(l, e), encode_expert(w.data(), m, spec.d_ff, m.expert_bias, spec.random_stand_in));
     }
     if (m.has_shared()) {
-      fill.shared(l, w.data(), m.shared_gate ? gate.data() : nullptr);
-      write_one(m.shared_file(l), encode_expert(w.data(), m, m.shared_d_ff, false, spec.random_stand_in));
+      encoded.resize(expert_matrix_bytes(m, m.shared_d_ff));
+      if (fill.shared_encoded && fill.shared_encoded(l, encoded.data(), m.shared_gate ? gate.data() : nullptr)) {
+        write_one(m.shared_file(l), encoded);
+      } else {
+        fill.shared(l, w.data(), m.shared_gate ? gate.data() : nullptr);
+        write_one(m.shared_file(l), encode_expert(w.data(), m, m.shared_d_ff, false, spec.random_stand_in));
+      }
       if (m.shared_gate) write_one(m.shared_gate_file(l), encode_weights(gate.data(), D, WeightType::kF32));
     }
   }

@@ -55,6 +55,15 @@ struct ModelFill {
   // 3*d_model*shared_d_ff floats, same layout as an expert; gate [D] is
   // non-null only when spec.shared_gate. Required when shared_d_ff > 0.
   std::function<void(int32_t layer, float* w, float* gate)> shared;
+  // Optional, for sources whose weights are already in the model's types
+  // (an FP8 checkpoint written as fp8_e4m3 keeps its codes and scales):
+  // fills the expert file's gate, up and down matrices as stored bytes
+  // and returns true, or returns false to take the float path above.
+  // Not called for models with expert biases.
+  std::function<bool(int32_t layer, int32_t expert, uint8_t* matrices)> expert_encoded;
+  // The same for the shared expert; it also fills `gate` (non-null only
+  // when spec.shared_gate) when it returns true.
+  std::function<bool(int32_t layer, uint8_t* matrices, float* gate)> shared_encoded;
   // Optional: after each file, bytes written so far of `total`.
   std::function<void(uint64_t done, uint64_t total)> progress;
 };

@@ -332,8 +332,8 @@ void SafetensorsFile::read_floats(const StTensor& t, uint64_t first, uint64_t co
 }
 
 void SafetensorsFile::read_u8(const StTensor& t, uint64_t first, uint64_t count, uint8_t* out) const {
-  if (t.dtype != StDtype::kU8) {
-    fail(Status::kFormat, path() + ": tensor \"" + t.name + "\": dtype " + st_dtype_name(t.dtype) + ", expected U8");
+  if (t.dtype != StDtype::kU8 && t.dtype != StDtype::kF8E4M3) {
+    fail(Status::kFormat, path() + ": tensor \"" + t.name + "\": dtype " + st_dtype_name(t.dtype) + ", expected U8 or F8_E4M3");
   }
   if (first > t.n_elements || count > t.n_elements - first) {
     fail(Status::kInternal, path() + ": tensor \"" + t.name + "\": read of bytes [" + std::to_string(first) + ", +" +

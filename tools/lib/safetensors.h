@@ -78,8 +78,8 @@ class SafetensorsFile {
   // to float32, exactly; only F32, F16 and BF16 are accepted
   // (Error(Status::kFormat) otherwise).
   void read_floats(const StTensor& t, uint64_t first, uint64_t count, float* out) const;
-  // Bytes [first, first + count) of a U8 tensor (packed codes, scales),
-  // as stored.
+  // Bytes [first, first + count) of a one-byte tensor (U8: packed codes
+  // and scales; F8_E4M3: FP8 codes), as stored.
   void read_u8(const StTensor& t, uint64_t first, uint64_t count, uint8_t* out) const;
 
  private:
