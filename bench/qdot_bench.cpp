@@ -102,7 +102,11 @@ int main(int argc, char** argv) {
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   if (detect_isa() >= Isa::kAvx2) tables.push_back({"avx2", quant_dot_avx2});
   if (cpu_has_avx_vnni()) tables.push_back({"avx2-vnni", quant_dot_avx_vnni});
-  if (detect_isa() >= Isa::kAvx512 && cpu_has_avx512_vnni()) tables.push_back({"avx512-vnni", quant_dot_avx512});
+  if (detect_isa() >= Isa::kAvx512 && cpu_has_avx512_vnni()) {
+    tables.push_back({"avx512-vnni", quant_dot_avx512});
+    // The AVX2-level kernels with EVEX ymm (the grid i-quants' before their zmm kernels).
+    tables.push_back({"avx512-vnni-ymm", quant_dot_avx512_ymm});
+  }
 #endif
   // qwen3-moe, olmoe, gpt-oss-20b (the benchmark suite's shapes).
   const int32_t shapes[][2] = {{2048, 768}, {2048, 1024}, {2880, 2880}};

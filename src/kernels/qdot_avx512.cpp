@@ -1382,6 +1382,14 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
       return &kQ2_K;
     case WeightType::kFP8_E4M3:
       return &kFp8E4M3;
+    case WeightType::kIQ2_XXS:
+    case WeightType::kIQ3_XXS:
+    case WeightType::kIQ1_S:
+    case WeightType::kIQ1_M:
+    case WeightType::kIQ2_XS:
+    case WeightType::kIQ2_S:
+    case WeightType::kIQ3_S:
+      return quant_dot_avx512_grid(t);
     default:
       return quant_dot_avx512_ymm(t);
   }

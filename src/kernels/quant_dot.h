@@ -95,6 +95,9 @@ const QuantDotKernels* quant_dot_avx512(WeightType t);
 // the formats qdot_avx512.cpp has no kernels of its own for (it hands them
 // these); needs AVX512_VNNI.
 const QuantDotKernels* quant_dot_avx512_ymm(WeightType t);
+// qdot_avx512_grid.cpp: the grid i-quants on zmm, a super-block at a time;
+// nullptr for other formats; needs AVX512_VNNI.
+const QuantDotKernels* quant_dot_avx512_grid(WeightType t);
 #endif
 
 }  // namespace colibri::kernels
