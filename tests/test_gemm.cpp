@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <random>
 #include <string>
@@ -13,6 +14,9 @@
 #include "kernels/amx.h"
 #include "kernels/gemm.h"
 #include "util/half.h"
+#include "util/quant_blocks.h"
+#include "util/quant_ref.h"
+#include "util/weight_format.h"
 
 namespace {
 
@@ -24,43 +28,77 @@ struct Packed {
   ExpertShape s;
   std::vector<uint8_t> gate_up, down;
 
-  void put(std::vector<uint8_t>& buf, size_t idx, float v) const {
+  size_t row_bytes(size_t stride) const { return colibri::weight_row_bytes(s.weight_type, stride); }
+  // Element k of row r of a matrix of `stride` elements a row. fp8_e4m3
+  // blocks are written whole by make_packed (codes and scale), so put only
+  // serves the float formats.
+  void put(std::vector<uint8_t>& buf, size_t stride, size_t r, size_t k, float v) const {
+    uint8_t* at = &buf[r * row_bytes(stride)];
     if (s.weight_type == WeightType::kF32) {
-      std::memcpy(&buf[idx * 4], &v, 4);
+      std::memcpy(at + k * 4, &v, 4);
     } else {
       const uint16_t h = s.weight_type == WeightType::kF16 ? colibri::float_to_f16(v) : colibri::float_to_bf16(v);
-      std::memcpy(&buf[idx * 2], &h, 2);
+      std::memcpy(at + k * 2, &h, 2);
     }
   }
-  double get(const std::vector<uint8_t>& buf, size_t idx) const {
+  double get(const std::vector<uint8_t>& buf, size_t stride, size_t r, size_t k) const {
+    const uint8_t* at = &buf[r * row_bytes(stride)];
+    if (s.weight_type == WeightType::kFP8_E4M3) {
+      // The reference dequantiser's value: code times the block's d, rounded once.
+      const uint8_t* blk = at + k / colibri::kQKFp8 * sizeof(colibri::BlockFp8E4M3);
+      float d;
+      std::memcpy(&d, blk + offsetof(colibri::BlockFp8E4M3, d), sizeof d);
+      return colibri::e4m3_to_float(blk[offsetof(colibri::BlockFp8E4M3, qs) + k % colibri::kQKFp8]) * d;
+    }
     if (s.weight_type == WeightType::kF32) {
       float v;
-      std::memcpy(&v, &buf[idx * 4], 4);
+      std::memcpy(&v, at + k * 4, 4);
       return v;
     }
     uint16_t h;
-    std::memcpy(&h, &buf[idx * 2], 2);
+    std::memcpy(&h, at + k * 2, 2);
     return s.weight_type == WeightType::kF16 ? colibri::f16_to_float(h) : colibri::bf16_to_float(h);
   }
 };
 
+// fp8_e4m3 rows of n valid elements: random codes (no NaN) with scales of
+// 0.5-2 / 448 (values up to about 2), zero codes past n.
+void fill_fp8_rows(uint8_t* rows, size_t count, size_t row_bytes, size_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> scale(0.5f / 448, 2.0f / 448);
+  const size_t blocks = row_bytes / sizeof(colibri::BlockFp8E4M3);
+  for (size_t r = 0; r < count; ++r) {
+    for (size_t b = 0; b < blocks; ++b) {
+      colibri::BlockFp8E4M3 blk{};
+      blk.d = scale(rng);
+      for (size_t j = 0; j < colibri::kQKFp8 && b * colibri::kQKFp8 + j < n; ++j) {
+        do blk.qs[j] = static_cast<uint8_t>(rng()); while ((blk.qs[j] & 0x7f) == 0x7f);
+      }
+      std::memcpy(rows + r * row_bytes + b * sizeof blk, &blk, sizeof blk);
+    }
+  }
+}
+
 Packed make_packed(int D, int F, WeightType wt, std::mt19937& rng) {
   Packed p;
   p.s = colibri::kernels::make_expert_shape(D, F, wt);
-  const size_t es = colibri::weight_format(wt).block_bytes;
   // Exactly sized, padding zero as the loader writes it.
-  p.gate_up.assign(2 * static_cast<size_t>(F) * p.s.gate_up_stride * es, 0);
-  p.down.assign(static_cast<size_t>(D) * p.s.down_stride * es, 0);
+  p.gate_up.assign(2 * static_cast<size_t>(F) * p.row_bytes(p.s.gate_up_stride), 0);
+  p.down.assign(static_cast<size_t>(D) * p.row_bytes(p.s.down_stride), 0);
+  if (wt == WeightType::kFP8_E4M3) {
+    fill_fp8_rows(p.gate_up.data(), 2 * static_cast<size_t>(F), p.row_bytes(p.s.gate_up_stride), static_cast<size_t>(D), rng);
+    fill_fp8_rows(p.down.data(), static_cast<size_t>(D), p.row_bytes(p.s.down_stride), static_cast<size_t>(F), rng);
+    return p;
+  }
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (int r = 0; r < 2 * F; ++r)
-    for (int k = 0; k < D; ++k) p.put(p.gate_up, r * p.s.gate_up_stride + k, u(rng));
+    for (int k = 0; k < D; ++k) p.put(p.gate_up, p.s.gate_up_stride, static_cast<size_t>(r), static_cast<size_t>(k), u(rng));
   for (int r = 0; r < D; ++r)
-    for (int k = 0; k < F; ++k) p.put(p.down, r * p.s.down_stride + k, u(rng));
+    for (int k = 0; k < F; ++k) p.put(p.down, p.s.down_stride, static_cast<size_t>(r), static_cast<size_t>(k), u(rng));
   return p;
 }
 
 const char* type_name(WeightType t) {
-  return t == WeightType::kF32 ? "f32" : t == WeightType::kF16 ? "f16" : "bf16";
+  return colibri::weight_format(t).name;
 }
 
 class GemmKernels : public ::testing::Test {
@@ -103,8 +141,8 @@ void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::
               double g = 0, up = 0, mag_g = 0, mag_u = 0;
               const float* xi = x.data() + static_cast<size_t>(idx[static_cast<size_t>(i)]) * D;
               for (int c = 0; c < D; ++c) {
-                const double wg = p.get(p.gate_up, 2 * f * p.s.gate_up_stride + c);
-                const double wu = p.get(p.gate_up, (2 * f + 1) * p.s.gate_up_stride + c);
+                const double wg = p.get(p.gate_up, p.s.gate_up_stride, 2 * f, static_cast<size_t>(c));
+                const double wu = p.get(p.gate_up, p.s.gate_up_stride, 2 * f + 1, static_cast<size_t>(c));
                 g += wg * xi[c];
                 up += wu * xi[c];
                 mag_g += std::fabs(wg * xi[c]);
@@ -142,7 +180,7 @@ void check_table(const KernelTable& k, WeightType wt, int D, int F, int n, std::
             for (int d = db; d < de; ++d) {
               double acc = 0, m = 0;
               for (int f = 0; f < F; ++f) {
-                const double term = p.get(p.down, static_cast<size_t>(d) * p.s.down_stride + f) *
+                const double term = p.get(p.down, p.s.down_stride, static_cast<size_t>(d), static_cast<size_t>(f)) *
                                     h[static_cast<size_t>(i) * ldh + f];
                 acc += term;
                 m += std::fabs(term);
@@ -304,17 +342,21 @@ TEST(KernelRegistry, EveryPlanFitsItsFormatLevelAndPrecision) {
           EXPECT_EQ(plan.isa, isa);
           const bool exact = precision == k::PrefillPrecision::kExact;
           const bool may_round = !exact && dim >= k::kBf16RoundingMinDim;
+          // fp8_e4m3: exact codes against fp32 activations in its own
+          // kernels, so exact keeps them; its prefill widens blocks to fp32
+          // in the token-lane table.
+          const bool fp8 = wt == WeightType::kFP8_E4M3;
           EXPECT_EQ(block_table(*plan.decode), block);
           EXPECT_FALSE(rounds(*plan.decode));
           if (block) {
-            EXPECT_EQ(starts_with(plan.decode->name, "exact-dequant-"), exact);
+            EXPECT_EQ(starts_with(plan.decode->name, "exact-dequant-"), exact && !fp8);
           }
           int32_t below = 1;
           for (int i = 0; i < plan.prefill.count; ++i) {
             const KernelTable& t = *plan.prefill.tier[i].table;
             EXPECT_GT(plan.prefill.tier[i].min_tokens, below);
             below = plan.prefill.tier[i].min_tokens;
-            EXPECT_EQ(block_table(t), block) << t.name;
+            EXPECT_EQ(block_table(t) || (fp8 && std::strcmp(t.name, "avx512-tokens") == 0), block) << t.name;
             EXPECT_LE(t.isa, isa) << t.name;
             EXPECT_TRUE(k::isa_supported(t.isa)) << t.name;
             if (!may_round) {
@@ -357,6 +399,36 @@ TEST_F(GemmKernels, TokenLanesMatchFloat64Reference) {
   }
 }
 
+// fp8_e4m3 rows widened in the token-lane kernel's 128-k chunks (one block
+// each): rows ending inside a block, K crossing chunks and spans, every
+// lane layout; then a NaN code, which must reach exactly its row's outputs.
+TEST_F(GemmKernels, TokenLanesTakeFp8Blocks) {
+  std::mt19937 rng(20261206);
+  const KernelTable& k = colibri::kernels::avx512_tokens_kernels();
+  for (int D : {7, 128, 300}) {
+    for (int F : {5, 140}) {
+      for (int n : {5, 8, 13, 33, 50}) check_table(k, WeightType::kFP8_E4M3, D, F, n, rng);
+    }
+  }
+  check_table(k, WeightType::kFP8_E4M3, 200, 11000, 40, rng);  // phase 2 in K spans
+
+  Packed p = make_packed(300, 20, WeightType::kFP8_E4M3, rng);
+  const size_t gu_row = p.row_bytes(p.s.gate_up_stride);
+  // Gate row of f = 3, element 260 (third block): code 0xff (-NaN).
+  p.gate_up[6 * gu_row + 2 * sizeof(colibri::BlockFp8E4M3) + offsetof(colibri::BlockFp8E4M3, qs) + 4] = 0xff;
+  const int n = 9;
+  std::vector<float> x(static_cast<size_t>(n) * 300, 0.25f);
+  std::vector<int32_t> idx(n);
+  for (int i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = i;
+  std::vector<float> h(static_cast<size_t>(n) * 20, NAN);
+  k.gate_up(p.s, p.gate_up.data(), x.data(), 300, idx.data(), n, 0, 20, h.data(), 20, colibri_test::thread_scratch());
+  for (int i = 0; i < n; ++i) {
+    for (int f = 0; f < 20; ++f) {
+      EXPECT_EQ(std::isnan(h[static_cast<size_t>(i) * 20 + f]), f == 3) << "token " << i << " f " << f;
+    }
+  }
+}
+
 // With no working memory to be had, both prefill tables fall back to the
 // decode kernels; they must not return with the output unwritten.
 TEST_F(GemmKernels, NoScratchFallsBackToDecodeKernels) {
@@ -371,6 +443,9 @@ TEST_F(GemmKernels, NoScratchFallsBackToDecodeKernels) {
         check_table(*k, wt, 129, 48, n, rng, nullptr);
       }
     }
+  }
+  for (int n : {8, 21}) {
+    check_table(colibri::kernels::avx512_tokens_kernels(), WeightType::kFP8_E4M3, 129, 48, n, rng, &none);
   }
 }
 

@@ -33,6 +33,8 @@
 
 #include "kernels/avx512_common.h"
 #include "kernels/gemm.h"
+#include "kernels/kernels.h"
+#include "util/quant_blocks.h"
 
 namespace colibri::kernels {
 namespace {
@@ -168,6 +170,49 @@ inline void widen_row(const char* row, ptrdiff_t next, int32_t kn, float* out) {
   for (int32_t kk = 0; kk < kn; kk += 16) _mm512_store_ps(out + kk, load16(row, static_cast<size_t>(kk), T));
 }
 
+// fp8_e4m3 (128 codes and their float scale d per block; a chunk of kKc =
+// 128 k is one block): each code widened exactly through its f16 form
+// (qdot_fp8_impl.h: sign-extended, shifted, bit 14 cleared, converted:
+// e4m3 * 2^-8), times 2^8, then times d, rounded once: the reference
+// dequantiser's value, so this tier is as exact as the fp32 one. The NaN
+// codes (magnitude 480 in that form) become the reference's quiet NaN.
+static_assert(kKc == kQKFp8, "a k chunk must be one fp8_e4m3 block");
+template <int R>
+inline void widen_rows_fp8(const char* w, size_t row_bytes, int32_t row0, int32_t kc, int32_t kn, ptrdiff_t next,
+                           float* wf) {
+  const char* row = w + static_cast<size_t>(row0) * row_bytes + static_cast<size_t>(kc / kKc) * sizeof(BlockFp8E4M3);
+  const __m512 two8 = _mm512_set1_ps(256.0f);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i nan_form = _mm512_set1_epi32(0x43f00000);  // 480.0f
+  const __m512i quiet = _mm512_set1_epi32(0x7fc00000);
+  for (int r = 0; r < R; ++r, row += row_bytes) {
+    COLIBRI_UNROLL
+    for (size_t b = 0; b < sizeof(BlockFp8E4M3); b += 64) _mm_prefetch(row + next + b, _MM_HINT_T0);
+    float ds;
+    __builtin_memcpy(&ds, row + offsetof(BlockFp8E4M3, d), sizeof ds);
+    const __m512 d = _mm512_set1_ps(ds);
+    const char* qs = row + offsetof(BlockFp8E4M3, qs);
+    float* out = wf + r * kKc;
+    for (int32_t kk = 0; kk < kn; kk += 16) {
+      const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + kk)));
+      const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
+      __m512 e = _mm512_mul_ps(_mm512_cvtph_ps(h), two8);
+      const __m512i bits = _mm512_castps_si512(e);
+      const __m512i mag = _mm512_and_si512(bits, abs_mask);
+      const __mmask16 nan_code = _mm512_cmpeq_epi32_mask(mag, nan_form);
+      e = _mm512_mask_mov_ps(e, nan_code, _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(abs_mask, bits), quiet)));
+      _mm512_store_ps(out + kk, _mm512_mul_ps(e, d));
+    }
+  }
+}
+
+// Bytes from a row's element 0 to its element k (a multiple of kKc for
+// the block format).
+inline size_t chunk_offset(WeightType t, int32_t k) {
+  if (t == WeightType::kFP8_E4M3) return static_cast<size_t>(k / kKc) * sizeof(BlockFp8E4M3);
+  return static_cast<size_t>(k) * (t == WeightType::kF32 ? 4 : 2);
+}
+
 template <int R, WeightType T>
 inline void widen_rows(const char* w, size_t row_bytes, int32_t row0, int32_t kc, int32_t kn, ptrdiff_t next,
                        float* wf) {
@@ -227,15 +272,16 @@ inline void micro_kernel(const float* wf, const float* xt, int32_t kn, __m512* a
 template <int R, int NV, int P>
 void block_products(const char* w, size_t row_bytes, WeightType t, int32_t row0, int32_t k_begin, int32_t k_end,
                     const float* xt, float* wf, __m512* acc) {
-  const size_t elem = weight_format(t).block_bytes;
   for (int32_t kc = k_begin; kc < k_end; kc += kKc) {
     const int32_t kn = k_end - kc < kKc ? k_end - kc : kKc;
     // Prefetch target: the next chunk of these rows, or the first chunk of
     // the next R rows (prefetches never fault, even past the matrix).
-    const ptrdiff_t next = kc + kn < k_end ? static_cast<ptrdiff_t>(kn * elem)
-                                           : static_cast<ptrdiff_t>(R * row_bytes) -
-                                                 static_cast<ptrdiff_t>((kc - k_begin) * elem);
+    const ptrdiff_t next =
+        kc + kn < k_end ? static_cast<ptrdiff_t>(chunk_offset(t, kc + kn) - chunk_offset(t, kc))
+                        : static_cast<ptrdiff_t>(R * row_bytes) -
+                              static_cast<ptrdiff_t>(chunk_offset(t, kc) - chunk_offset(t, k_begin));
     switch (t) {
+      case WeightType::kFP8_E4M3: widen_rows_fp8<R>(w, row_bytes, row0, kc, kn, next, wf); break;
       case WeightType::kF16: widen_rows<R, WeightType::kF16>(w, row_bytes, row0, kc, kn, next, wf); break;
       case WeightType::kBF16: widen_rows<R, WeightType::kBF16>(w, row_bytes, row0, kc, kn, next, wf); break;
       case WeightType::kF32: widen_rows<R, WeightType::kF32>(w, row_bytes, row0, kc, kn, next, wf); break;
@@ -433,6 +479,12 @@ size_t part_bytes(int32_t rows) {
   return (static_cast<size_t>(rows) + 24) * kMaxVectorsPerRow * sizeof(__m512);
 }
 
+// The decode kernels of the expert's format (fp8_e4m3: its fp32-activation
+// kernels), for when the scratch is missing.
+const KernelTable& decode_table(const ExpertShape& s) {
+  return s.weight_type == WeightType::kFP8_E4M3 ? quant_kernels(Isa::kAvx512, false) : avx512_kernels();
+}
+
 bool reserve_tokens_kernels(const ExpertShape& s, int32_t /*max_tokens*/, int32_t max_rows, KernelScratch* scratch) {
   const int32_t Kg = (s.d_model + 15) / 16 * 16;
   const int32_t Kd = (s.d_ff + 15) / 16 * 16;
@@ -454,7 +506,7 @@ void gate_up_tokens(const ExpertShape& s, const void* gate_up, const float* x, s
   if (xt == nullptr || wf == nullptr) {
     // Out of memory for a few hundred KiB of scratch: the decode kernels
     // need none and give the same sums up to rounding.
-    avx512_kernels().gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh, scratch);
+    decode_table(s).gate_up(s, gate_up, x, ldx, token_index, n, f_begin, f_end, h, ldh, scratch);
     return;
   }
   const char* w = static_cast<const char*>(gate_up);
@@ -481,7 +533,7 @@ void down_tokens(const ExpertShape& s, const void* down, const float* h, size_t 
   float* out = static_cast<float*>(scratch_buffer(scratch, kOutSlot, kOutBytes));
   __m512* part = static_cast<__m512*>(scratch_buffer(scratch, kPartSlot, part_bytes(d_end - d_begin)));
   if (xt == nullptr || wf == nullptr || out == nullptr || part == nullptr) {
-    avx512_kernels().down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
+    decode_table(s).down(s, down, h, ldh, token_index, weight, n, d_begin, d_end, y, ldy, scratch);
     return;
   }
   const char* w = static_cast<const char*>(down);

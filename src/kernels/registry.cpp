@@ -102,9 +102,13 @@ const KernelTable& int8_table(Isa isa) { return quant_kernels(isa, false); }
 const KernelTable& exact_dequant_table(Isa isa) { return quant_kernels(isa, true); }
 
 // Decode (and the fallback below the first prefill tier): first match wins.
-// Every row is fp32-grade except int8, the block formats' default.
+// Every row is fp32-grade except int8, the block formats' default (but for
+// fp8_e4m3, whose "int8" table takes fp32 activations).
 constexpr DecodeRow kDecodeRows[] = {
-    {{kBlockTypes, Isa::kScalar, Needs::kNothing, kExactPrecision, false, true}, exact_dequant_table},
+    // fp8_e4m3's own kernels multiply its exact codes with fp32 activations:
+    // fp32-grade already, so exact keeps them.
+    {{kBlockTypes & ~type_bit(WeightType::kFP8_E4M3), Isa::kScalar, Needs::kNothing, kExactPrecision, false, true},
+     exact_dequant_table},
     {{kBlockTypes, Isa::kScalar, Needs::kNothing, kAnyPrecision, false, true}, int8_table},
 #if defined(COLIBRI_HAVE_X86_KERNELS)
     // vdpbf16ps on the activations split into two bf16 parts: for one token
@@ -128,6 +132,10 @@ constexpr PrefillRow kPrefillRows[] = {
     // Block formats on AMX: rows dequantised to bf16 in L2-sized chunks, then the tiles.
     {{kBlockTypes, Isa::kAmx, Needs::kBf16Dequant, kRoundingPrecisions, true, false}, 1,
      {{quant_amx_bf16_table, kQuantAmxMinTokens}, {}}},
+    // fp8_e4m3 elsewhere: its codes widened exactly to fp32 in the token-lane
+    // kernel's chunks (one block a chunk), as exact as the fp32 tier.
+    {{type_bit(WeightType::kFP8_E4M3), Isa::kAvx512, Needs::kNothing, kAnyPrecision, false, false}, 1,
+     {{tokens_table, kTokensMinTokens}, {}}},
     // Block formats elsewhere, and exact: their decode table throughout.
     {{kBlockTypes, Isa::kScalar, Needs::kNothing, kAnyPrecision, false, true}, 0, {}},
     // bf16 weights round nothing but the activations on the tiles, by default.
