@@ -1050,6 +1050,79 @@ def _load_expert_biases(ck, block_path, experts):
         setattr(owner, name.rpartition(".")[2], nn.Parameter(value, requires_grad=False))
 
 
+def _with_shared(ck, block_path, experts, fp8):
+    """What an expert_source returns for a block: its routed experts, and
+    with an FP8 shared expert ({linear name: Fp8Weight}) a dict that also
+    gives Colibri the shared expert's weights with their scales."""
+    if not fp8:
+        return experts
+    names = next((n for n in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")) if all(k in fp8 for k in n)),
+                 None)
+    if names is None or len(fp8) != 3:
+        raise ValueError("%s: block %s's FP8 shared expert has weights %s; expected gate_proj, up_proj and down_proj"
+                         % (ck.path, block_path, sorted(fp8)))
+    return {"experts": experts, "shared": tuple(fp8[n] for n in names)}
+
+
+def open_checkpoint(path):
+    """A checkpoint directory for accelerate(checkpoint=): its safetensors
+    index, and for a block-scaled FP8 one (config.json's
+    quantization_config) the scale tiles."""
+    import json
+
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError("%s: cannot be read as a checkpoint's config.json (%s)" % (cfg_path, e)) from None
+    quant = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    ck = _Checkpoint(path)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        if method != "fp8":
+            raise ValueError("%s: quantization_config.quant_method = %r: accelerate(checkpoint=) reads 16/32-bit and "
+                             "block-scaled FP8 checkpoints" % (cfg_path, method))
+        ck.fp8_block = checkpoint_block_size(quant, cfg_path)
+    return ck
+
+
+def checkpoint_stored_dtype(ck, block_path, block):
+    """The stored type of a block's first expert matrix in the checkpoint:
+    "fp8_e4m3" or a torch float dtype (accelerate(checkpoint=)'s default)."""
+    fused = ck.find(*_aliases(block_path + ".experts.gate_up_proj"))
+    first = (ck.weight(fused, lambda k: ck.get_item(k, 0)) if fused is not None
+             else _expert_matrix(ck, block_path, 0, "gate"))
+    return first.dtype_name if isinstance(first, Fp8Weight) else first.dtype
+
+
+def checkpoint_expert_source(ck, blocks):
+    """accelerate()'s expert_source for the checkpoint `ck` (open_checkpoint)
+    and the model's blocks {path: module}: each block's routed experts read
+    from the checkpoint one expert at a time as stored (an FP8 one with its
+    scales), and an FP8 shared expert's weights; float shared experts run
+    from the model's own weights."""
+    def source(bpath, spec):
+        block = blocks[bpath]
+        fp8 = {}
+        for attr in ("shared_expert", "shared_experts"):
+            shared = getattr(block, attr, None)
+            if shared is None:
+                continue
+            for name, mod in shared.named_modules():
+                if not isinstance(mod, nn.Linear):
+                    continue
+                found = ck.find(*_aliases("%s.%s.%s.weight" % (bpath, attr, name)))
+                w = ck.weight(found) if found is not None else None
+                if isinstance(w, Fp8Weight):
+                    if tuple(w.shape) != tuple(mod.weight.shape):
+                        raise ValueError("%s: %s has shape %s, the model's %s.%s.%s needs %s"
+                                         % (ck.path, found, tuple(w.shape), bpath, attr, name, tuple(mod.weight.shape)))
+                    fp8[name] = w
+        return _with_shared(ck, bpath, _lazy_experts(ck, bpath, block.experts, spec.n_experts, spec.layout), fp8)
+    return source
+
+
 def _from_checkpoint(path, dtype, dense_dtype, options):
     """A checkpoint directory: the model built on meta; projections and the
     head read one at a time into colibri.nn.Linear (as stored, or quantised
@@ -1200,15 +1273,7 @@ def _from_checkpoint(path, dtype, dense_dtype, options):
                 setattr(owner, pname.rpartition(".")[2], nn.Parameter(w, requires_grad=False))
 
         def source(_, spec, b=bpath, m=block.experts, fp8=shared_fp8):
-            experts = _lazy_experts(ck, b, m, n_experts, spec.layout)
-            if not fp8:
-                return experts
-            names = next((n for n in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-                          if all(k in fp8 for k in n)), None)
-            if names is None or len(fp8) != 3:
-                raise ValueError("%s: block %s's FP8 shared expert has weights %s; expected gate_proj, up_proj and "
-                                 "down_proj" % (path, b, sorted(fp8)))
-            return {"experts": experts, "shared": tuple(fp8[n] for n in names)}
+            return _with_shared(ck, b, _lazy_experts(ck, b, m, n_experts, spec.layout), fp8)
 
         report = ctorch.accelerate(
             block, dtype=dtype, threads=options["threads"], exact_prefill=options["exact_prefill"],

@@ -1150,7 +1150,7 @@ def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lo
 
 def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
                verbose=False, exact_prefill=False, keep_pytorch_weights=False, gguf=None, max_resident=None,
-               expert_source=None):
+               expert_source=None, checkpoint=None):
     """Runs the experts of every recognised sparse-MoE block of `model` in
     Colibri; returns an AccelerateReport.
 
@@ -1197,6 +1197,14 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     fallback raises a RuntimeError saying so. report.released_bytes says how
     much was released.
 
+    checkpoint: a Hugging Face checkpoint directory holding the same model
+    (16/32-bit, or block-scaled FP8 as DeepSeek-V3 and Qwen3 FP8 ship it,
+    which transformers loads on CPU only dequantised): each block's routed
+    experts, and an FP8 shared expert, come from the checkpoint as stored,
+    one expert at a time (FP8 as fp8_e4m3 rows with their scales), instead
+    of from the PyTorch weights; dtype= still quantises them as read.
+    Excludes gguf= and expert_source=.
+
     expert_source: a callable (block path, its _Spec) -> the block's routed experts as
     Model.from_arrays takes them, [(gate [F, D], up [F, D], down [D, F])],
     used instead of the module's own expert weights (which may then be
@@ -1220,6 +1228,17 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
             skipped.append((path, spec))
             continue
         found.append((path, module, spec))
+
+    if checkpoint is not None:
+        from .loader import checkpoint_expert_source, checkpoint_stored_dtype, open_checkpoint
+
+        if gguf is not None or expert_source is not None:
+            raise ValueError("accelerate(): checkpoint excludes gguf and expert_source (the experts come from one "
+                             "place)")
+        ck = open_checkpoint(checkpoint)
+        expert_source = checkpoint_expert_source(ck, {p: m for p, m, _ in found})
+        if dtype is None and found:
+            dtype = checkpoint_stored_dtype(ck, found[0][0], found[0][1])  # the checkpoint's type, not the model's
 
     groups = {}
     for path, module, spec in found:

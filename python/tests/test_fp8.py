@@ -271,3 +271,46 @@ def test_convert_hf_keeps_fp8_as_stored(tmp_path):
             want = packed(block + "experts.%d." % e) if per_expert else packed(block + "experts.", e)
             assert (out / ("layer_%02d" % j) / ("expert_%02d.bin" % e)).read_bytes() == want, (hf, e)
         assert (out / ("layer_%02d" % j) / "shared_expert.bin").read_bytes() == packed(block + "shared_experts.")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_accelerate_takes_fp8_experts_from_the_checkpoint(tmp_path, family):
+    """A model loaded with dequantised weights (as transformers gives an FP8
+    checkpoint on CPU), accelerated with checkpoint=FP8_DIR: the experts
+    (and DeepSeek's FP8 shared expert) run as stored in fp8_e4m3, the
+    model's logits those of the plain model within fp32 rounding."""
+    path, ref_path = fp8_checkpoint(tmp_path, family)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
+    with torch.no_grad():  # the model's own experts wrong: only the checkpoint's give plain's logits
+        for name, p in model.named_parameters():
+            if ".experts." in name or ".shared_expert" in name:
+                p.zero_()
+    report = ct.accelerate(model, checkpoint=path, threads=2, exact_prefill=True)
+    assert report.accelerated and not report.skipped
+    assert {m.info.dtype for m in report.models} == {"fp8_e4m3"}
+    if family == "deepseek_v3":
+        assert all(b.shared == "colibri" for b in report.accelerated)  # in the model's fp8_e4m3
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        assert rel_l2(model(ids).logits, plain(ids).logits) <= 1e-4
+    # dtype= quantises the stored values as read.
+    q8 = transformers.AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
+    report = ct.accelerate(q8, checkpoint=path, dtype="q8_0", threads=2)
+    assert {m.info.dtype for m in report.models} == {"q8_0"}
+
+
+def test_accelerate_checkpoint_refusals(tmp_path):
+    path, ref_path = fp8_checkpoint(tmp_path, "qwen3_moe")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match="excludes gguf"):
+        ct.accelerate(model, checkpoint=path, gguf=os.path.join(path, "x.gguf"))
+    other, _ = fp8_checkpoint(tmp_path / "deepseek", "deepseek_v3")
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts.0.gate_proj.weight is missing"):
+        ct.accelerate(model, checkpoint=other)  # another architecture: its first block is dense
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.loads(open(cfg_path).read())
+    cfg["quantization_config"]["quant_method"] = "gptq"
+    open(cfg_path, "w").write(json.dumps(cfg))
+    with pytest.raises(ValueError, match="gptq"):
+        ct.accelerate(model, checkpoint=path)
