@@ -235,6 +235,8 @@ MIXED_TYPES = {
     "deepseek2": dict(expert_types=("q4_1", "q4_1", "iq4_nl"), attn_type="iq4_xs", embd_type="q5_0",
                       head_type="q5_1"),
     "llama": dict(expert_types=("q2_k", "q2_k", "q3_k"), attn_type="q3_k", embd_type="q2_k", head_type="q6_k"),
+    # Ternary (BitNet b1.58-style) experts and attention, the embedding in Q4_K.
+    "olmoe": dict(expert_types=("tq1_0", "tq1_0", "tq2_0"), attn_type="tq2_0", embd_type="q4_k", head_type="tq1_0"),
 }
 
 
