@@ -96,7 +96,7 @@ struct Args {
 
 void usage() {
     std::fprintf(stderr,
-        "usage: llamacpp_moe [--type f16|bf16|f32|q8_0|q4_0|q4_1|q5_0|q5_1|q2_K|q3_K|q4_K|iq4_nl|iq4_xs|iq1_s|iq1_m|iq2_xxs|iq2_xs|iq2_s|iq3_xxs|iq3_s|mxfp4] [--experts E] [--top-k K]\n"
+        "usage: llamacpp_moe [--type f16|bf16|f32|q8_0|q4_0|q4_1|q5_0|q5_1|q2_K|q3_K|q4_K|iq4_nl|iq4_xs|iq1_s|iq1_m|iq2_xxs|iq2_xs|iq2_s|iq3_xxs|iq3_s|tq1_0|tq2_0|mxfp4] [--experts E] [--top-k K]\n"
         "                    [--d-model D] [--d-ff F] [--seed S] [--shape NAME] [--check] [--serve] [--gpt-oss]\n"
         "  --gpt-oss         the experts as llama.cpp's gpt-oss graph computes them: biases on gate,\n"
         "                    up and down (ggml_add_id) and ggml_swiglu_oai(alpha 1.702, limit 7)\n"
@@ -198,8 +198,10 @@ ggml_type parse_type(const std::string & s) {
     if (l == "iq2_xs") return GGML_TYPE_IQ2_XS;
     if (l == "iq2_s") return GGML_TYPE_IQ2_S;
     if (l == "iq3_s") return GGML_TYPE_IQ3_S;
+    if (l == "tq1_0") return GGML_TYPE_TQ1_0;
+    if (l == "tq2_0") return GGML_TYPE_TQ2_0;
     die("unsupported --type %s (f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, iq4_nl, iq4_xs, "
-        "iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, mxfp4)",
+        "iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, tq1_0, tq2_0, mxfp4)",
         s.c_str());
 }
 

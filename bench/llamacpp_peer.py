@@ -54,7 +54,8 @@ FLOAT_TYPES = ["f16", "bf16"]
 COLIBRI_DTYPE = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_K": "q4_k", "mxfp4": "mxfp4", "f16": "f16", "bf16": "bf16", "f32": "f32",
                  "q4_1": "q4_1", "q5_0": "q5_0", "q5_1": "q5_1", "iq4_nl": "iq4_nl", "iq4_xs": "iq4_xs",
                  "q2_K": "q2_k", "q3_K": "q3_k", "iq1_s": "iq1_s", "iq1_m": "iq1_m", "iq2_xxs": "iq2_xxs",
-                 "iq3_xxs": "iq3_xxs", "iq2_xs": "iq2_xs", "iq2_s": "iq2_s", "iq3_s": "iq3_s"}
+                 "iq3_xxs": "iq3_xxs", "iq2_xs": "iq2_xs", "iq2_s": "iq2_s", "iq3_s": "iq3_s", "tq1_0": "tq1_0",
+                 "tq2_0": "tq2_0"}
 
 T0 = time.time()
 
