@@ -318,7 +318,7 @@ TEST(KernelRegistry, EveryPlanFitsItsFormatLevelAndPrecision) {
     return std::strncmp(s, prefix, std::strlen(prefix)) == 0;
   };
   const auto block_table = [&](const KernelTable& t) {
-    return starts_with(t.name, "int8-") || starts_with(t.name, "exact-dequant-") ||
+    return starts_with(t.name, "int8-") || starts_with(t.name, "fp8-") || starts_with(t.name, "exact-dequant-") ||
            std::strcmp(t.name, "amx-bf16-dequant") == 0;
   };
   const auto rounds = [](const KernelTable& t) {
@@ -350,6 +350,7 @@ TEST(KernelRegistry, EveryPlanFitsItsFormatLevelAndPrecision) {
           EXPECT_FALSE(rounds(*plan.decode));
           if (block) {
             EXPECT_EQ(starts_with(plan.decode->name, "exact-dequant-"), exact && !fp8);
+            EXPECT_EQ(starts_with(plan.decode->name, "fp8-"), fp8);
           }
           int32_t below = 1;
           for (int i = 0; i < plan.prefill.count; ++i) {

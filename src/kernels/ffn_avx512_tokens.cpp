@@ -482,7 +482,7 @@ size_t part_bytes(int32_t rows) {
 // The decode kernels of the expert's format (fp8_e4m3: its fp32-activation
 // kernels), for when the scratch is missing.
 const KernelTable& decode_table(const ExpertShape& s) {
-  return s.weight_type == WeightType::kFP8_E4M3 ? quant_kernels(Isa::kAvx512, false) : avx512_kernels();
+  return s.weight_type == WeightType::kFP8_E4M3 ? fp8_kernels(Isa::kAvx512) : avx512_kernels();
 }
 
 bool reserve_tokens_kernels(const ExpertShape& s, int32_t /*max_tokens*/, int32_t max_rows, KernelScratch* scratch) {

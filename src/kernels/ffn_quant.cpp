@@ -452,4 +452,18 @@ const KernelTable& quant_kernels(Isa isa, bool exact) {
   return scalar;
 }
 
+const KernelTable& fp8_kernels(Isa isa) {
+  const Isa detected = detect_isa();
+  const Isa level = isa < detected ? isa : detected;
+  static const KernelTable scalar = quant_table<Isa::kScalar>("fp8-scalar");
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  // The level choice of quant_kernels, so the same entries run under either name.
+  static const KernelTable avx2 = quant_table<Isa::kAvx2>("fp8-avx2");
+  static const KernelTable avx512 = quant_table<Isa::kAvx512>("fp8-avx512");
+  if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) return avx512;
+  if (level >= Isa::kAvx2) return avx2;
+#endif
+  return scalar;
+}
+
 }  // namespace colibri::kernels

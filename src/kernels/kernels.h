@@ -313,6 +313,9 @@ KernelPlan plan_kernels(Isa isa, const ExpertShape& shape, PrefillPrecision prec
 // "exact-dequant-<isa>": fp32 activations against the weights widened by
 // the format's reference dequantiser, and the fp32 kernels.
 const KernelTable& quant_kernels(Isa isa, bool exact);
+// The same kernels named for fp8_e4m3 ("fp8-<isa>"): its codes are not
+// integers, so they meet fp32 activations (fp32-grade, at every precision).
+const KernelTable& fp8_kernels(Isa isa);
 
 // Per-ISA tables (defined in ffn_<isa>.cpp).
 const KernelTable& scalar_kernels();

@@ -100,15 +100,15 @@ struct PrefillRow {
 
 const KernelTable& int8_table(Isa isa) { return quant_kernels(isa, false); }
 const KernelTable& exact_dequant_table(Isa isa) { return quant_kernels(isa, true); }
+const KernelTable& fp8_table(Isa isa) { return fp8_kernels(isa); }
 
 // Decode (and the fallback below the first prefill tier): first match wins.
-// Every row is fp32-grade except int8, the block formats' default (but for
-// fp8_e4m3, whose "int8" table takes fp32 activations).
+// Every row is fp32-grade except int8, the block formats' default.
 constexpr DecodeRow kDecodeRows[] = {
     // fp8_e4m3's own kernels multiply its exact codes with fp32 activations:
     // fp32-grade already, so exact keeps them.
-    {{kBlockTypes & ~type_bit(WeightType::kFP8_E4M3), Isa::kScalar, Needs::kNothing, kExactPrecision, false, true},
-     exact_dequant_table},
+    {{type_bit(WeightType::kFP8_E4M3), Isa::kScalar, Needs::kNothing, kAnyPrecision, false, true}, fp8_table},
+    {{kBlockTypes, Isa::kScalar, Needs::kNothing, kExactPrecision, false, true}, exact_dequant_table},
     {{kBlockTypes, Isa::kScalar, Needs::kNothing, kAnyPrecision, false, true}, int8_table},
 #if defined(COLIBRI_HAVE_X86_KERNELS)
     // vdpbf16ps on the activations split into two bf16 parts: for one token
