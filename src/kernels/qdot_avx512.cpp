@@ -1390,6 +1390,9 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
     case WeightType::kIQ2_S:
     case WeightType::kIQ3_S:
       return quant_dot_avx512_grid(t);
+    case WeightType::kTQ1_0:
+    case WeightType::kTQ2_0:
+      return quant_dot_avx512_ternary(t);
     default:
       return quant_dot_avx512_ymm(t);
   }

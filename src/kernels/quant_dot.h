@@ -98,6 +98,9 @@ const QuantDotKernels* quant_dot_avx512_ymm(WeightType t);
 // qdot_avx512_grid.cpp: the grid i-quants on zmm, a super-block at a time;
 // nullptr for other formats; needs AVX512_VNNI.
 const QuantDotKernels* quant_dot_avx512_grid(WeightType t);
+// qdot_avx512_ternary.cpp: TQ1_0 and TQ2_0 on zmm, a super-block at a
+// time; nullptr for other formats; needs AVX512_VNNI.
+const QuantDotKernels* quant_dot_avx512_ternary(WeightType t);
 #endif
 
 }  // namespace colibri::kernels
