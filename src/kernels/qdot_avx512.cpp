@@ -1332,11 +1332,13 @@ const QuantDotKernels kQ5_K = {"q5_k-avx512-vnni", quantize_act, dot_rows_k<Kind
 const QuantDotKernels kQ6_K = {"q6_k-avx512-vnni", quantize_act, dot_rows_k<Kind::kQ6K>};
 const QuantDotKernels kMxfp4 = {"mxfp4-avx512-vnni", quantize_act, dot_rows_mxfp4};
 
-// iq4_nl / iq4_xs: the many-token kernel here; fewer tokens (and the rows
-// past the last whole 16) take the AVX2-level kernels with EVEX vpdpbusd
-// (qdot_avx512vl.cpp).
-template <GemmFormat F, WeightType T>
-void dot_rows_gemm_or_ymm(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes,
+// iq4_nl, iq4_xs, q3_k and q2_k: the many-token kernel here; fewer tokens
+// (and the rows past the last whole 16) take the `Few` level's kernels:
+// the AVX2-level ones with EVEX vpdpbusd (qdot_avx512vl.cpp) for the iq4
+// formats, the zmm ones of qdot_avx512_planes.cpp for q3_k and q2_k.
+using FewTokenTables = const QuantDotKernels* (*)(WeightType);
+template <GemmFormat F, WeightType T, FewTokenTables Few>
+void dot_rows_gemm_or_few(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes,
                           int32_t tokens, size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
   const auto* wb = static_cast<const uint8_t*>(w);
@@ -1344,16 +1346,18 @@ void dot_rows_gemm_or_ymm(const void* w, size_t row_bytes, int32_t rows, const v
                                       : gemm_rows<F>(wb, row_bytes, rows, static_cast<const uint8_t*>(act), act_bytes,
                                                      tokens, n, out, ld_out);
   if (done == rows) return;
-  quant_dot_avx512_ymm(T)->dot_rows(wb + static_cast<size_t>(done) * row_bytes, row_bytes, rows - done, act,
-                                    act_bytes, tokens, n, out + done, ld_out);
+  Few(T)->dot_rows(wb + static_cast<size_t>(done) * row_bytes, row_bytes, rows - done, act, act_bytes, tokens, n,
+                   out + done, ld_out);
 }
 
 const QuantDotKernels kIq4Nl = {"iq4_nl-avx512-vnni", quantize_act,
-                                dot_rows_gemm_or_ymm<GemmFormat::kIQ4NL, WeightType::kIQ4_NL>};
+                                dot_rows_gemm_or_few<GemmFormat::kIQ4NL, WeightType::kIQ4_NL, quant_dot_avx512_ymm>};
 const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act,
-                                dot_rows_gemm_or_ymm<GemmFormat::kIQ4XS, WeightType::kIQ4_XS>};
-const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act, dot_rows_gemm_or_ymm<GemmFormat::kQ3K, WeightType::kQ3_K>};
-const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act, dot_rows_gemm_or_ymm<GemmFormat::kQ2K, WeightType::kQ2_K>};
+                                dot_rows_gemm_or_few<GemmFormat::kIQ4XS, WeightType::kIQ4_XS, quant_dot_avx512_ymm>};
+const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act,
+                               dot_rows_gemm_or_few<GemmFormat::kQ3K, WeightType::kQ3_K, quant_dot_avx512_planes>};
+const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act,
+                               dot_rows_gemm_or_few<GemmFormat::kQ2K, WeightType::kQ2_K, quant_dot_avx512_planes>};
 const QuantDotKernels kFp8E4M3 = {"fp8_e4m3-avx512-vnni", fp8::copy_act, fp8::dot_rows<Fp8Zmm>};
 
 }  // namespace
@@ -1392,7 +1396,7 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
       return quant_dot_avx512_grid(t);
     case WeightType::kTQ1_0:
     case WeightType::kTQ2_0:
-      return quant_dot_avx512_ternary(t);
+      return quant_dot_avx512_planes(t);
     default:
       return quant_dot_avx512_ymm(t);
   }

@@ -98,9 +98,11 @@ const QuantDotKernels* quant_dot_avx512_ymm(WeightType t);
 // qdot_avx512_grid.cpp: the grid i-quants on zmm, a super-block at a time;
 // nullptr for other formats; needs AVX512_VNNI.
 const QuantDotKernels* quant_dot_avx512_grid(WeightType t);
-// qdot_avx512_ternary.cpp: TQ1_0 and TQ2_0 on zmm, a super-block at a
-// time; nullptr for other formats; needs AVX512_VNNI.
-const QuantDotKernels* quant_dot_avx512_ternary(WeightType t);
+// qdot_avx512_planes.cpp: TQ1_0, TQ2_0, Q2_K and Q3_K on zmm, a
+// super-block at a time (Q2_K and Q3_K: the calls and rows the many-token
+// kernel of qdot_avx512.cpp leaves); nullptr for other formats; needs
+// AVX512_VNNI.
+const QuantDotKernels* quant_dot_avx512_planes(WeightType t);
 #endif
 
 }  // namespace colibri::kernels
