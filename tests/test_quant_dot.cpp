@@ -697,9 +697,9 @@ TEST_P(QuantDotIsa, DotRows) {
   }
   std::mt19937 rng(77 + static_cast<unsigned>(t));
   const std::vector<int> rows = {1, 2, 3, 5, 16, 37};
-  // Every pass width of the few-token kernels, and past 8 the many-token
-  // ones (passes of up to 12 tokens, calls of up to 32, a ragged last
-  // group of 16 tokens).
+  // Every pass width of the few-token kernels, and past 8 (q2_k, q3_k: 16)
+  // the many-token ones (passes of up to 12 tokens, calls of up to 32, a
+  // ragged last group of 16 tokens).
   const std::vector<int> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 14, 17};
   const std::vector<int> many_tokens = {9, 12, 13, 25, 32, 33, 47};
   std::vector<DotCase> cases = {

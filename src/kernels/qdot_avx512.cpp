@@ -1335,29 +1335,34 @@ const QuantDotKernels kMxfp4 = {"mxfp4-avx512-vnni", quantize_act, dot_rows_mxfp
 // iq4_nl, iq4_xs, q3_k and q2_k: the many-token kernel here; fewer tokens
 // (and the rows past the last whole 16) take the `Few` level's kernels:
 // the AVX2-level ones with EVEX vpdpbusd (qdot_avx512vl.cpp) for the iq4
-// formats, the zmm ones of qdot_avx512_planes.cpp for q3_k and q2_k.
+// formats up to 8 tokens, the zmm ones of qdot_avx512_planes.cpp for q3_k
+// and q2_k up to 16 (on Zen 5 at 16 tokens, passes of 8 there ran 1.1-1.2x
+// the many-token kernel's GOP/s: colibri_qdot_bench, 2048x1024).
 using FewTokenTables = const QuantDotKernels* (*)(WeightType);
-template <GemmFormat F, WeightType T, FewTokenTables Few>
+template <GemmFormat F, WeightType T, FewTokenTables Few, int kFewMaxTokens>
 void dot_rows_gemm_or_few(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes,
                           int32_t tokens, size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
   const auto* wb = static_cast<const uint8_t*>(w);
-  const int32_t done = n / kQK32 == 0 ? 0
-                                      : gemm_rows<F>(wb, row_bytes, rows, static_cast<const uint8_t*>(act), act_bytes,
-                                                     tokens, n, out, ld_out);
+  const int32_t done = n / kQK32 == 0 || tokens <= kFewMaxTokens
+                           ? 0
+                           : gemm_rows<F>(wb, row_bytes, rows, static_cast<const uint8_t*>(act), act_bytes, tokens, n,
+                                          out, ld_out);
   if (done == rows) return;
   Few(T)->dot_rows(wb + static_cast<size_t>(done) * row_bytes, row_bytes, rows - done, act, act_bytes, tokens, n,
                    out + done, ld_out);
 }
 
-const QuantDotKernels kIq4Nl = {"iq4_nl-avx512-vnni", quantize_act,
-                                dot_rows_gemm_or_few<GemmFormat::kIQ4NL, WeightType::kIQ4_NL, quant_dot_avx512_ymm>};
-const QuantDotKernels kIq4Xs = {"iq4_xs-avx512-vnni", quantize_act,
-                                dot_rows_gemm_or_few<GemmFormat::kIQ4XS, WeightType::kIQ4_XS, quant_dot_avx512_ymm>};
+const QuantDotKernels kIq4Nl = {
+    "iq4_nl-avx512-vnni", quantize_act,
+    dot_rows_gemm_or_few<GemmFormat::kIQ4NL, WeightType::kIQ4_NL, quant_dot_avx512_ymm, kMaxTokens>};
+const QuantDotKernels kIq4Xs = {
+    "iq4_xs-avx512-vnni", quantize_act,
+    dot_rows_gemm_or_few<GemmFormat::kIQ4XS, WeightType::kIQ4_XS, quant_dot_avx512_ymm, kMaxTokens>};
 const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act,
-                               dot_rows_gemm_or_few<GemmFormat::kQ3K, WeightType::kQ3_K, quant_dot_avx512_planes>};
+                               dot_rows_gemm_or_few<GemmFormat::kQ3K, WeightType::kQ3_K, quant_dot_avx512_planes, 16>};
 const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act,
-                               dot_rows_gemm_or_few<GemmFormat::kQ2K, WeightType::kQ2_K, quant_dot_avx512_planes>};
+                               dot_rows_gemm_or_few<GemmFormat::kQ2K, WeightType::kQ2_K, quant_dot_avx512_planes, 16>};
 const QuantDotKernels kFp8E4M3 = {"fp8_e4m3-avx512-vnni", fp8::copy_act, fp8::dot_rows<Fp8Zmm>};
 
 }  // namespace

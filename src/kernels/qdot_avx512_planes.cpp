@@ -264,7 +264,11 @@ void plane_rows_zmm(const uint8_t* row, size_t row_bytes, size_t nsb, const uint
   }
 }
 
-// Up to kMaxTokens tokens a pass; per pass the super-blocks in column
+// Tokens a pass: a row's unpacked super-block (six zmm) serves this many
+// tokens' accumulators.
+constexpr int kPassTokens = 8;
+
+// Up to kPassTokens tokens a pass; per pass the super-blocks in column
 // chunks whose prepared activations fit the stack buffer; per chunk every
 // row, four at a time at one token and two up to 4 tokens (more would
 // spill the accumulators and codes).
@@ -277,12 +281,12 @@ void dot_rows_planes_zmm(const void* w, size_t row_bytes, int32_t rows, const vo
   const size_t nsb = n / kQKK;
   if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
   alignas(64) uint8_t buf[kActBufferBytes];
-  for (int32_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
-    const int nt = tokens - t0 < kMaxTokens ? tokens - t0 : kMaxTokens;
+  for (int32_t t0 = 0; t0 < tokens; t0 += kPassTokens) {
+    const int nt = tokens - t0 < kPassTokens ? tokens - t0 : kPassTokens;
     const size_t chunk = kActBufferBytes / (kPrepSb * static_cast<size_t>(nt));
     for (size_t c0 = 0; c0 < nsb; c0 += chunk) {
       const size_t cn = min_size(chunk, nsb - c0);
-      const uint8_t* prep[kMaxTokens];
+      const uint8_t* prep[kPassTokens];
       for (int t = 0; t < nt; ++t) {
         uint8_t* p = buf + static_cast<size_t>(t) * cn * kPrepSb;
         const uint8_t* a = ab + static_cast<size_t>(t0 + t) * act_bytes;
@@ -302,7 +306,7 @@ void dot_rows_planes_zmm(const void* w, size_t row_bytes, int32_t rows, const vo
       };
       constexpr size_t kBlockBytes = sizeof(typename PlanesTraits<F>::Block);
       size_t r = 0;
-      float res[4 * kMaxTokens];
+      float res[4 * kPassTokens];
       if (nt == 1) {
         for (; r + 4 <= nrows; r += 4) {
           plane_rows_zmm<F, 4, 1>(wb + r * row_bytes + c0 * kBlockBytes, row_bytes, cn, prep, res);
@@ -318,7 +322,7 @@ void dot_rows_planes_zmm(const void* w, size_t row_bytes, int32_t rows, const vo
       }
       for (; r < nrows; ++r) {
         const uint8_t* row = wb + r * row_bytes + c0 * kBlockBytes;
-        with_token_count<kMaxTokens>(nt, [&]<int NT>() { plane_rows_zmm<F, 1, NT>(row, row_bytes, cn, prep, res); });
+        with_token_count<kPassTokens>(nt, [&]<int NT>() { plane_rows_zmm<F, 1, NT>(row, row_bytes, cn, prep, res); });
         store(r, 1, res);
       }
     }
