@@ -31,11 +31,6 @@ struct TempDir : colibri_test::TempDir {
   TempDir() : colibri_test::TempDir("colibri_api") {}
 };
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
 void write_file(const std::string& path, const std::string& data) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(data.data(), static_cast<std::streamsize>(data.size()));
@@ -76,7 +71,7 @@ class ApiTest : public ::testing::Test {
     spec.dtype = colibri::WeightType::kF16;
     colibri::write_random_model(dir_, spec, 5);
     manifest_path_ = dir_ + "/colibri.json";
-    manifest_ = json::parse(read_file(manifest_path_));
+    manifest_ = json::parse(colibri_test::file_bytes(manifest_path_));
   }
 
   // Open with defaults but checksum verification as given; expects failure
@@ -115,7 +110,7 @@ class ApiTest : public ::testing::Test {
   }
 
   void flip_byte(const std::string& path, size_t at) {
-    std::string bytes = read_file(path);
+    std::string bytes = colibri_test::file_bytes(path);
     ASSERT_LT(at, bytes.size());
     bytes[at] = static_cast<char>(bytes[at] ^ 0x5a);
     write_file(path, bytes);
@@ -182,7 +177,7 @@ TEST_F(ApiTest, InvalidJson) {
 
 TEST_F(ApiTest, NumberTooLargeForADouble) {
   // nlohmann reports this as out_of_range, not parse_error (fuzz_manifest).
-  std::string text = read_file(manifest_path_);
+  std::string text = colibri_test::file_bytes(manifest_path_);
   const size_t at = text.find("\"d_ff\": ");
   ASSERT_NE(at, std::string::npos);
   text.insert(at, "\"unused\": 2e4708314, ");
@@ -314,7 +309,7 @@ TEST_F(ApiTest, MissingExpertFile) {
 }
 
 TEST_F(ApiTest, TruncatedExpertFile) {
-  std::string bytes = read_file(expert_path(1));
+  std::string bytes = colibri_test::file_bytes(expert_path(1));
   bytes.pop_back();
   write_file(expert_path(1), bytes);
   EXPECT_EQ(open_status(dir_), COLIBRI_ERR_FORMAT);
@@ -326,7 +321,7 @@ TEST_F(ApiTest, TruncatedExpertFile) {
 }
 
 TEST_F(ApiTest, OversizedExpertFile) {
-  std::string bytes = read_file(expert_path(3));
+  std::string bytes = colibri_test::file_bytes(expert_path(3));
   bytes.push_back('\0');
   write_file(expert_path(3), bytes);
   EXPECT_EQ(open_status(dir_), COLIBRI_ERR_FORMAT);
@@ -384,7 +379,7 @@ TEST_F(ApiTest, ChecksumKeyNamingForeignFile) {
 TEST_F(ApiTest, ManifestChecksumCatchesAnyFlippedByte) {
   // Every single-bit flip anywhere in colibri.json (even inside a field
   // readers ignore, or in a key name) is refused, naming colibri.json.
-  const std::string good = read_file(manifest_path_);
+  const std::string good = colibri_test::file_bytes(manifest_path_);
   ASSERT_TRUE(std::filesystem::exists(manifest_path_ + ".xxh64"));
   for (size_t i = 0; i < good.size(); i += 7) {
     std::string bad = good;

@@ -12,12 +12,10 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -202,13 +200,6 @@ std::string st_name(colibri::WeightType d) {
   return d == colibri::WeightType::kF32 ? "F32" : d == colibri::WeightType::kF16 ? "F16" : "BF16";
 }
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 std::vector<double> decode(const std::string& bytes, colibri::WeightType d) {
   const auto* b = reinterpret_cast<const uint8_t*>(bytes.data());
   std::vector<double> out;
@@ -275,7 +266,7 @@ void check_model(const std::string& out, const Checkpoint& ck, const Case& c, co
     SCOPED_TRACE("HF layer " + std::to_string(hf));
     const std::string b = layer_block(c, hf);
     for (int32_t e = 0; e < c.n_experts; ++e) {
-      EXPECT_EQ(slurp(out + "/" + m.expert_file(l, e)),
+      EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.expert_file(l, e)),
                 colibri_test::encode_values(out_dtype, expert_values(ck, c, hf, e)))
           << "expert " << e;
     }
@@ -284,13 +275,13 @@ void check_model(const std::string& out, const Checkpoint& ck, const Case& c, co
       const std::vector<float>& bias = ck.values(b + ".gate.e_score_correction_bias");
       router.insert(router.end(), bias.begin(), bias.end());
     }
-    EXPECT_EQ(slurp(out + "/" + m.router_file(l)), colibri_test::encode_values("F32", router));
+    EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.router_file(l)), colibri_test::encode_values("F32", router));
     if (c.shared_d_ff > 0) {
-      EXPECT_EQ(slurp(out + "/" + m.shared_file(l)), colibri_test::encode_values(out_dtype, shared_values(ck, c, hf)));
+      EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.shared_file(l)), colibri_test::encode_values(out_dtype, shared_values(ck, c, hf)));
     }
     EXPECT_EQ(fs::exists(out + "/" + m.shared_gate_file(l)), c.shared_gate);
     if (c.shared_gate) {
-      EXPECT_EQ(slurp(out + "/" + m.shared_gate_file(l)),
+      EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.shared_gate_file(l)),
                 colibri_test::encode_values("F32", ck.values(b + ".shared_expert_gate.weight")));
     }
   }
@@ -324,9 +315,9 @@ void check_model(const std::string& out, const Checkpoint& ck, const Case& c, co
   }
   std::vector<double> ref = colibri_test::reference_layer(out, layer, T, x.data(), k, ids.data(), wts.data());
   if (c.shared_d_ff > 0) {
-    const std::vector<double> sw = decode(slurp(out + "/" + m.shared_file(layer)), dtype);
+    const std::vector<double> sw = decode(colibri_test::file_bytes(out + "/" + m.shared_file(layer)), dtype);
     std::vector<double> gate;
-    if (c.shared_gate) gate = decode(slurp(out + "/" + m.shared_gate_file(layer)), colibri::WeightType::kF32);
+    if (c.shared_gate) gate = decode(colibri_test::file_bytes(out + "/" + m.shared_gate_file(layer)), colibri::WeightType::kF32);
     for (int32_t t = 0; t < T; ++t) {
       const float* xt = x.data() + static_cast<size_t>(t) * kD;
       double s = 1.0;
@@ -806,7 +797,7 @@ TEST_F(BadCheckpointTest, TruncatedShard) {
 TEST_F(BadCheckpointTest, BadIndex) {
   ck_.write(hf_, 2);
   const std::string index = hf_ + "/model.safetensors.index.json";
-  json doc = json::parse(slurp(index));
+  json doc = json::parse(colibri_test::file_bytes(index));
   const std::string victim = expert(0, 0, "w1");
 
   json bad = doc;
@@ -879,7 +870,7 @@ TEST_F(BadCheckpointTest, OutputDirectoryRules) {
   fs::create_directories(out_);
   colibri_test::write_bytes(out_ + "/keep.txt", "mine");
   expect_convert_error(hf_, out_, colibri::Status::kIo, {out_, "not empty", "refusing"});
-  EXPECT_EQ(slurp(out_ + "/keep.txt"), "mine");
+  EXPECT_EQ(colibri_test::file_bytes(out_ + "/keep.txt"), "mine");
 
   const std::string file = tmp_.path() + "/afile";
   colibri_test::write_bytes(file, "x");
@@ -1127,8 +1118,8 @@ RunResult run_cli(const std::string& dir, const std::string& args) {
   const int status = std::system((std::string(COLIBRI_CLI_PATH) + " " + args + " >" + out + " 2>" + err).c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
+  r.out = colibri_test::file_bytes(out);
+  r.err = colibri_test::file_bytes(err);
   return r;
 }
 
@@ -1198,7 +1189,7 @@ TEST(ConvertCli, ErrorsAreOneLineAndLeaveNothing) {
   RunResult r = run_cli(tmp.path(), "convert --hf " + hf + " --out " + out);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("refusing"), std::string::npos) << r.err;
-  EXPECT_EQ(slurp(out + "/x"), "x");
+  EXPECT_EQ(colibri_test::file_bytes(out + "/x"), "x");
 }
 
 }  // namespace

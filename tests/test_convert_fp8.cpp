@@ -11,11 +11,9 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -91,13 +89,6 @@ std::string expected_rows(const Fp8Tensor& t) {
     }
   }
   return out;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
 }
 
 // An FP8 checkpoint of one architecture: config plus tensors; the experts'
@@ -263,7 +254,7 @@ TEST(ConvertFp8, DeepSeekV3KeepsCodesAndScalesAsStored) {
     const Fp8Tensor& g = ck.fp8.at(x + "gate_proj.weight");
     const Fp8Tensor& u = ck.fp8.at(x + "up_proj.weight");
     const Fp8Tensor& d = ck.fp8.at(x + "down_proj.weight");
-    EXPECT_EQ(slurp(out + "/" + m.expert_file(0, static_cast<int32_t>(e))),
+    EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.expert_file(0, static_cast<int32_t>(e))),
               expected_rows(g) + expected_rows(u) + expected_rows(d))
         << "expert " << e;
     experts.push_back(expert_values(g, u, d));
@@ -272,7 +263,7 @@ TEST(ConvertFp8, DeepSeekV3KeepsCodesAndScalesAsStored) {
   const Fp8Tensor& sg = ck.fp8.at(s + "gate_proj.weight");
   const Fp8Tensor& su = ck.fp8.at(s + "up_proj.weight");
   const Fp8Tensor& sd = ck.fp8.at(s + "down_proj.weight");
-  EXPECT_EQ(slurp(out + "/" + m.shared_file(0)), expected_rows(sg) + expected_rows(su) + expected_rows(sd));
+  EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.shared_file(0)), expected_rows(sg) + expected_rows(su) + expected_rows(sd));
   EXPECT_EQ(colibri_verify_dir(out.c_str()), COLIBRI_OK) << colibri_last_error();
   // fp32 activations against fp32 products: float64 within rounding.
   EXPECT_LE(layer_error(out, experts, expert_values(sg, su, sd), kD, kF), 1e-5);
@@ -303,7 +294,7 @@ TEST(ConvertFp8, OtherTypesComeFromTheDequantisedValues) {
         colibri::convert_rows_from_float(t, w.data() + off, rows, cols, bytes.data(), 1);
         want.append(bytes.begin(), bytes.end());
       }
-      EXPECT_EQ(slurp(out + "/" + m.expert_file(0, static_cast<int32_t>(e))), want) << "expert " << e;
+      EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.expert_file(0, static_cast<int32_t>(e))), want) << "expert " << e;
     }
     const std::string s = "model.layers.1.mlp.shared_experts.";
     const double err = layer_error(out, experts,
@@ -335,7 +326,7 @@ TEST(ConvertFp8, FusedQwen3Experts) {
     // straddles row F.
     const Fp8Tensor& gu = ck.fp8.at("model.layers.0.mlp.experts.gate_up_proj#" + std::to_string(e));
     const Fp8Tensor& dn = ck.fp8.at("model.layers.0.mlp.experts.down_proj#" + std::to_string(e));
-    EXPECT_EQ(slurp(out + "/" + m.expert_file(0, static_cast<int32_t>(e))), expected_rows(gu) + expected_rows(dn));
+    EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.expert_file(0, static_cast<int32_t>(e))), expected_rows(gu) + expected_rows(dn));
     std::vector<double> w;
     for (const Fp8Tensor* t : {&gu, &dn}) {
       for (size_t r = 0; r < t->rows; ++r) {

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -14,6 +16,12 @@
 #include "util/weight_format.h"
 
 namespace colibri_test {
+
+// A whole file's bytes ("" when it cannot be read).
+inline std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
 
 // The internal weight type of a C ABI dtype (the same values), for tests
 // that write models with the tools library and open them through the ABI.
