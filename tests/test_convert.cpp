@@ -277,7 +277,8 @@ void check_model(const std::string& out, const Checkpoint& ck, const Case& c, co
     }
     EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.router_file(l)), colibri_test::encode_values("F32", router));
     if (c.shared_d_ff > 0) {
-      EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.shared_file(l)), colibri_test::encode_values(out_dtype, shared_values(ck, c, hf)));
+      EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.shared_file(l)),
+                colibri_test::encode_values(out_dtype, shared_values(ck, c, hf)));
     }
     EXPECT_EQ(fs::exists(out + "/" + m.shared_gate_file(l)), c.shared_gate);
     if (c.shared_gate) {
@@ -317,7 +318,9 @@ void check_model(const std::string& out, const Checkpoint& ck, const Case& c, co
   if (c.shared_d_ff > 0) {
     const std::vector<double> sw = decode(colibri_test::file_bytes(out + "/" + m.shared_file(layer)), dtype);
     std::vector<double> gate;
-    if (c.shared_gate) gate = decode(colibri_test::file_bytes(out + "/" + m.shared_gate_file(layer)), colibri::WeightType::kF32);
+    if (c.shared_gate) {
+      gate = decode(colibri_test::file_bytes(out + "/" + m.shared_gate_file(layer)), colibri::WeightType::kF32);
+    }
     for (int32_t t = 0; t < T; ++t) {
       const float* xt = x.data() + static_cast<size_t>(t) * kD;
       double s = 1.0;

@@ -263,7 +263,8 @@ TEST(ConvertFp8, DeepSeekV3KeepsCodesAndScalesAsStored) {
   const Fp8Tensor& sg = ck.fp8.at(s + "gate_proj.weight");
   const Fp8Tensor& su = ck.fp8.at(s + "up_proj.weight");
   const Fp8Tensor& sd = ck.fp8.at(s + "down_proj.weight");
-  EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.shared_file(0)), expected_rows(sg) + expected_rows(su) + expected_rows(sd));
+  EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.shared_file(0)),
+            expected_rows(sg) + expected_rows(su) + expected_rows(sd));
   EXPECT_EQ(colibri_verify_dir(out.c_str()), COLIBRI_OK) << colibri_last_error();
   // fp32 activations against fp32 products: float64 within rounding.
   EXPECT_LE(layer_error(out, experts, expert_values(sg, su, sd), kD, kF), 1e-5);
@@ -294,7 +295,8 @@ TEST(ConvertFp8, OtherTypesComeFromTheDequantisedValues) {
         colibri::convert_rows_from_float(t, w.data() + off, rows, cols, bytes.data(), 1);
         want.append(bytes.begin(), bytes.end());
       }
-      EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.expert_file(0, static_cast<int32_t>(e))), want) << "expert " << e;
+      EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.expert_file(0, static_cast<int32_t>(e))), want)
+          << "expert " << e;
     }
     const std::string s = "model.layers.1.mlp.shared_experts.";
     const double err = layer_error(out, experts,
@@ -326,7 +328,8 @@ TEST(ConvertFp8, FusedQwen3Experts) {
     // straddles row F.
     const Fp8Tensor& gu = ck.fp8.at("model.layers.0.mlp.experts.gate_up_proj#" + std::to_string(e));
     const Fp8Tensor& dn = ck.fp8.at("model.layers.0.mlp.experts.down_proj#" + std::to_string(e));
-    EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.expert_file(0, static_cast<int32_t>(e))), expected_rows(gu) + expected_rows(dn));
+    EXPECT_EQ(colibri_test::file_bytes(out + "/" + m.expert_file(0, static_cast<int32_t>(e))),
+              expected_rows(gu) + expected_rows(dn));
     std::vector<double> w;
     for (const Fp8Tensor* t : {&gu, &dn}) {
       for (size_t r = 0; r < t->rows; ++r) {

@@ -428,42 +428,53 @@ const KernelTable& quant_amx_bf16_kernels() {
 }
 #endif
 
-const KernelTable& quant_kernels(Isa isa, bool exact) {
+namespace {
+
+// The table of the highest level at most `isa` that this CPU runs; the
+// int8 kernels' AVX-512 level also needs AVX512_VNNI.
+const KernelTable& by_level(Isa isa, bool int8, const KernelTable& scalar, const KernelTable* avx2,
+                            const KernelTable* avx512) {
   const Isa detected = detect_isa();
   const Isa level = isa < detected ? isa : detected;
+  if (avx512 != nullptr && level >= Isa::kAvx512 && (!int8 || cpu_has_avx512_vnni())) return *avx512;
+  if (avx2 != nullptr && level >= Isa::kAvx2) return *avx2;
+  return scalar;
+}
+
+}  // namespace
+
+const KernelTable& quant_kernels(Isa isa, bool exact) {
   if (exact) {
     static const KernelTable scalar = exact_table<Isa::kScalar>("exact-dequant-scalar");
 #if defined(COLIBRI_HAVE_X86_KERNELS)
     static const KernelTable avx2 = exact_table<Isa::kAvx2>("exact-dequant-avx2");
     static const KernelTable avx512 = exact_table<Isa::kAvx512>("exact-dequant-avx512");
-    if (level >= Isa::kAvx512) return avx512;
-    if (level >= Isa::kAvx2) return avx2;
+    return by_level(isa, false, scalar, &avx2, &avx512);
+#else
+    return by_level(isa, false, scalar, nullptr, nullptr);
 #endif
-    return scalar;
   }
   static const KernelTable scalar = quant_table<Isa::kScalar>("int8-scalar");
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   // The AVX2 level's integer kernels take vpdpbusd where the CPU has AVX-VNNI (quant_dot_kernels).
   static const KernelTable avx2 = quant_table<Isa::kAvx2>(cpu_has_avx_vnni() ? "int8-avx2-vnni" : "int8-avx2");
   static const KernelTable avx512 = quant_table<Isa::kAvx512>("int8-avx512-vnni");
-  if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) return avx512;
-  if (level >= Isa::kAvx2) return avx2;
+  return by_level(isa, true, scalar, &avx2, &avx512);
+#else
+  return by_level(isa, true, scalar, nullptr, nullptr);
 #endif
-  return scalar;
 }
 
+// The int8 tables' entries under fp8_e4m3's own names.
 const KernelTable& fp8_kernels(Isa isa) {
-  const Isa detected = detect_isa();
-  const Isa level = isa < detected ? isa : detected;
   static const KernelTable scalar = quant_table<Isa::kScalar>("fp8-scalar");
 #if defined(COLIBRI_HAVE_X86_KERNELS)
-  // The level choice of quant_kernels, so the same entries run under either name.
   static const KernelTable avx2 = quant_table<Isa::kAvx2>("fp8-avx2");
   static const KernelTable avx512 = quant_table<Isa::kAvx512>("fp8-avx512");
-  if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) return avx512;
-  if (level >= Isa::kAvx2) return avx2;
+  return by_level(isa, true, scalar, &avx2, &avx512);
+#else
+  return by_level(isa, true, scalar, nullptr, nullptr);
 #endif
-  return scalar;
 }
 
 }  // namespace colibri::kernels
