@@ -513,7 +513,11 @@ constexpr KRowFns k_row_fns(std::integer_sequence<int, I...>) {
 
 // The many-token kernel (below): runs whole vectors of 16 rows of a call
 // with more than kMaxTokens tokens and returns how many rows it did.
-enum class GemmFormat { kQ8_0, kQ4_0, kMXFP4, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS, kQ3K, kQ2K };
+enum class GemmFormat {
+  kQ8_0, kQ4_0, kMXFP4, kQ4K, kQ5K, kQ6K, kIQ4NL, kIQ4XS, kQ3K, kQ2K,
+  // The grid i-quants, unpacked by qdot_avx512_grid.cpp's code.
+  kIQ2XXS, kIQ3XXS, kIQ3S, kIQ1S, kIQ2XS, kIQ2S, kIQ1M
+};
 template <GemmFormat F>
 int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                   int32_t tokens, size_t n, float* out, size_t ld_out);
@@ -783,6 +787,90 @@ struct GemmWeights {
   __m512 wm[2 * kGemmBlocks];
 };
 
+constexpr WeightType gemm_grid_type(GemmFormat f) {
+  switch (f) {
+    case GemmFormat::kIQ2XXS:
+      return WeightType::kIQ2_XXS;
+    case GemmFormat::kIQ3XXS:
+      return WeightType::kIQ3_XXS;
+    case GemmFormat::kIQ3S:
+      return WeightType::kIQ3_S;
+    case GemmFormat::kIQ1S:
+      return WeightType::kIQ1_S;
+    case GemmFormat::kIQ2XS:
+      return WeightType::kIQ2_XS;
+    case GemmFormat::kIQ2S:
+      return WeightType::kIQ2_S;
+    case GemmFormat::kIQ1M:
+      return WeightType::kIQ1_M;
+    default:
+      return WeightType::kF32;  // not a grid format
+  }
+}
+constexpr bool gemm_grid(GemmFormat f) { return gemm_grid_type(f) != WeightType::kF32; }
+// Scaled per 16 values: two int32 accumulators per token and block.
+constexpr bool gemm_halves(GemmFormat f) {
+  return f == GemmFormat::kQ6K || f == GemmFormat::kQ3K || f == GemmFormat::kQ2K || f == GemmFormat::kIQ2XS ||
+         f == GemmFormat::kIQ2S || f == GemmFormat::kIQ1M;
+}
+// One scale per 32 values and a constant code offset.
+constexpr bool gemm_block32(GemmFormat f) {
+  return f == GemmFormat::kQ8_0 || f == GemmFormat::kQ4_0 || f == GemmFormat::kMXFP4 || f == GemmFormat::kIQ4NL ||
+         f == GemmFormat::kIQ4XS || (gemm_grid(f) && !gemm_halves(f));
+}
+// The formats whose prepared activations and passes are another's: the
+// grid formats scaled per 32 prepare and run as iq4_xs (codes + 128, scales
+// per 32), those scaled per 16 as iq2_xs.
+constexpr GemmFormat gemm_acts_as(GemmFormat f) {
+  return !gemm_grid(f) ? f : gemm_halves(f) ? GemmFormat::kIQ2XS : GemmFormat::kIQ4XS;
+}
+// The pass of the formats with halves and a code offset is q3_K's.
+constexpr GemmFormat gemm_pass_as(GemmFormat f) {
+  return gemm_grid(f) && gemm_halves(f) ? GemmFormat::kQ3K : gemm_acts_as(f);
+}
+static_assert(kGridCodeOffset == 128, "prepare_gemm_acts gives the grid formats iq4_xs's offset");
+
+template <GemmFormat F>
+constexpr size_t gemm_block_bytes() {
+  switch (F) {
+    case GemmFormat::kQ8_0:
+      return sizeof(BlockQ8_0);
+    case GemmFormat::kQ4_0:
+      return sizeof(BlockQ4_0);
+    case GemmFormat::kMXFP4:
+      return sizeof(BlockMxfp4);
+    case GemmFormat::kQ4K:
+      return sizeof(BlockQ4K);
+    case GemmFormat::kQ5K:
+      return sizeof(BlockQ5K);
+    case GemmFormat::kQ6K:
+      return sizeof(BlockQ6K);
+    case GemmFormat::kIQ4NL:
+      return sizeof(BlockIq4Nl);
+    case GemmFormat::kIQ4XS:
+      return sizeof(BlockIq4Xs);
+    case GemmFormat::kQ3K:
+      return sizeof(BlockQ3K);
+    case GemmFormat::kQ2K:
+      return sizeof(BlockQ2K);
+    case GemmFormat::kIQ2XXS:
+      return sizeof(BlockIq2Xxs);
+    case GemmFormat::kIQ3XXS:
+      return sizeof(BlockIq3Xxs);
+    case GemmFormat::kIQ3S:
+      return sizeof(BlockIq3S);
+    case GemmFormat::kIQ1S:
+      return sizeof(BlockIq1S);
+    case GemmFormat::kIQ2XS:
+      return sizeof(BlockIq2Xs);
+    case GemmFormat::kIQ2S:
+      return sizeof(BlockIq2S);
+    case GemmFormat::kIQ1M:
+      return sizeof(BlockIq1M);
+  }
+  return 0;
+}
+
 // Byte i (0..3) of every dword of x, as int32 lanes.
 inline __m512i dword_byte_u(__m512i x, int i) {
   return _mm512_and_si512(_mm512_srli_epi32(x, 8 * i), _mm512_set1_epi32(0xff));
@@ -798,8 +886,7 @@ void prepare_gemm_acts(const uint8_t* ab, size_t act_bytes, size_t ta, size_t ta
                                                                                                        : 8;
   // One scale per activation block and an offset (iq4_xs's scales are per
   // sub-block of 32, its activation blocks likewise).
-  constexpr bool kBlock32 = F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0 || F == GemmFormat::kMXFP4 ||
-                            F == GemmFormat::kIQ4NL || F == GemmFormat::kIQ4XS;
+  constexpr bool kBlock32 = gemm_block32(F);
   for (size_t t0 = 0; t0 < ta; t0 += 16) {
     const uint8_t* a0 = ab + t0 * act_bytes;
     const size_t valid = min_size(16, ta - t0);
@@ -825,9 +912,10 @@ void prepare_gemm_acts(const uint8_t* ab, size_t act_bytes, size_t ta, size_t ta
           const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(s2[i], 16));
           _mm512_store_ps(A.ds + at, _mm512_mul_ps(_mm512_castsi512_ps(d[i]), lo));
           _mm512_store_ps(A.ds1 + at, _mm512_mul_ps(_mm512_castsi512_ps(d[i]), hi));
-        } else if constexpr (F == GemmFormat::kQ6K || F == GemmFormat::kQ3K) {
-          // -32 (q6_K) or -4 (q3_K) times the sums of the block's two halves.
-          constexpr unsigned kShift = F == GemmFormat::kQ6K ? 5 : 2;
+        } else if constexpr (F == GemmFormat::kQ6K || F == GemmFormat::kQ3K || F == GemmFormat::kIQ2XS) {
+          // -32 (q6_K), -4 (q3_K) or -128 (the grid formats scaled per 16)
+          // times the sums of the block's two halves.
+          constexpr unsigned kShift = F == GemmFormat::kQ6K ? 5 : F == GemmFormat::kQ3K ? 2 : 7;
           const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(s2[i], 16), 16);
           const __m512i hi = _mm512_srai_epi32(s2[i], 16);
           _mm512_store_si512(A.i0 + at, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(lo, kShift)));
@@ -1070,6 +1158,29 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
       const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(nib, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
       W.ws[sb] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
     }
+  } else if constexpr (gemm_grid(F)) {
+    // Unpacked row by row by the grid kernel's code, in its order: dword k
+    // of a row is the quad 2 (k / 16) + k % 2 of sub-block (k % 16) / 2.
+    alignas(64) uint8_t codes[16 * 256];
+    alignas(64) float scales[16 * 16];
+    unpack_grid_rows16_avx512(gemm_grid_type(F), rows + c * gemm_block_bytes<F>(), row_bytes, codes, scales);
+    for (size_t k4 = 0; k4 < 16; ++k4) {
+      __m512i x[4];
+      transpose16_rows(codes + 16 * k4, 256, x);
+      for (size_t i = 0; i < 4; ++i) {
+        const size_t k = 4 * k4 + i;
+        W.v[(k % 16) / 2 * 8 + 2 * (k / 16) + k % 2] = x[i];
+      }
+    }
+    __m512i s[16];
+    for (size_t i = 0; i < 4; ++i) transpose16_rows(reinterpret_cast<const uint8_t*>(scales) + 16 * i, 64, s + 4 * i);
+    for (size_t i = 0; i < 16; ++i) {
+      if (gemm_halves(F)) {
+        W.ws[i] = _mm512_castsi512_ps(s[i]);
+      } else if (i % 2 == 0) {
+        W.ws[i / 2] = _mm512_castsi512_ps(s[i]);
+      }
+    }
   } else {
     // q6_K: block 4n + c, element l: the low (c < 2) or high nibble of
     // ql[64n + 32 (c & 1) + l] and bits 2c, 2c + 1 of qh[32n + l].
@@ -1115,7 +1226,7 @@ template <GemmFormat F, int NT>
 void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, size_t tap, __m512* facc) {
   for (size_t b = 0; b < nbc; ++b) {
     const size_t at = b * tap + t0;
-    if constexpr (F == GemmFormat::kQ6K || F == GemmFormat::kQ3K || F == GemmFormat::kQ2K) {
+    if constexpr (gemm_halves(F)) {
       __m512i lo[NT], hi[NT];
       for (int t = 0; t < NT; ++t) {
         lo[t] = F == GemmFormat::kQ2K ? _mm512_setzero_si512() : _mm512_set1_epi32(A.i0[at + static_cast<size_t>(t)]);
@@ -1137,8 +1248,7 @@ void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, s
         }
       }
     } else {
-      constexpr bool kInit = F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0 || F == GemmFormat::kMXFP4 ||
-                             F == GemmFormat::kIQ4NL || F == GemmFormat::kIQ4XS;
+      constexpr bool kInit = gemm_block32(F);
       __m512i acc[NT];
       for (int t = 0; t < NT; ++t) {
         acc[t] = kInit ? _mm512_set1_epi32(A.i0[at + static_cast<size_t>(t)]) : _mm512_setzero_si512();
@@ -1162,7 +1272,7 @@ void gemm_pass(const GemmWeights& W, size_t nbc, const GemmActs& A, size_t t0, s
 // int accumulators per token, one per half block).
 template <GemmFormat F>
 constexpr int gemm_pass_tokens() {
-  return F == GemmFormat::kQ6K || F == GemmFormat::kQ3K || F == GemmFormat::kQ2K ? 8 : 12;
+  return gemm_halves(F) ? 8 : 12;
 }
 
 template <GemmFormat F>
@@ -1176,32 +1286,6 @@ constexpr GemmPassFns<F> gemm_pass_fns(std::integer_sequence<int, I...>) {
   return {{&gemm_pass<F, I + 1>...}};
 }
 
-template <GemmFormat F>
-constexpr size_t gemm_block_bytes() {
-  switch (F) {
-    case GemmFormat::kQ8_0:
-      return sizeof(BlockQ8_0);
-    case GemmFormat::kQ4_0:
-      return sizeof(BlockQ4_0);
-    case GemmFormat::kMXFP4:
-      return sizeof(BlockMxfp4);
-    case GemmFormat::kQ4K:
-      return sizeof(BlockQ4K);
-    case GemmFormat::kQ5K:
-      return sizeof(BlockQ5K);
-    case GemmFormat::kQ6K:
-      return sizeof(BlockQ6K);
-    case GemmFormat::kIQ4NL:
-      return sizeof(BlockIq4Nl);
-    case GemmFormat::kIQ4XS:
-      return sizeof(BlockIq4Xs);
-    case GemmFormat::kQ3K:
-      return sizeof(BlockQ3K);
-    case GemmFormat::kQ2K:
-      return sizeof(BlockQ2K);
-  }
-  return 0;
-}
 
 // rows / 16 whole vectors of rows (the caller runs the rest) against
 // tokens <= kGemmMaxCallTokens; n elements a row.
@@ -1209,11 +1293,12 @@ template <GemmFormat F>
 void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                  int32_t tokens, size_t n, float* out, size_t ld_out) {
   constexpr bool kK = F == GemmFormat::kQ4K || F == GemmFormat::kQ5K || F == GemmFormat::kQ6K ||
-                      F == GemmFormat::kIQ4XS || F == GemmFormat::kQ3K || F == GemmFormat::kQ2K;
+                      F == GemmFormat::kIQ4XS || F == GemmFormat::kQ3K || F == GemmFormat::kQ2K || gemm_grid(F);
   // Bytes of one chunk of a row: 8 blocks of 32, or one super-block.
   constexpr size_t kChunkBytes = kK ? gemm_block_bytes<F>() : kGemmBlocks * gemm_block_bytes<F>();
-  constexpr int kPassTokens = gemm_pass_tokens<F>();
-  static constexpr auto kPass = gemm_pass_fns<F>(std::make_integer_sequence<int, kPassTokens>());
+  constexpr GemmFormat kPassAs = gemm_pass_as(F);
+  constexpr int kPassTokens = gemm_pass_tokens<kPassAs>();
+  static constexpr auto kPass = gemm_pass_fns<kPassAs>(std::make_integer_sequence<int, kPassTokens>());
   const size_t nb = n / kQK32;
   const auto ta = static_cast<size_t>(tokens);
   const size_t tap = (ta + 15) / 16 * 16;  // the token stride of the prepared activations
@@ -1226,7 +1311,7 @@ void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_
     for (size_t i = 0; i < nv * ta; ++i) facc[i] = _mm512_setzero_ps();
     for (size_t c = 0, b0 = 0; b0 < nb; ++c, b0 += kGemmBlocks) {
       const size_t nbc = min_size(kGemmBlocks, nb - b0);
-      prepare_gemm_acts<F>(ab, act_bytes, ta, tap, n, b0, nbc, A);
+      prepare_gemm_acts<gemm_acts_as(F)>(ab, act_bytes, ta, tap, n, b0, nbc, A);
       for (size_t v = 0; v < nv; ++v) {
         const uint8_t* rows16 = wb + (rv0 + v) * 16 * row_bytes;
         decode_gemm_weights<F>(rows16, row_bytes, c, nbc, W);
@@ -1332,12 +1417,15 @@ const QuantDotKernels kQ5_K = {"q5_k-avx512-vnni", quantize_act, dot_rows_k<Kind
 const QuantDotKernels kQ6_K = {"q6_k-avx512-vnni", quantize_act, dot_rows_k<Kind::kQ6K>};
 const QuantDotKernels kMxfp4 = {"mxfp4-avx512-vnni", quantize_act, dot_rows_mxfp4};
 
-// iq4_nl, iq4_xs, q3_k and q2_k: the many-token kernel here; fewer tokens
-// (and the rows past the last whole 16) take the `Few` level's kernels:
-// the AVX2-level ones with EVEX vpdpbusd (qdot_avx512vl.cpp) for the iq4
-// formats up to 8 tokens, the zmm ones of qdot_avx512_planes.cpp for q3_k
-// and q2_k up to 16 (on Zen 5 at 16 tokens, passes of 8 there ran 1.1-1.2x
-// the many-token kernel's GOP/s: colibri_qdot_bench, 2048x1024).
+// iq4_nl, iq4_xs, q3_k, q2_k and the grid i-quants: the many-token kernel
+// here; fewer tokens (and the rows past the last whole 16) take the `Few`
+// level's kernels: the AVX2-level ones with EVEX vpdpbusd
+// (qdot_avx512vl.cpp) for the iq4 formats up to 8 tokens, the zmm ones of
+// qdot_avx512_planes.cpp for q3_k and q2_k up to 16 (on Zen 5 at 16 tokens,
+// passes of 8 there ran 1.1-1.2x the many-token kernel's GOP/s:
+// colibri_qdot_bench, 2048x1024), those of qdot_avx512_grid.cpp for the grid
+// formats up to 8 (at 16 tokens the many-token kernel ran iq2_xxs at 333
+// against 229 GOP/s, iq1_s at 279 against 200, iq3_xxs at 225 against 115).
 using FewTokenTables = const QuantDotKernels* (*)(WeightType);
 template <GemmFormat F, WeightType T, FewTokenTables Few, int kFewMaxTokens>
 void dot_rows_gemm_or_few(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes,
@@ -1363,6 +1451,17 @@ const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act,
                                dot_rows_gemm_or_few<GemmFormat::kQ3K, WeightType::kQ3_K, quant_dot_avx512_planes, 16>};
 const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act,
                                dot_rows_gemm_or_few<GemmFormat::kQ2K, WeightType::kQ2_K, quant_dot_avx512_planes, 16>};
+template <GemmFormat F>
+constexpr QuantDotKernels grid_kernels(const char* name) {
+  return {name, quantize_act, dot_rows_gemm_or_few<F, gemm_grid_type(F), quant_dot_avx512_grid, kMaxTokens>};
+}
+const QuantDotKernels kIq2Xxs = grid_kernels<GemmFormat::kIQ2XXS>("iq2_xxs-avx512-vnni");
+const QuantDotKernels kIq3Xxs = grid_kernels<GemmFormat::kIQ3XXS>("iq3_xxs-avx512-vnni");
+const QuantDotKernels kIq3S = grid_kernels<GemmFormat::kIQ3S>("iq3_s-avx512-vnni");
+const QuantDotKernels kIq1S = grid_kernels<GemmFormat::kIQ1S>("iq1_s-avx512-vnni");
+const QuantDotKernels kIq2Xs = grid_kernels<GemmFormat::kIQ2XS>("iq2_xs-avx512-vnni");
+const QuantDotKernels kIq2S = grid_kernels<GemmFormat::kIQ2S>("iq2_s-avx512-vnni");
+const QuantDotKernels kIq1M = grid_kernels<GemmFormat::kIQ1M>("iq1_m-avx512-vnni");
 const QuantDotKernels kFp8E4M3 = {"fp8_e4m3-avx512-vnni", fp8::copy_act, fp8::dot_rows<Fp8Zmm>};
 
 }  // namespace
@@ -1392,13 +1491,19 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
     case WeightType::kFP8_E4M3:
       return &kFp8E4M3;
     case WeightType::kIQ2_XXS:
+      return &kIq2Xxs;
     case WeightType::kIQ3_XXS:
+      return &kIq3Xxs;
     case WeightType::kIQ1_S:
+      return &kIq1S;
     case WeightType::kIQ1_M:
+      return &kIq1M;
     case WeightType::kIQ2_XS:
+      return &kIq2Xs;
     case WeightType::kIQ2_S:
+      return &kIq2S;
     case WeightType::kIQ3_S:
-      return quant_dot_avx512_grid(t);
+      return &kIq3S;
     case WeightType::kTQ1_0:
     case WeightType::kTQ2_0:
       return quant_dot_avx512_planes(t);

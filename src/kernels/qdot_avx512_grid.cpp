@@ -26,7 +26,11 @@
 // unsigned code 8 (g + 1) + s + 1 (0 .. 18) against the activations, and
 // the 9 times their sums per 16 subtracted as the accumulator's start.
 //
-// Everything lives in an anonymous namespace (tests/isa_linkage.sh).
+// Calls of more than 8 tokens run qdot_avx512.cpp's many-token kernel on
+// whole vectors of 16 rows, which unpacks them with the same code
+// (unpack_grid_rows16_avx512) once per call instead of once per 8 tokens.
+//
+// Everything else lives in an anonymous namespace (tests/isa_linkage.sh).
 #include "kernels/qdot_avx2_impl.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
@@ -401,6 +405,36 @@ void dot_rows_grid_zmm(const void* w, size_t row_bytes, int32_t rows, const void
   }
 }
 
+// 16 rows' super-block, unpacked for the many-token kernel (below).
+template <Grid G>
+void unpack_rows16(const uint8_t* blocks, size_t row_bytes, uint8_t* codes, float* scales) {
+  using Block = typename GridTraits<G>::Block;
+  __m512i tab[8];
+  if constexpr (G == Grid::kIq2Xxs) {
+    const uint16_t* c = iq2xxs_codes().c;
+    for (int i = 0; i < 8; ++i) tab[i] = _mm512_loadu_si512(c + 32 * i);
+  } else {
+    for (__m512i& v : tab) v = _mm512_setzero_si512();
+  }
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(kGridCodeOffset));
+  for (size_t r = 0; r < 16; ++r) {
+    GridZ z;
+    unpack<G>(reinterpret_cast<const Block*>(blocks + r * row_bytes), tab, &z);
+    for (size_t j = 0; j < 4; ++j) {
+      __m512i v;
+      if constexpr (kIq1<G>) {
+        // The IQ1 codes are already the values + 9.
+        v = _mm512_add_epi8(z.mag[j], _mm512_set1_epi8(static_cast<char>(kGridCodeOffset - 9)));
+      } else {
+        v = _mm512_mask_sub_epi8(_mm512_add_epi8(z.mag[j], bias), z.neg[j], bias, z.mag[j]);
+      }
+      _mm512_store_si512(codes + 256 * r + 64 * j, v);
+    }
+    // w0 and w1 hold each scale in both lanes of their pair.
+    _mm512_store_ps(scales + 16 * r, kHalfScales<G> ? _mm512_mask_blend_ps(0xaaaa, z.w0, z.w1) : z.w0);
+  }
+}
+
 const QuantDotKernels kIq2Xxs = {"iq2_xxs-avx512-vnni", quantize_act, dot_rows_grid_zmm<Grid::kIq2Xxs>};
 const QuantDotKernels kIq3Xxs = {"iq3_xxs-avx512-vnni", quantize_act, dot_rows_grid_zmm<Grid::kIq3Xxs>};
 const QuantDotKernels kIq1S = {"iq1_s-avx512-vnni", quantize_act, dot_rows_grid_zmm<Grid::kIq1S>};
@@ -410,6 +444,27 @@ const QuantDotKernels kIq2S = {"iq2_s-avx512-vnni", quantize_act, dot_rows_grid_
 const QuantDotKernels kIq3S = {"iq3_s-avx512-vnni", quantize_act, dot_rows_grid_zmm<Grid::kIq3S>};
 
 }  // namespace
+
+void unpack_grid_rows16_avx512(WeightType t, const uint8_t* blocks, size_t row_bytes, uint8_t* codes, float* scales) {
+  switch (t) {
+    case WeightType::kIQ2_XXS:
+      return unpack_rows16<Grid::kIq2Xxs>(blocks, row_bytes, codes, scales);
+    case WeightType::kIQ3_XXS:
+      return unpack_rows16<Grid::kIq3Xxs>(blocks, row_bytes, codes, scales);
+    case WeightType::kIQ1_S:
+      return unpack_rows16<Grid::kIq1S>(blocks, row_bytes, codes, scales);
+    case WeightType::kIQ1_M:
+      return unpack_rows16<Grid::kIq1M>(blocks, row_bytes, codes, scales);
+    case WeightType::kIQ2_XS:
+      return unpack_rows16<Grid::kIq2Xs>(blocks, row_bytes, codes, scales);
+    case WeightType::kIQ2_S:
+      return unpack_rows16<Grid::kIq2S>(blocks, row_bytes, codes, scales);
+    case WeightType::kIQ3_S:
+      return unpack_rows16<Grid::kIq3S>(blocks, row_bytes, codes, scales);
+    default:
+      return;
+  }
+}
 
 const QuantDotKernels* quant_dot_avx512_grid(WeightType t) {
   switch (t) {

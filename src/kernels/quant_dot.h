@@ -98,6 +98,14 @@ const QuantDotKernels* quant_dot_avx512_ymm(WeightType t);
 // qdot_avx512_grid.cpp: the grid i-quants on zmm, a super-block at a time;
 // nullptr for other formats; needs AVX512_VNNI.
 const QuantDotKernels* quant_dot_avx512_grid(WeightType t);
+// For the many-token kernel of qdot_avx512.cpp: the super-blocks of 16 rows
+// of a grid format (row r's at blocks + r * row_bytes) unpacked. codes[256 r
+// + 64 j + 8 m + i]: value 8 j + i of row r's sub-block m plus
+// kGridCodeOffset; scales[16 r + 2 m + h]: the scale of half h (values 16 h
+// .. 16 h + 15) of sub-block m (equal halves for the formats scaled per 32).
+// Buffers 64-byte aligned. Needs AVX512_VNNI.
+inline constexpr int kGridCodeOffset = 128;
+void unpack_grid_rows16_avx512(WeightType t, const uint8_t* blocks, size_t row_bytes, uint8_t* codes, float* scales);
 // qdot_avx512_planes.cpp: TQ1_0, TQ2_0, Q2_K and Q3_K on zmm, a
 // super-block at a time (Q2_K and Q3_K: the calls and rows the many-token
 // kernel of qdot_avx512.cpp leaves); nullptr for other formats; needs
