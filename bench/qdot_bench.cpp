@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
                                  std::to_string(shape[0]) + "x" + std::to_string(shape[1]);
         benchmark::RegisterBenchmark(name.c_str(), run_expert, table.get(t), t, shape[0], shape[1])
             ->ArgName("n")
-            ->Arg(1)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Arg(32)
+            ->Arg(1)->Arg(2)->Arg(4)->Arg(6)->Arg(8)->Arg(16)->Arg(32)
             ->Unit(benchmark::kMicrosecond)
             ->MeasureProcessCPUTime()
             ->UseRealTime();

@@ -521,7 +521,7 @@ enum class GemmFormat {
   // The grid i-quants, unpacked by qdot_avx512_grid.cpp's code.
   kIQ2XXS, kIQ3XXS, kIQ3S, kIQ1S, kIQ2XS, kIQ2S, kIQ1M
 };
-template <GemmFormat F>
+template <GemmFormat F, int kAbove = kMaxTokens>
 int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                   int32_t tokens, size_t n, float* out, size_t ld_out);
 
@@ -940,12 +940,22 @@ void prepare_gemm_acts(const uint8_t* ab, size_t act_bytes, size_t ta, size_t ta
   }
 }
 
+// Dword k of the 16 bytes at p + j * row_bytes in lane j (a field of the 16
+// rows' block headers): the transpose's loads (the other dwords are not
+// computed) rather than vpgatherdd, which is slow on AMD: on Zen 5 at 16
+// tokens q8_0 ran 389 against 366 GOP/s, iq4_xs 443 against 422
+// (colibri_qdot_bench 2048x1024); the qwen3-moe iq4_xs layer at T=128
+// 1.02-1.03x faster.
+template <int K>
+inline __m512i rows_dword(const uint8_t* p, size_t row_bytes) {
+  __m512i x[4];
+  transpose16_rows(p, row_bytes, x);
+  return x[K];
+}
+
 // Chunk c (activation blocks 8c .. 8c + nbc) of 16 rows, row 0 at `rows`.
 template <GemmFormat F>
 void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t nbc, GemmWeights& W) {
-  const auto rb = static_cast<int32_t>(row_bytes);
-  const __m512i idx =
-      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(rb));
   const __m512i m4 = _mm512_set1_epi8(0x0f);
   if constexpr (F == GemmFormat::kQ8_0 || F == GemmFormat::kQ4_0) {
     constexpr bool kQ8 = F == GemmFormat::kQ8_0;
@@ -966,7 +976,7 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
           v[i + 4] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m4);
         }
       }
-      W.ws[b] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, blk, 1)));
+      W.ws[b] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(rows_dword<0>(blk, row_bytes)));
     }
   } else if constexpr (F == GemmFormat::kMXFP4) {
     // Nibbles looked up as their E2M1 values (doubled, as the table holds
@@ -989,7 +999,7 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
         v[i] = _mm512_shuffle_epi8(table, _mm512_and_si512(t[i], m4));
         v[i + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m4));
       }
-      const __m512i e = _mm512_and_si512(_mm512_i32gather_epi32(idx, blk, 1), _mm512_set1_epi32(0xff));
+      const __m512i e = _mm512_and_si512(rows_dword<0>(blk, row_bytes), _mm512_set1_epi32(0xff));
       const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
       const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
       const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
@@ -1015,7 +1025,7 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
           v[i] = _mm512_shuffle_epi8(table, _mm512_and_si512(t[i], m4));
           v[i + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m4));
         }
-        W.ws[b] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, blk, 1)));
+        W.ws[b] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(rows_dword<0>(blk, row_bytes)));
       }
     } else {
       // Chunk c is super-block c: sub-block b's codes at qs + 16 b, its
@@ -1031,8 +1041,10 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
           v[i + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m4));
         }
       }
-      const __m512i head = _mm512_i32gather_epi32(idx, blk, 1);  // d | scales_h << 16
-      const __m512i low = _mm512_i32gather_epi32(idx, blk + offsetof(BlockIq4Xs, scales_l), 1);
+      __m512i hdr[4];
+      transpose16_rows(blk, row_bytes, hdr);
+      const __m512i head = hdr[0];  // d | scales_h << 16
+      const __m512i low = hdr[1];   // scales_l
       const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
       const __m512i high = _mm512_srli_epi32(head, 16);
       for (int b = 0; b < 8; ++b) {
@@ -1087,7 +1099,7 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
     }
     __m512i sm[4];
     transpose16_rows(u, 16, sm);
-    const __m512i dd = _mm512_i32gather_epi32(idx, blk, 1);  // [d, dmin] per row
+    const __m512i dd = rows_dword<0>(blk, row_bytes);  // [d, dmin] per row
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
     const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
     for (int sb = 0; sb < 8; ++sb) {
@@ -1111,7 +1123,9 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
     }
     __m512i sc[4];
     transpose16_rows(blk + offsetof(BlockQ2K, scales), row_bytes, sc);
-    const __m512i dd = _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ2K, d), 1);  // [d, dmin] per row
+    // [d, dmin] per row: the last dword of the block's last 16 bytes.
+    static_assert(offsetof(BlockQ2K, d) + 4 == sizeof(BlockQ2K));
+    const __m512i dd = rows_dword<3>(blk + sizeof(BlockQ2K) - 16, row_bytes);
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
     const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
     for (int sb = 0; sb < 16; ++sb) {
@@ -1147,8 +1161,9 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
     // (s >= 8), two more bits from byte 10 + s % 4 at bit 2 (s / 4).
     __m512i win[4];
     transpose16_rows(blk + offsetof(BlockQ3K, scales) - 2, row_bytes, win);
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_i32gather_epi32(idx, blk + offsetof(BlockQ3K, d) - 2, 1), 16)));
+    // d: the window's last two bytes.
+    static_assert(offsetof(BlockQ3K, scales) - 2 + 16 == sizeof(BlockQ3K));
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(win[3], 16)));
     const auto byte = [&](int i) { return dword_byte_u(win[i / 4], i % 4); };
     for (int sb = 0; sb < 16; ++sb) {
       const __m512i nib = sb < 8 ? _mm512_and_si512(byte(2 + sb), _mm512_set1_epi32(0xf))
@@ -1205,9 +1220,10 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
     }
     __m512i sc[4];
     transpose16_rows(blk + offsetof(BlockQ6K, scales), row_bytes, sc);
-    // d sits in the high half of the dword that ends the block's scales.
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_i32gather_epi32(idx, blk + offsetof(BlockQ6K, d) - 2, 1), 16)));
+    // d: the high half of the last dword of the block's last 16 bytes.
+    static_assert(offsetof(BlockQ6K, d) + 2 == sizeof(BlockQ6K));
+    const __m512 d = _mm512_cvtph_ps(
+        _mm512_cvtepi32_epi16(_mm512_srli_epi32(rows_dword<3>(blk + sizeof(BlockQ6K) - 16, row_bytes), 16)));
     for (int i = 0; i < 16; ++i) {
       const __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(sc[i / 4], 24 - 8 * (i % 4)), 24);
       W.ws[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(v));
@@ -1340,11 +1356,12 @@ void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_
   }
 }
 
-// gemm_rows16 over a call's tokens, 32 at a time.
-template <GemmFormat F>
+// gemm_rows16 over a call's tokens, 32 at a time, for calls of more than
+// kAbove tokens.
+template <GemmFormat F, int kAbove>
 int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                   int32_t tokens, size_t n, float* out, size_t ld_out) {
-  if (tokens <= kMaxTokens || rows < 16) return 0;
+  if (tokens <= kAbove || rows < 16) return 0;
   for (int32_t t0 = 0; t0 < tokens; t0 += kGemmMaxCallTokens) {
     const int32_t tn = tokens - t0 < kGemmMaxCallTokens ? tokens - t0 : kGemmMaxCallTokens;
     gemm_rows16<F>(wb, row_bytes, rows, ab + static_cast<size_t>(t0) * act_bytes, act_bytes, tn, n,
@@ -1396,15 +1413,18 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
 
 const QuantDotKernels kQ8_0 = {"q8_0-avx512-vnni", quantize_act, dot_rows_32<true>};
 const QuantDotKernels kQ4_0 = {"q4_0-avx512-vnni", quantize_act, dot_rows_32<false>};
-// mxfp4: the many-token kernel here; fewer tokens (and the rows past the
-// last whole 16) take the AVX2 level's kernels, which decode a gpt-oss-20b
-// layer faster than an AVX-512 port of the transposed block-32 kernel did
-// on Zen 4 (2.08-2.10 against 2.74-2.84 ms, docs/KERNELS.md).
+// mxfp4: the many-token kernel here above 5 tokens; fewer tokens (and the
+// rows past the last whole 16) take the AVX2 level's kernels, which decode
+// a gpt-oss-20b layer faster than an AVX-512 port of the transposed
+// block-32 kernel did on Zen 4 (2.08-2.10 against 2.74-2.84 ms,
+// docs/KERNELS.md). On Zen 5 at 6-8 tokens the many-token kernel ran
+// 263-314 GOP/s against their 167-188 (colibri_qdot_bench, 2048x1024), at 5
+// even.
 void dot_rows_mxfp4(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
                     size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
   const auto* wb = static_cast<const uint8_t*>(w);
-  const int32_t done = n / kQK32 == 0 ? 0 : gemm_rows<GemmFormat::kMXFP4>(wb, row_bytes, rows, static_cast<const uint8_t*>(act),
+  const int32_t done = n / kQK32 == 0 ? 0 : gemm_rows<GemmFormat::kMXFP4, 5>(wb, row_bytes, rows, static_cast<const uint8_t*>(act),
                                                                          act_bytes, tokens, n, out, ld_out);
   if (done == rows) return;
   quant_dot_kernels(WeightType::kMXFP4, Isa::kAvx2)
@@ -1426,16 +1446,21 @@ const QuantDotKernels kMxfp4 = {"mxfp4-avx512-vnni", quantize_act, dot_rows_mxfp
 // colibri_qdot_bench, 2048x1024), those of qdot_avx512_grid.cpp for the grid
 // formats up to 8 (at 16 tokens the many-token kernel ran iq2_xxs at 333
 // against 229 GOP/s, iq1_s at 279 against 200, iq3_xxs at 225 against 115).
+// Where the many-token kernel already wins below 8 tokens it takes those
+// calls too (Zen 5, GOP/s, many-token against few-token kernel): iq4_xs
+// from 5 (264 / 253; 6: 294 / 184), iq4_nl from 6 (264 / 184; 5: 233 /
+// 242), iq3_xxs from 5 (88 / 85; 8: 132 / 110), iq3_s from 6 (101 / 96).
+// For the other formats the few-token kernels are as fast at 8 tokens
+// or faster (q4_k 316 / 303, q6_k 282 / 273, iq1_s 192 / 178).
 using FewTokenTables = const QuantDotKernels* (*)(WeightType);
 template <GemmFormat F, WeightType T, FewTokenTables Few, int kFewMaxTokens>
 void dot_rows_gemm_or_few(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes,
                           int32_t tokens, size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
   const auto* wb = static_cast<const uint8_t*>(w);
-  const int32_t done = n / kQK32 == 0 || tokens <= kFewMaxTokens
-                           ? 0
-                           : gemm_rows<F>(wb, row_bytes, rows, static_cast<const uint8_t*>(act), act_bytes, tokens, n,
-                                          out, ld_out);
+  const int32_t done = n / kQK32 == 0 ? 0
+                                      : gemm_rows<F, kFewMaxTokens>(wb, row_bytes, rows, static_cast<const uint8_t*>(act),
+                                                                    act_bytes, tokens, n, out, ld_out);
   if (done == rows) return;
   Few(T)->dot_rows(wb + static_cast<size_t>(done) * row_bytes, row_bytes, rows - done, act, act_bytes, tokens, n,
                    out + done, ld_out);
@@ -1443,21 +1468,21 @@ void dot_rows_gemm_or_few(const void* w, size_t row_bytes, int32_t rows, const v
 
 const QuantDotKernels kIq4Nl = {
     "iq4_nl-avx512-vnni", quantize_act,
-    dot_rows_gemm_or_few<GemmFormat::kIQ4NL, WeightType::kIQ4_NL, quant_dot_avx512_ymm, kMaxTokens>};
+    dot_rows_gemm_or_few<GemmFormat::kIQ4NL, WeightType::kIQ4_NL, quant_dot_avx512_ymm, 5>};
 const QuantDotKernels kIq4Xs = {
     "iq4_xs-avx512-vnni", quantize_act,
-    dot_rows_gemm_or_few<GemmFormat::kIQ4XS, WeightType::kIQ4_XS, quant_dot_avx512_ymm, kMaxTokens>};
+    dot_rows_gemm_or_few<GemmFormat::kIQ4XS, WeightType::kIQ4_XS, quant_dot_avx512_ymm, 4>};
 const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act,
                                dot_rows_gemm_or_few<GemmFormat::kQ3K, WeightType::kQ3_K, quant_dot_avx512_planes, 16>};
 const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act,
                                dot_rows_gemm_or_few<GemmFormat::kQ2K, WeightType::kQ2_K, quant_dot_avx512_planes, 16>};
-template <GemmFormat F>
+template <GemmFormat F, int kFewMaxTokens = kMaxTokens>
 constexpr QuantDotKernels grid_kernels(const char* name) {
-  return {name, quantize_act, dot_rows_gemm_or_few<F, gemm_grid_type(F), quant_dot_avx512_grid, kMaxTokens>};
+  return {name, quantize_act, dot_rows_gemm_or_few<F, gemm_grid_type(F), quant_dot_avx512_grid, kFewMaxTokens>};
 }
 const QuantDotKernels kIq2Xxs = grid_kernels<GemmFormat::kIQ2XXS>("iq2_xxs-avx512-vnni");
-const QuantDotKernels kIq3Xxs = grid_kernels<GemmFormat::kIQ3XXS>("iq3_xxs-avx512-vnni");
-const QuantDotKernels kIq3S = grid_kernels<GemmFormat::kIQ3S>("iq3_s-avx512-vnni");
+const QuantDotKernels kIq3Xxs = grid_kernels<GemmFormat::kIQ3XXS, 4>("iq3_xxs-avx512-vnni");
+const QuantDotKernels kIq3S = grid_kernels<GemmFormat::kIQ3S, 5>("iq3_s-avx512-vnni");
 const QuantDotKernels kIq1S = grid_kernels<GemmFormat::kIQ1S>("iq1_s-avx512-vnni");
 const QuantDotKernels kIq2Xs = grid_kernels<GemmFormat::kIQ2XS>("iq2_xs-avx512-vnni");
 const QuantDotKernels kIq2S = grid_kernels<GemmFormat::kIQ2S>("iq2_s-avx512-vnni");
