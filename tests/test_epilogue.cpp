@@ -319,6 +319,64 @@ TEST_P(EpilogueTest, PlansUseOnlyTablesThatComputeTheEpilogue) {
   }
 }
 
+// glu_pairs at every level this CPU runs against apply_glu's formula in
+// float64: both activations, with and without biases, every tail length,
+// inputs from -120 to 120 (exp over- and underflowing), and NaN in a gate
+// and in an up value (which must come out NaN). Outputs poisoned, and
+// nothing past fn written.
+TEST(GluPairs, EveryLevelMatchesTheFormula) {
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> wide(-120.0f, 120.0f);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  constexpr int32_t kMax = 53;
+  std::vector<float> o(2 * kMax), bias(2 * (kMax + 5));
+  for (size_t i = 0; i < o.size(); ++i) o[i] = i % 5 == 0 ? wide(rng) : normal(rng);
+  for (float& b : bias) b = normal(rng);
+  o[2 * 7] = std::numeric_limits<float>::quiet_NaN();      // a gate
+  o[2 * 20 + 1] = std::numeric_limits<float>::quiet_NaN();  // an up value
+  const float poison = -12345.0f;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (!isa_supported(isa)) continue;
+    const GluPairsFn glu = glu_pairs(isa);
+    for (Activation act : {Activation::kSwiGLU, Activation::kClampedSwiGLU}) {
+      for (bool biased : {false, true}) {
+        Epilogue e;
+        e.activation = act;
+        e.biased = biased;
+        e.gate_up_bias = biased ? bias.data() : nullptr;
+        const int32_t f0 = biased ? 5 : 0;  // the bias is read from pair f0 on
+        for (int32_t fn = 1; fn <= kMax; ++fn) {
+          std::vector<float> h(static_cast<size_t>(fn) + 16, poison);
+          glu(e, f0, o.data(), fn, h.data());
+          for (int32_t f = 0; f < fn; ++f) {
+            double g = o[2 * f], u = o[2 * f + 1];
+            if (biased) {
+              g += bias[2 * static_cast<size_t>(f0 + f)];
+              u += bias[2 * static_cast<size_t>(f0 + f) + 1];
+            }
+            double want;
+            if (act == Activation::kSwiGLU) {
+              want = g / (1.0 + std::exp(-g)) * u;
+            } else {
+              g = std::isnan(g) ? g : std::min(g, static_cast<double>(e.limit));
+              u = std::isnan(u) ? u : std::max(std::min(u, static_cast<double>(e.limit)), -static_cast<double>(e.limit));
+              want = (u + 1.0) * (g / (1.0 + std::exp(-e.alpha * g)));
+            }
+            const std::string what = std::string(isa_name(isa)) + (act == Activation::kSwiGLU ? " swiglu" : " clamped") +
+                                     (biased ? " biased" : "") + " fn=" + std::to_string(fn) + " f=" + std::to_string(f);
+            if (std::isnan(want)) {
+              EXPECT_TRUE(std::isnan(h[static_cast<size_t>(f)])) << what;
+            } else {
+              EXPECT_NEAR(h[static_cast<size_t>(f)], want, 2e-6 * std::abs(want) + 1e-30) << what;
+            }
+          }
+          for (size_t f = static_cast<size_t>(fn); f < h.size(); ++f) ASSERT_EQ(h[f], poison) << isa_name(isa) << " fn=" << fn;
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, EpilogueTest,
                          ::testing::Values(WeightType::kF32, WeightType::kF16, WeightType::kBF16, WeightType::kQ8_0,
                                            WeightType::kQ4_0, WeightType::kQ4_K, WeightType::kQ6_K,

@@ -7,6 +7,7 @@
 // linker keeps one arbitrary copy, and if it kept this one a CPU without
 // AVX-512 would run it. The traits live in an anonymous namespace, which
 // gives every instantiation of the shared kernels internal linkage.
+#include "kernels/avx512_common.h"
 #include "kernels/ffn_decode_impl.h"
 #include "kernels/x86_intrinsics.h"
 
@@ -66,7 +67,48 @@ struct Avx512 {
   }
 };
 
+// The first c (1 .. 16) of 16 gate / up pairs as apply_glu computes them
+// (lanes past c: zero inputs). The clamps keep a NaN as std::min /
+// std::max do: vminps / vmaxps return their second operand when either is
+// NaN.
+inline __m512 glu16(const Epilogue& e, const float* o, const float* bias, int c) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const auto lo = static_cast<__mmask16>(c >= 8 ? 0xffffu : (1u << (2 * c)) - 1u);
+  const auto hi = static_cast<__mmask16>(c == 16 ? 0xffffu : c > 8 ? (1u << (2 * c - 16)) - 1u : 0u);
+  __m512 a = _mm512_maskz_loadu_ps(lo, o);
+  __m512 b = _mm512_maskz_loadu_ps(hi, o + 16);
+  if (bias != nullptr) {
+    a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(lo, bias));
+    b = _mm512_add_ps(b, _mm512_maskz_loadu_ps(hi, bias + 16));
+  }
+  __m512 g = _mm512_permutex2var_ps(a, even, b);
+  __m512 u = _mm512_permutex2var_ps(a, odd, b);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  if (e.activation == Activation::kSwiGLU) {
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return _mm512_mul_ps(s, u);
+  }
+  const __m512 limit = _mm512_set1_ps(e.limit);
+  g = _mm512_min_ps(limit, g);
+  u = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), limit), _mm512_min_ps(limit, u));
+  const __m512 ea = exp16_clamped(_mm512_mul_ps(_mm512_set1_ps(-e.alpha), g));
+  return _mm512_mul_ps(_mm512_add_ps(u, one), _mm512_div_ps(g, _mm512_add_ps(one, ea)));
+}
+
 }  // namespace
+
+void glu_pairs_avx512(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h) {
+  const float* bias = e.gate_up_bias != nullptr ? e.gate_up_bias + 2 * static_cast<size_t>(f0) : nullptr;
+  int32_t f = 0;
+  for (; f + 16 <= fn; f += 16) {
+    _mm512_storeu_ps(h + f, glu16(e, o + 2 * f, bias != nullptr ? bias + 2 * f : nullptr, 16));
+  }
+  if (f < fn) {
+    const auto m = static_cast<__mmask16>((1u << (fn - f)) - 1u);
+    _mm512_mask_storeu_ps(h + f, m, glu16(e, o + 2 * f, bias != nullptr ? bias + 2 * f : nullptr, fn - f));
+  }
+}
 
 const KernelTable& avx512_kernels() {
   static const KernelTable table = [] {

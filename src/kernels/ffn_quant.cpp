@@ -33,6 +33,7 @@ size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 struct PhaseGeometry {
   const QuantDotKernels* ops;
+  GluPairsFn glu;    // gate / up's epilogue
   size_t valid;      // activation elements: d_model (gate/up) or d_ff (down)
   size_t padded;     // the weight rows' elements (whole blocks)
   size_t row_bytes;  // bytes of one weight row
@@ -44,6 +45,7 @@ PhaseGeometry geometry(const ExpertShape& s, Phase phase, Isa isa) {
   const WeightType t = up ? s.weight_type : s.down_type;
   PhaseGeometry g;
   g.ops = quant_dot_kernels(t, isa);
+  g.glu = glu_pairs(isa);
   g.valid = static_cast<size_t>(up ? s.d_model : s.d_ff);
   g.padded = up ? s.gate_up_stride : s.down_stride;
   g.row_bytes = weight_row_bytes(t, g.padded);
@@ -75,9 +77,7 @@ void gate_up_from(const ExpertShape& s, const PhaseGeometry& g, const void* gate
       g.ops->dot_rows(w + static_cast<size_t>(2 * f0) * g.row_bytes, g.row_bytes, 2 * fn,
                       acts + static_cast<size_t>(t0) * g.act_bytes, g.act_bytes, tn, g.padded, out, kChunkRows);
       for (int32_t i = 0; i < tn; ++i) {
-        const float* o = out + static_cast<size_t>(i) * kChunkRows;
-        float* hi = h + static_cast<size_t>(t0 + i) * ldh + f0;
-        for (int32_t f = 0; f < fn; ++f) hi[f] = apply_glu(s.epilogue, f0 + f, o[2 * f], o[2 * f + 1]);
+        g.glu(s.epilogue, f0, out + static_cast<size_t>(i) * kChunkRows, fn, h + static_cast<size_t>(t0 + i) * ldh + f0);
       }
     }
   }

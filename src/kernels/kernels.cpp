@@ -104,6 +104,20 @@ const KernelTable& kernel_table(Isa isa) {
   return scalar_kernels();
 }
 
+void glu_pairs_scalar(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h) {
+  for (int32_t f = 0; f < fn; ++f) h[f] = apply_glu(e, f0 + f, o[2 * f], o[2 * f + 1]);
+}
+
+GluPairsFn glu_pairs(Isa isa) {
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  const Isa detected = detect_isa();
+  if ((isa < detected ? isa : detected) >= Isa::kAvx512) return glu_pairs_avx512;
+#else
+  (void)isa;
+#endif
+  return glu_pairs_scalar;
+}
+
 bool bf16_compute_available(Isa isa) {
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   // cpu_has_avx512_bf16() implies detect_isa() >= kAvx512, so the level

@@ -317,6 +317,18 @@ const KernelTable& quant_kernels(Isa isa, bool exact);
 // integers, so they meet fp32 activations (fp32-grade, at every precision).
 const KernelTable& fp8_kernels(Isa isa);
 
+// h[f] = apply_glu(e, f0 + f, o[2f], o[2f + 1]) for f in [0, fn): the
+// epilogue of kernels that leave each gate / up pair interleaved. The
+// AVX-512 one (ffn_avx512.cpp) takes exp from a polynomial within about one
+// ulp of std::exp (exp16_clamped); glu_pairs picks it at the level `isa`
+// (at most the CPU's), else the scalar loop.
+using GluPairsFn = void (*)(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h);
+GluPairsFn glu_pairs(Isa isa);
+void glu_pairs_scalar(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h);
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+void glu_pairs_avx512(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h);
+#endif
+
 // Per-ISA tables (defined in ffn_<isa>.cpp).
 const KernelTable& scalar_kernels();
 #if defined(COLIBRI_HAVE_X86_KERNELS)
