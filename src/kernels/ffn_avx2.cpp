@@ -7,6 +7,7 @@
 // linker keeps one arbitrary copy, and if it kept this one a CPU without
 // AVX2 would run it. The traits live in an anonymous namespace, which gives
 // every instantiation of the shared kernels internal linkage.
+#include "kernels/avx2_common.h"
 #include "kernels/ffn_decode_impl.h"
 #include "kernels/x86_intrinsics.h"
 
@@ -70,7 +71,48 @@ struct Avx2 {
   }
 };
 
+// The first c (1 .. 8) of 8 gate / up pairs as apply_glu computes them
+// (lanes past c: zero inputs), as glu16 of ffn_avx512.cpp.
+inline __m256 glu8(const Epilogue& e, const float* o, const float* bias, int c) {
+  const __m256i lo = Avx2::tail_mask(c >= 4 ? 8 : 2 * c);
+  const __m256i hi = Avx2::tail_mask(c > 4 ? 2 * c - 8 : 0);
+  __m256 a = _mm256_maskload_ps(o, lo);
+  __m256 b = _mm256_maskload_ps(o + 8, hi);
+  if (bias != nullptr) {
+    a = _mm256_add_ps(a, _mm256_maskload_ps(bias, lo));
+    b = _mm256_add_ps(b, _mm256_maskload_ps(bias + 8, hi));
+  }
+  // Per 128-bit lane [a0 a2 b0 b2 | a4 a6 b4 b6], then the middle qwords swapped.
+  __m256 g = _mm256_castpd_ps(
+      _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), 0xd8));
+  __m256 u = _mm256_castpd_ps(
+      _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), 0xd8));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  if (e.activation == Activation::kSwiGLU) {
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return _mm256_mul_ps(s, u);
+  }
+  // vminps / vmaxps return the second operand when either is NaN, as
+  // std::min / std::max keep a NaN first argument.
+  const __m256 limit = _mm256_set1_ps(e.limit);
+  g = _mm256_min_ps(limit, g);
+  u = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), limit), _mm256_min_ps(limit, u));
+  const __m256 ea = exp_ps(_mm256_mul_ps(_mm256_set1_ps(-e.alpha), g));
+  return _mm256_mul_ps(_mm256_add_ps(u, one), _mm256_div_ps(g, _mm256_add_ps(one, ea)));
+}
+
 }  // namespace
+
+void glu_pairs_avx2(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h) {
+  const float* bias = e.gate_up_bias != nullptr ? e.gate_up_bias + 2 * static_cast<size_t>(f0) : nullptr;
+  int32_t f = 0;
+  for (; f + 8 <= fn; f += 8) {
+    _mm256_storeu_ps(h + f, glu8(e, o + 2 * f, bias != nullptr ? bias + 2 * f : nullptr, 8));
+  }
+  if (f < fn) {
+    _mm256_maskstore_ps(h + f, Avx2::tail_mask(fn - f), glu8(e, o + 2 * f, bias != nullptr ? bias + 2 * f : nullptr, fn - f));
+  }
+}
 
 const KernelTable& avx2_kernels() {
   static const KernelTable table = [] {

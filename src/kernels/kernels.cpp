@@ -111,7 +111,9 @@ void glu_pairs_scalar(const Epilogue& e, int32_t f0, const float* o, int32_t fn,
 GluPairsFn glu_pairs(Isa isa) {
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   const Isa detected = detect_isa();
-  if ((isa < detected ? isa : detected) >= Isa::kAvx512) return glu_pairs_avx512;
+  const Isa level = isa < detected ? isa : detected;
+  if (level >= Isa::kAvx512) return glu_pairs_avx512;
+  if (level >= Isa::kAvx2) return glu_pairs_avx2;
 #else
   (void)isa;
 #endif

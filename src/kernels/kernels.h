@@ -319,13 +319,14 @@ const KernelTable& fp8_kernels(Isa isa);
 
 // h[f] = apply_glu(e, f0 + f, o[2f], o[2f + 1]) for f in [0, fn): the
 // epilogue of kernels that leave each gate / up pair interleaved. The
-// AVX-512 one (ffn_avx512.cpp) takes exp from a polynomial within about one
-// ulp of std::exp (exp16_clamped); glu_pairs picks it at the level `isa`
-// (at most the CPU's), else the scalar loop.
+// AVX-512 and AVX2 ones (ffn_avx512.cpp, ffn_avx2.cpp) take exp from a
+// polynomial within about one ulp of std::exp; glu_pairs picks the one of
+// the level `isa` (at most the CPU's), the scalar loop at the scalar level.
 using GluPairsFn = void (*)(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h);
 GluPairsFn glu_pairs(Isa isa);
 void glu_pairs_scalar(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h);
 #if defined(COLIBRI_HAVE_X86_KERNELS)
+void glu_pairs_avx2(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h);
 void glu_pairs_avx512(const Epilogue& e, int32_t f0, const float* o, int32_t fn, float* h);
 #endif
 
