@@ -17,11 +17,11 @@ Per round and file:
              of P tokens with logits_to_keep=1 (median of --reps), and generate() of DECODE new
              tokens from a 16-token prompt, greedy: decode tokens/s is one
              over the median step (time between consecutive logits
-             processor calls). One more generate with forward hooks gives
-             where a decode step's time goes: Colibri linears (attention
-             projections, head), MoE blocks (router + experts), attention
-             outside its linears, norms, the rest (generate, cache, rope,
-             Python).
+             processor calls). One more generate gives
+             where a decode step's time goes, timed around the C calls:
+             linears (attention projections), head, MoE blocks (router +
+             experts), attention, rope, norms, the rest (embedding, cache,
+             generate, Python).
 PyTorch's threads: from_pretrained's torch_threads="auto" (the cores Colibri
 leaves, at least 1), or --torch-threads.
 
@@ -151,49 +151,68 @@ def rss():
 
 
 def decode_breakdown(model, generate, cnn):
-    """ms per decode step in each kind of module, from forward hooks:
-    attention_linears (q/k/v/o, DeepSeek's latent projections), head (the
-    LM head), dense_mlp (leading dense blocks' MLPs), moe (router +
-    experts), attention (the rest of the attention modules: rope, cache,
-    softmax), norms, and rest (embedding, generate's own work, Python
-    between modules)."""
+    """ms per decode step in each kind of C call, timed around the calls
+    themselves (so forward hooks do not turn the direct decode step off):
+    linears (attention projections, DeepSeek's latent ones, dense MLPs),
+    head (the LM head), moe (router + experts + shared expert), attention
+    (colibri_attention), rope, norms, and rest (embedding, cache updates,
+    generate's own work, Python between calls). Also `direct_steps`: the
+    decode steps colibri.decode took."""
     import torch
 
-    spans = {"attention_linears": 0.0, "head": 0.0, "dense_mlp": 0.0, "moe": 0.0, "attention_all": 0.0,
-             "norms": 0.0}
-    kinds = []
-    for name, m in model.named_modules():
+    from colibri import _lib as L
+
+    spans = {"linears": 0.0, "head": 0.0, "moe": 0.0, "attention": 0.0, "rope": 0.0, "norms": 0.0}
+    undo = []
+
+    def timed(owner, attr, kind):
+        inner = getattr(owner, attr)
+
+        def call(*args):
+            t = time.perf_counter()
+            r = inner(*args)
+            spans[kind] += time.perf_counter() - t
+            return r
+
+        undo.append((owner, attr, inner))
+        setattr(owner, attr, call)
+
+    head = getattr(model, "lm_head", None)
+    for m in model.modules():
         if isinstance(m, cnn.Linear):
-            kind = "attention_linears" if ".self_attn." in name else "dense_mlp" if ".mlp." in name else "head"
-            kinds.append((m, kind))
-        elif hasattr(m, "experts") and isinstance(getattr(m, "experts"), torch.nn.Module):
-            kinds.append((m, "moe"))
-        elif type(m).__name__.endswith("Attention"):
-            kinds.append((m, "attention_all"))
-        elif type(m).__name__.endswith("RMSNorm"):
-            kinds.append((m, "norms"))
-    handles = []
-    for m, kind in kinds:
-        def pre(mod, args):
-            mod.__dict__["_e2e_t0"] = time.perf_counter()
-
-        def post(mod, args, out, kind=kind):
-            spans[kind] += time.perf_counter() - mod.__dict__.pop("_e2e_t0")
-
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post))
+            timed(m, "_forward_fn", "head" if m is head else "linears")
+        elif isinstance(m, cnn.RMSNorm):
+            timed(m, "_fn", "norms")
+    seen = set()
+    for m in model.modules():
+        routed = m.__dict__.get("_colibri_routed")
+        if routed is not None and id(routed[0]) not in seen:
+            seen.add(id(routed[0]))
+            timed(routed[0], "_infer_pointers", "moe")
+    lib = L.lib()
+    for name, kind in (("colibri_attention", "attention"), ("colibri_rope", "rope"), ("colibri_rms_norm", "norms")):
+        timed(lib, name, kind)
+    step = model.model.__dict__.get("_colibri_decode_step")
+    if step is not None:
+        # The direct step holds the C functions it calls (and calls each
+        # Linear's handle, not its Python side).
+        timed(step, "attention", "attention")
+        timed(step, "rope", "rope")
+        timed(step, "norm", "norms")
+        timed(step, "linear", "linears")
+        before = step.steps
     try:
         steps = generate()
     finally:
-        for h in handles:
-            h.remove()
-    # The hooks saw the prompt's forward too; per-step figures divide by all
+        for owner, attr, inner in reversed(undo):
+            setattr(owner, attr, inner)
+    # The prompt's forward is counted too; per-step figures divide by all
     # forwards, which the decode steps dominate.
     n = len(steps) + 1
     out = {k: v / n * 1e3 for k, v in spans.items()}
-    out["attention"] = out.pop("attention_all") - out["attention_linears"]
     out["step"] = statistics.median(steps) * 1e3
     out["rest"] = out["step"] - sum(v for k, v in out.items() if k != "step")
+    out["direct_steps"] = (step.steps - before) if step is not None else 0
     return out
 
 

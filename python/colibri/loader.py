@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from . import attention as colibri_attention
+from . import decode as colibri_decode
 from .fp8 import Fp8Weight, checkpoint_block_size
 from . import nn as cnn
 from . import rope as colibri_rope
@@ -581,7 +582,8 @@ def _route_in_colibri(model, report):
 
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
-                    bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri"):
+                    bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri",
+                    direct_decode=True):
     """A transformers model (eval mode) for a GGUF file (or the first file of
     a split set) or a Hugging Face checkpoint directory, its large weights
     computed by Colibri. See colibri.torch.from_pretrained."""
@@ -606,6 +608,8 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     if attention == "colibri":
         colibri_attention.install(model, threads=threads)
         colibri_rope.install(model)
+        if direct_decode:
+            colibri_decode.install(model)
     _hand_over_cores(threads, torch_threads)
     return model
 

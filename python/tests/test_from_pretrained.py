@@ -692,3 +692,53 @@ def test_attention_runs_in_colibri_and_matches_plain(tmp_path, name, monkeypatch
     assert own.config._attn_implementation in ("sdpa", "eager")
     with pytest.raises(ValueError, match="attention must be"):
         ct.from_pretrained(path, attention="flash")
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_direct_decode_steps_are_the_module_path_to_the_bit(tmp_path, name):
+    """from_pretrained's direct decode step (colibri.decode) computes what
+    transformers' module calls compute, to the bit: greedy generate's
+    scores equal with it on and off, for every family it takes; DeepSeek's
+    latent attention (and, on transformers 4.57, OLMoE / Qwen2-MoE, whose
+    attention is not Colibri's) keep the module path. Batches, padded
+    masks, forward hooks and caches past gpt-oss's sliding window fall
+    back to the module path, with the same results."""
+    path, ref = write(tmp_path, name)
+    direct = ct.from_pretrained(path, threads=2)
+    modules = ct.from_pretrained(path, threads=2, direct_decode=False)
+    assert "_colibri_decode_step" not in modules.model.__dict__
+    step = direct.model.__dict__.get("_colibri_decode_step")
+    takes = direct.config._attn_implementation.startswith("colibri-") and not name.startswith("deepseek")
+    assert (step is not None) == takes, (name, direct.config._attn_implementation)
+    ids = torch.randint(0, 320, (2, 6), generator=torch.Generator().manual_seed(11))
+
+    def generate(model, prompt, **kw):
+        out = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True, **kw)
+        return out.sequences, torch.stack(out.scores)
+
+    with torch.inference_mode():
+        seq, scores = generate(direct, ids[:1])
+        want_seq, want_scores = generate(modules, ids[:1])
+        assert torch.equal(seq, want_seq) and torch.equal(scores, want_scores)
+        if step is None:
+            return
+        # gpt-oss's sliding window (8) ends the direct path at 8 cached positions.
+        expected = 11 if name != "gpt-oss" else 8 - 6
+        assert step.steps == expected, (name, step.steps)
+        # Two sequences with a padded one, and a hook on a block: the module path.
+        mask = torch.ones(2, 6, dtype=torch.long)
+        mask[0, :2] = 0
+        seq, scores = generate(direct, ids, attention_mask=mask)
+        want_seq, want_scores = generate(modules, ids, attention_mask=mask)
+        assert torch.equal(seq, want_seq) and torch.equal(scores, want_scores)
+        seen = []
+        handle = direct.model.layers[0].self_attn.register_forward_hook(lambda *a: seen.append(1))
+        try:
+            generate(direct, ids[:1])
+        finally:
+            handle.remove()
+        assert len(seen) == 12 and step.steps == expected
+        # The direct path is taken again once the hook is gone.
+        generate(direct, ids[1:])
+        assert step.steps == 2 * expected

@@ -1,0 +1,288 @@
+"""A decode step of a from_pretrained model without transformers' module
+calls: the same C calls in the same order, so the same bits.
+
+At one token, a block's work in Colibri is a dozen C calls of 5-600
+microseconds (norms, projections, rope, attention, the MoE layer);
+transformers' forward wraps them in module calls, decorators, views,
+masks and per-call checks, about 0.2 ms a block on a 2-core AMD EPYC
+Zen 5, a fifth of a Qwen3-30B-A3B-shaped block's decode step.
+`install(model)` replaces the base model's forward with one that, for a
+step of one token of one sequence on a filled cache, walks the blocks
+itself: per block RMS norm, q / k / v projections, the family's q / k
+norms, rope, `cache.update` (transformers' own cache, so generate and the
+prefill path see the same cache), attention, o projection, residual, RMS
+norm, one `colibri_infer` with the built-in router (or the block's own
+feed-forward module where Colibri does not run it), residual. Each call
+gets descriptors and buffers made once at install.
+
+Any other call runs the original forward: several tokens or sequences,
+inputs_embeds, a padded attention mask, hidden states / attentions /
+router logits requested, autograd, training, torch.compile, forward hooks
+on any submodule, a call from a second thread while one runs, and caches
+longer than a sliding window of the model (the fast path has no masks).
+"""
+
+import threading
+
+import torch
+
+from . import _lib as L
+from . import nn as cnn
+from . import rope as colibri_rope
+from ._arrays import leading_strides
+
+_FFN_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
+
+# Families whose blocks are x + attn(norm(x)), then x + ffn(norm(x)), with
+# q / k / v / o projections, and whose attention forward the step below
+# reproduces (q / k norms per head or over the whole projection, biases in
+# the projections, gpt-oss's sinks).
+_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss")
+
+_HARMLESS = {"cache_position", "return_dict", "output_attentions", "output_hidden_states", "output_router_logits",
+             "use_cache", "position_ids", "attention_mask", "logits_to_keep"}
+
+
+class _Block:
+    """One block's calls: modules, buffers and C descriptors."""
+
+    def __init__(self, index, layer, config, style, threads):
+        attn = layer.self_attn
+        self.index = index
+        ffn_name = next(n for n in _FFN_NAMES if isinstance(getattr(layer, n, None), torch.nn.Module))
+        self.ffn = getattr(layer, ffn_name)
+        routed = self.ffn.__dict__.get("_colibri_routed")
+        self.moe = (routed[0], routed[2]) if routed is not None else None
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        H = config.num_attention_heads
+        Hkv = getattr(config, "num_key_value_heads", None) or H
+        D = attn.head_dim
+        Dv = self.v.out_features // Hkv
+        d = self.norm1.weight.shape[0]
+        self.H, self.Hkv, self.D, self.Dv, self.d = H, Hkv, D, Dv, d
+        # q / k norms: per head (Qwen3, GLM-4 with use_qk_norm) or over the
+        # whole projection (OLMoE); rows x width of one C call.
+        self.qk_norms = None
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is not None and getattr(attn, "use_qk_norm", True):
+            qw, kw = q_norm.weight.shape[0], k_norm.weight.shape[0]
+            self.qk_norms = (q_norm, (1, H * D) if qw == H * D else (H, D), k_norm,
+                             (1, Hkv * D) if kw == Hkv * D else (Hkv, D))
+        sinks = getattr(attn, "sinks", None)
+        self.sinks = sinks.detach().to(torch.float32).contiguous() if sinks is not None else None
+        self.h = torch.empty(1, d)
+        self.q_out = torch.empty(1, H * D)
+        self.q_normed = torch.empty(1, H * D)
+        self.k_normed = torch.empty(1, Hkv * D)
+        self.q_roped = torch.empty(1, H, 1, D)
+        self.attn_out = torch.empty(1, 1, H, Dv)
+        self.o_out = torch.empty(1, d)
+        self.ffn_out = torch.empty(1, d)
+        rotary, half = {"full": (D, 0), "partial": (None, 0), "half": (D, 1)}[style]
+        self.rope_q = self._rope_desc(H, D, rotary, half, self.q_normed if self.qk_norms else self.q_out, self.q_roped)
+        self.rope_k = self._rope_desc(Hkv, D, rotary, half, None, None)
+        a = L.AttentionDesc()
+        a.batch, a.heads, a.kv_heads, a.q_len, a.qk_dim, a.v_dim = 1, H, Hkv, 1, D, Dv
+        a.n_threads = int(threads)
+        a.scale = float(attn.scaling)
+        a.q = self.q_roped.data_ptr()
+        a.q_stride[:] = (0, D, 0)
+        a.sinks = self.sinks.data_ptr() if self.sinks is not None else None
+        a.out = self.attn_out.data_ptr()
+        self.attn = a
+
+    @staticmethod
+    def _rope_desc(heads, D, rotary, half, x, out):
+        r = L.RopeDesc()
+        r.batch, r.heads, r.tokens, r.head_dim, r.rotary_dim, r.half_table = 1, heads, 1, D, rotary or 0, half
+        r.x_stride[:] = (0, D, 0)
+        r.out_stride[:] = (0, D, 0)
+        if x is not None:
+            r.x = x.data_ptr()
+        if out is not None:
+            r.out = out.data_ptr()
+        return r
+
+
+class _Step:
+    def __init__(self, model, base, original, style, threads):
+        config = model.config
+        self.config = config
+        self.base = base
+        self.original = original
+        self.blocks = [_Block(i, layer, config, style, threads) for i, layer in enumerate(base.layers)]
+        self.partial = style == "partial"
+        self.modules = list(base.modules())
+        self.lock = threading.Lock()
+        self.steps = 0  # steps taken on the direct path, for tests and benchmarks
+        self.output = None  # (class, cache field) of the original forward's output, seen at its first call
+        windows = [getattr(config, "sliding_window", None)]
+        windows += [getattr(layer.self_attn, "sliding_window", None) for layer in base.layers]
+        windows = [int(w) for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0]
+        self.max_kv = min(windows) if windows else None
+        lib = L.lib()
+        self.linear, self.norm, self.rope, self.attention = (lib.colibri_linear_forward, lib.colibri_rms_norm,
+                                                             lib.colibri_rope, lib.colibri_attention)
+
+    def fits(self, input_ids, attention_mask, cache, kwargs):
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] != 1:
+            return False
+        if cache is None or self.output is None or self.base.training or torch.is_grad_enabled():
+            return False
+        if torch.compiler.is_compiling() or kwargs.get("inputs_embeds") is not None:
+            return False
+        for key, value in kwargs.items():
+            if value is None:
+                continue
+            if key not in _HARMLESS or (key.startswith("output_") and value) or (
+                    key in ("use_cache", "return_dict") and value is False):
+                return False
+        config = self.config
+        if (config.output_hidden_states or config.output_attentions
+                or getattr(config, "output_router_logits", False)):
+            return False
+        if not hasattr(cache, "get_seq_length") or not hasattr(cache, "update"):
+            return False
+        past = cache.get_seq_length()
+        if past == 0 or (self.max_kv is not None and past + 1 > self.max_kv):
+            return False
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != past + 1
+                                           or not bool(attention_mask.all())):
+            return False
+        if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules):
+            return False
+        from torch.nn.modules import module as torch_module
+        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return False
+        return True
+
+    def run(self, input_ids, position_ids, cache):
+        base = self.base
+        x = base.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = torch.tensor([[cache.get_seq_length()]], dtype=torch.long)
+        cos, sin = base.rotary_emb(x, position_ids)
+        if cos.dtype != torch.float32 or x.dtype != torch.float32:
+            return None
+        cos, sin = cos.contiguous(), sin.contiguous()
+        x = x.reshape(1, -1)
+        cos_p, sin_p, width = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
+        linear, norm, rope, attention = self.linear, self.norm, self.rope, self.attention
+        for b in self.blocks:
+            h = b.h.data_ptr()
+            _ok(norm(x.data_ptr(), b.norm1.weight.data_ptr(), 1, b.d, b.norm1.variance_epsilon, h), "colibri_rms_norm")
+            k = torch.empty(1, b.Hkv * b.D)
+            v = torch.empty(1, b.Hkv * b.Dv)
+            _ok(linear(b.q._handle, 1, h, b.q_out.data_ptr()), "colibri_linear_forward")
+            _ok(linear(b.k._handle, 1, h, k.data_ptr()), "colibri_linear_forward")
+            _ok(linear(b.v._handle, 1, h, v.data_ptr()), "colibri_linear_forward")
+            if b.qk_norms is not None:
+                q_norm, (q_rows, q_dim), k_norm, (k_rows, k_dim) = b.qk_norms
+                _ok(norm(b.q_out.data_ptr(), q_norm.weight.data_ptr(), q_rows, q_dim, q_norm.variance_epsilon,
+                         b.q_normed.data_ptr()), "colibri_rms_norm")
+                _ok(norm(k.data_ptr(), k_norm.weight.data_ptr(), k_rows, k_dim, k_norm.variance_epsilon,
+                         b.k_normed.data_ptr()), "colibri_rms_norm")
+                k_in = b.k_normed
+            else:
+                k_in = k
+            k_roped = torch.empty(1, b.Hkv, 1, b.D)
+            for desc, src, dst in ((b.rope_q, None, None), (b.rope_k, k_in, k_roped)):
+                if src is not None:
+                    desc.x = src.data_ptr()
+                    desc.out = dst.data_ptr()
+                desc.cos, desc.sin = cos_p, sin_p
+                desc.table_stride[:] = (0, 0)
+                if self.partial:
+                    desc.rotary_dim = width
+                _ok(rope(desc), "colibri_rope")
+            keys, values = cache.update(k_roped, v.view(1, 1, b.Hkv, b.Dv).transpose(1, 2), b.index)
+            a = b.attn
+            a.kv_len = keys.shape[2]
+            a.k = keys.data_ptr()
+            a.k_stride[:] = leading_strides(keys, 3)
+            a.v = values.data_ptr()
+            a.v_stride[:] = leading_strides(values, 3)
+            _ok(attention(a), "colibri_attention")
+            _ok(linear(b.o._handle, 1, b.attn_out.data_ptr(), b.o_out.data_ptr()), "colibri_linear_forward")
+            x = x + b.o_out
+            _ok(norm(x.data_ptr(), b.norm2.weight.data_ptr(), 1, b.d, b.norm2.variance_epsilon, h), "colibri_rms_norm")
+            if b.moe is not None:
+                model, layer = b.moe
+                model._infer_pointers(layer, 1, 0, h, None, None, b.ffn_out.data_ptr())
+                x = x + b.ffn_out
+            else:
+                out = b.ffn(b.h.view(1, 1, -1))
+                x = x + (out[0] if isinstance(out, tuple) else out).reshape(1, -1)
+        last = base.norm(x.view(1, 1, -1))
+        self.steps += 1
+        cls, field = self.output
+        return cls(**{"last_hidden_state": last, field: cache})
+
+
+def _ok(status, name):
+    if status:
+        L.check(status, name)
+
+
+def install(model):
+    """Gives `model` (a from_pretrained model with Colibri's attention, rope,
+    norms and linears) the direct decode step (module docstring). Returns
+    True, or False when a part of the model is not one the step knows and
+    the model is left as it was."""
+    config = model.config
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if config.model_type not in _FAMILIES or not layers or not hasattr(base, "rotary_emb"):
+        return False
+    if not str(getattr(config, "_attn_implementation", "")).startswith("colibri-"):
+        return False
+    if getattr(config, "clip_qkv", None) is not None:
+        return False
+    attn0 = layers[0].self_attn
+    modeling = __import__(type(attn0).__module__, fromlist=["apply_rotary_pos_emb"])
+    style = getattr(getattr(modeling, "apply_rotary_pos_emb", None), "_colibri_style", None)
+    if style is None or style != colibri_rope._STYLES.get(config.model_type):
+        return False
+    if not isinstance(getattr(base, "norm", None), cnn.RMSNorm):
+        return False
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not all(isinstance(getattr(attn, n, None), cnn.Linear)
+                                   for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return False
+        if not all(isinstance(getattr(layer, n, None), cnn.RMSNorm)
+                   for n in ("input_layernorm", "post_attention_layernorm")):
+            return False
+        for n in ("q_norm", "k_norm"):
+            norm = getattr(attn, n, None)
+            if norm is not None and getattr(attn, "use_qk_norm", True) and not isinstance(norm, cnn.RMSNorm):
+                return False
+        if not any(isinstance(getattr(layer, n, None), torch.nn.Module) for n in _FFN_NAMES):
+            return False
+    threads = attn0.__dict__.get("_colibri_threads", 0)
+    original = base.forward
+    step = _Step(model, base, original, style, threads)
+
+    def forward(input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        rest = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
+        if not args and step.fits(input_ids, attention_mask, cache, rest) and step.lock.acquire(blocking=False):
+            try:
+                out = step.run(input_ids, position_ids, cache)
+            finally:
+                step.lock.release()
+            if out is not None:
+                return out
+        out = original(input_ids, attention_mask, position_ids, *args, **kwargs)
+        if step.output is None and hasattr(out, "last_hidden_state"):
+            fields = set(getattr(out, "__dataclass_fields__", {}))
+            field = "past_key_values" if "past_key_values" in fields else "cache" if "cache" in fields else None
+            if field is not None:
+                step.output = (type(out), field)
+        return out
+
+    forward.__wrapped__ = original
+    base.forward = forward
+    base.__dict__["_colibri_decode_step"] = step
+    return True
