@@ -38,6 +38,10 @@ _FFN_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
 # reproduces (q / k norms per head or over the whole projection, biases in
 # the projections, gpt-oss's sinks).
 _FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss")
+# Families whose attention keeps its own forward (DeepSeek's absorbed latent
+# attention, loader._absorb), called directly with no mask; the rest of the
+# block as above.
+_OWN_ATTENTION = ("deepseek_v2", "deepseek_v3")
 
 _HARMLESS = {"cache_position", "return_dict", "output_attentions", "output_hidden_states", "output_router_logits",
              "use_cache", "position_ids", "attention_mask", "logits_to_keep"}
@@ -54,13 +58,19 @@ class _Block:
         routed = self.ffn.__dict__.get("_colibri_routed")
         self.moe = (routed[0], routed[2]) if routed is not None else None
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        d = self.norm1.weight.shape[0]
+        self.d = d
+        self.h = torch.empty(1, d)
+        self.ffn_out = torch.empty(1, d)
+        self.own_attention = attn.forward if "_colibri_absorbed" in attn.__dict__ else None
+        if self.own_attention is not None:
+            return
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         H = config.num_attention_heads
         Hkv = getattr(config, "num_key_value_heads", None) or H
         D = attn.head_dim
         Dv = self.v.out_features // Hkv
-        d = self.norm1.weight.shape[0]
-        self.H, self.Hkv, self.D, self.Dv, self.d = H, Hkv, D, Dv, d
+        self.H, self.Hkv, self.D, self.Dv = H, Hkv, D, Dv
         # q / k norms: per head (Qwen3, GLM-4 with use_qk_norm) or over the
         # whole projection (OLMoE); rows x width of one C call.
         self.qk_norms = None
@@ -71,14 +81,12 @@ class _Block:
                              (1, Hkv * D) if kw == Hkv * D else (Hkv, D))
         sinks = getattr(attn, "sinks", None)
         self.sinks = sinks.detach().to(torch.float32).contiguous() if sinks is not None else None
-        self.h = torch.empty(1, d)
         self.q_out = torch.empty(1, H * D)
         self.q_normed = torch.empty(1, H * D)
         self.k_normed = torch.empty(1, Hkv * D)
         self.q_roped = torch.empty(1, H, 1, D)
         self.attn_out = torch.empty(1, 1, H, Dv)
         self.o_out = torch.empty(1, d)
-        self.ffn_out = torch.empty(1, d)
         rotary, half = {"full": (D, 0), "partial": (None, 0), "half": (D, 1)}[style]
         self.rope_q = self._rope_desc(H, D, rotary, half, self.q_normed if self.qk_norms else self.q_out, self.q_roped)
         self.rope_k = self._rope_desc(Hkv, D, rotary, half, None, None)
@@ -111,14 +119,17 @@ class _Step:
         self.config = config
         self.base = base
         self.original = original
-        self.blocks = [_Block(i, layer, config, style, threads) for i, layer in enumerate(base.layers)]
+        # Blocks past num_hidden_layers (GLM's multi-token prediction) are not run by the forward.
+        layers = base.layers[: config.num_hidden_layers]
+        self.blocks = [_Block(i, layer, config, style, threads) for i, layer in enumerate(layers)]
+        self.standard = any(b.own_attention is None for b in self.blocks)
         self.partial = style == "partial"
         self.modules = list(base.modules())
         self.lock = threading.Lock()
         self.steps = 0  # steps taken on the direct path, for tests and benchmarks
         self.output = None  # (class, cache field) of the original forward's output, seen at its first call
         windows = [getattr(config, "sliding_window", None)]
-        windows += [getattr(layer.self_attn, "sliding_window", None) for layer in base.layers]
+        windows += [getattr(layer.self_attn, "sliding_window", None) for layer in layers]
         windows = [int(w) for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0]
         self.max_kv = min(windows) if windows else None
         lib = L.lib()
@@ -162,16 +173,27 @@ class _Step:
         x = base.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = torch.tensor([[cache.get_seq_length()]], dtype=torch.long)
-        cos, sin = base.rotary_emb(x, position_ids)
-        if cos.dtype != torch.float32 or x.dtype != torch.float32:
+        if x.dtype != torch.float32:
             return None
-        cos, sin = cos.contiguous(), sin.contiguous()
+        position_embeddings = base.rotary_emb(x, position_ids)
+        if self.standard:
+            cos, sin = position_embeddings
+            if cos.dtype != torch.float32:
+                return None
+            cos, sin = cos.contiguous(), sin.contiguous()
+            cos_p, sin_p, width = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
         x = x.reshape(1, -1)
-        cos_p, sin_p, width = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
         linear, norm, rope, attention = self.linear, self.norm, self.rope, self.attention
         for b in self.blocks:
             h = b.h.data_ptr()
             _ok(norm(x.data_ptr(), b.norm1.weight.data_ptr(), 1, b.d, b.norm1.variance_epsilon, h), "colibri_rms_norm")
+            if b.own_attention is not None:
+                out = b.own_attention(b.h.view(1, 1, -1), position_embeddings=position_embeddings,
+                                      attention_mask=None, cache=cache)[0]
+                x = x + out.reshape(1, -1)
+                self._feed_forward(b, x)
+                x = x + b.ffn_result
+                continue
             k = torch.empty(1, b.Hkv * b.D)
             v = torch.empty(1, b.Hkv * b.Dv)
             _ok(linear(b.q._handle, 1, h, b.q_out.data_ptr()), "colibri_linear_forward")
@@ -206,18 +228,26 @@ class _Step:
             _ok(attention(a), "colibri_attention")
             _ok(linear(b.o._handle, 1, b.attn_out.data_ptr(), b.o_out.data_ptr()), "colibri_linear_forward")
             x = x + b.o_out
-            _ok(norm(x.data_ptr(), b.norm2.weight.data_ptr(), 1, b.d, b.norm2.variance_epsilon, h), "colibri_rms_norm")
-            if b.moe is not None:
-                model, layer = b.moe
-                model._infer_pointers(layer, 1, 0, h, None, None, b.ffn_out.data_ptr())
-                x = x + b.ffn_out
-            else:
-                out = b.ffn(b.h.view(1, 1, -1))
-                x = x + (out[0] if isinstance(out, tuple) else out).reshape(1, -1)
+            self._feed_forward(b, x)
+            x = x + b.ffn_result
         last = base.norm(x.view(1, 1, -1))
         self.steps += 1
         cls, field = self.output
         return cls(**{"last_hidden_state": last, field: cache})
+
+
+    def _feed_forward(self, b, x):
+        """The block's norm and feed-forward of x into b.ffn_result."""
+        h = b.h.data_ptr()
+        _ok(self.norm(x.data_ptr(), b.norm2.weight.data_ptr(), 1, b.d, b.norm2.variance_epsilon, h),
+            "colibri_rms_norm")
+        if b.moe is not None:
+            model, layer = b.moe
+            model._infer_pointers(layer, 1, 0, h, None, None, b.ffn_out.data_ptr())
+            b.ffn_result = b.ffn_out
+        else:
+            out = b.ffn(b.h.view(1, 1, -1))
+            b.ffn_result = (out[0] if isinstance(out, tuple) else out).reshape(1, -1)
 
 
 def _ok(status, name):
@@ -233,8 +263,10 @@ def install(model):
     config = model.config
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
-    if config.model_type not in _FAMILIES or not layers or not hasattr(base, "rotary_emb"):
+    own_attention = config.model_type in _OWN_ATTENTION
+    if (config.model_type not in _FAMILIES and not own_attention) or not layers or not hasattr(base, "rotary_emb"):
         return False
+    layers = layers[: config.num_hidden_layers]
     if not str(getattr(config, "_attn_implementation", "")).startswith("colibri-"):
         return False
     if getattr(config, "clip_qkv", None) is not None:
@@ -242,13 +274,18 @@ def install(model):
     attn0 = layers[0].self_attn
     modeling = __import__(type(attn0).__module__, fromlist=["apply_rotary_pos_emb"])
     style = getattr(getattr(modeling, "apply_rotary_pos_emb", None), "_colibri_style", None)
-    if style is None or style != colibri_rope._STYLES.get(config.model_type):
+    if own_attention:
+        style = None
+    elif style is None or style != colibri_rope._STYLES.get(config.model_type):
         return False
     if not isinstance(getattr(base, "norm", None), cnn.RMSNorm):
         return False
     for layer in layers:
         attn = getattr(layer, "self_attn", None)
-        if attn is None or not all(isinstance(getattr(attn, n, None), cnn.Linear)
+        if own_attention:
+            if attn is None or "_colibri_absorbed" not in attn.__dict__:
+                return False
+        elif attn is None or not all(isinstance(getattr(attn, n, None), cnn.Linear)
                                    for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
             return False
         if not all(isinstance(getattr(layer, n, None), cnn.RMSNorm)

@@ -434,7 +434,10 @@ def _absorbed_mla_forward(self, hidden_states, *args, **kwargs):
         return original(hidden_states, *args, **kwargs)
     if "past_key_values" in kwargs and "cache" not in kwargs:
         kwargs["cache"] = kwargs.pop("past_key_values")
-    bound = inspect.signature(original).bind(hidden_states, *args, **kwargs)
+    signature = self.__dict__.get("_colibri_signature")
+    if signature is None:  # inspect.signature costs more than a small block's projections
+        signature = self.__dict__["_colibri_signature"] = inspect.signature(original)
+    bound = signature.bind(hidden_states, *args, **kwargs)
     a = bound.arguments
     extra = a.get("kwargs", {})
     mask, cache, pos = a.get("attention_mask"), a.get("cache"), a.get("position_embeddings")

@@ -1335,7 +1335,8 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     with direct C calls instead of transformers' module calls: the same
     calls, the same bits, about 0.1-0.15 ms less a block (colibri.decode;
     Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GLM-4-MoE, gpt-oss). Other calls
-    run the model's own forward."""
+    run the model's own forward; DeepSeek's blocks keep their absorbed
+    attention forward inside the direct step."""
     from .loader import from_pretrained as load
 
     return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,

@@ -698,9 +698,10 @@ def test_attention_runs_in_colibri_and_matches_plain(tmp_path, name, monkeypatch
 def test_direct_decode_steps_are_the_module_path_to_the_bit(tmp_path, name):
     """from_pretrained's direct decode step (colibri.decode) computes what
     transformers' module calls compute, to the bit: greedy generate's
-    scores equal with it on and off, for every family it takes; DeepSeek's
-    latent attention (and, on transformers 4.57, OLMoE / Qwen2-MoE, whose
-    attention is not Colibri's) keep the module path. Batches, padded
+    scores equal with it on and off, for every family it takes (DeepSeek
+    with its absorbed attention forward; on transformers 4.57, DeepSeek,
+    OLMoE and Qwen2-MoE, whose attention is not Colibri's, keep the module
+    path). Batches, padded
     masks, forward hooks and caches past gpt-oss's sliding window fall
     back to the module path, with the same results."""
     path, ref = write(tmp_path, name)
@@ -708,7 +709,9 @@ def test_direct_decode_steps_are_the_module_path_to_the_bit(tmp_path, name):
     modules = ct.from_pretrained(path, threads=2, direct_decode=False)
     assert "_colibri_decode_step" not in modules.model.__dict__
     step = direct.model.__dict__.get("_colibri_decode_step")
-    takes = direct.config._attn_implementation.startswith("colibri-") and not name.startswith("deepseek")
+    # DeepSeek's blocks with their absorbed attention forward (transformers 5).
+    absorbed = "_colibri_absorbed" in direct.model.layers[0].self_attn.__dict__
+    takes = direct.config._attn_implementation.startswith("colibri-") and (absorbed or not name.startswith("deepseek"))
     assert (step is not None) == takes, (name, direct.config._attn_implementation)
     ids = torch.randint(0, 320, (2, 6), generator=torch.Generator().manual_seed(11))
 
