@@ -19,7 +19,8 @@ Any other call runs the original forward: several tokens or sequences,
 inputs_embeds, a padded attention mask, hidden states / attentions /
 router logits requested, autograd, training, torch.compile, forward hooks
 on any submodule, a call from a second thread while one runs, and caches
-longer than a sliding window of the model (the fast path has no masks).
+longer than a sliding window of the model (the fast path has no masks;
+gpt-oss's sliding layers pass their window to the attention instead).
 """
 
 import threading
@@ -42,6 +43,11 @@ _FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss"
 # attention, loader._absorb), called directly with no mask; the rest of the
 # block as above.
 _OWN_ATTENTION = ("deepseek_v2", "deepseek_v3")
+
+# Families whose sliding layers the step runs with the window as the
+# attention's own (colibri_attention's `window`, what the model's mask
+# says); other families with a window fall back past it.
+_WINDOWED = ("gpt_oss",)
 
 _HARMLESS = {"cache_position", "return_dict", "output_attentions", "output_hidden_states", "output_router_logits",
              "use_cache", "position_ids", "attention_mask", "logits_to_keep"}
@@ -97,6 +103,9 @@ class _Block:
         a.q = self.q_roped.data_ptr()
         a.q_stride[:] = (0, D, 0)
         a.sinks = self.sinks.data_ptr() if self.sinks is not None else None
+        # gpt-oss's sliding layers: the window the model's mask would apply.
+        window = getattr(attn, "sliding_window", None) if config.model_type in _WINDOWED else None
+        a.window = int(window or 0)
         a.out = self.attn_out.data_ptr()
         self.attn = a
 
@@ -128,8 +137,10 @@ class _Step:
         self.lock = threading.Lock()
         self.steps = 0  # steps taken on the direct path, for tests and benchmarks
         self.output = None  # (class, cache field) of the original forward's output, seen at its first call
-        windows = [getattr(config, "sliding_window", None)]
-        windows += [getattr(layer.self_attn, "sliding_window", None) for layer in layers]
+        windows = []
+        if config.model_type not in _WINDOWED:
+            windows = [getattr(config, "sliding_window", None)]
+            windows += [getattr(layer.self_attn, "sliding_window", None) for layer in layers]
         windows = [int(w) for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0]
         self.max_kv = min(windows) if windows else None
         lib = L.lib()
