@@ -672,24 +672,3 @@ TEST(WeightFormatTest, FloatFormatsRoundTripAndSizes) {
 
 }  // namespace
 }  // namespace colibri
-
-// The far prefetch hint: COLIBRI_PREFETCH when it says nta or l2, else
-// non-temporal on AMD only (kernels.h).
-TEST(CpuFeatures, FarPrefetchHintFollowsTheOverrideElseTheVendor) {
-  const char* forced = std::getenv("COLIBRI_PREFETCH");
-  bool expected = colibri::kernels::cpu_is_amd();
-  if (forced != nullptr && std::strcmp(forced, "nta") == 0) expected = true;
-  if (forced != nullptr && std::strcmp(forced, "l2") == 0) expected = false;
-  EXPECT_EQ(colibri::kernels::far_prefetch_nta, expected);
-#if defined(__x86_64__)
-  // The vendor string itself, read independently of cpu_features.cpp.
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(0u), "c"(0u));
-  char vendor[13] = {};
-  std::memcpy(vendor, &ebx, 4);
-  std::memcpy(vendor + 4, &edx, 4);
-  std::memcpy(vendor + 8, &ecx, 4);
-  const bool amd = std::strcmp(vendor, "AuthenticAMD") == 0 || std::strcmp(vendor, "HygonGenuine") == 0;
-  EXPECT_EQ(colibri::kernels::cpu_is_amd(), amd) << vendor;
-#endif
-}

@@ -229,18 +229,6 @@ bool cpu_has_avx512_bf16();
 // and, with AVX512VL, ymm): likewise only true when detect_isa() is at
 // least kAvx512.
 bool cpu_has_avx512_vnni();
-// The CPU's vendor is AMD (or Hygon): CPUID leaf 0.
-bool cpu_is_amd();
-// Whether the block kernels' far prefetch (8 KiB ahead of the rows they
-// read) is non-temporal (prefetchnta) rather than into L2 (prefetcht1).
-// On AMD Zen, whose L3 is filled by L2 evictions, weights streamed through
-// L2 evict the rest of a process's working set (the next call's inputs,
-// the interpreter between calls); non-temporal lines leave it in place:
-// on Zen 5 a whole-model decode step 1.05-1.3x faster, one decode layer
-// 1.0-1.3x. Intel's prefetchnta fills L1 only, where 8 KiB ahead of
-// several rows would be evicted before use, so it stays prefetcht1 there.
-// COLIBRI_PREFETCH=nta or =l2 forces either. Computed once.
-extern const bool far_prefetch_nta;
 // detect_isa(), lowered by the COLIBRI_ISA environment variable
 // ("scalar", "avx2", "avx512", "amx") when set. Never raised above detect_isa().
 Isa default_isa();

@@ -348,14 +348,6 @@ inline void codes_q4k_lanes(const uint8_t* blk, const KConsts& k, __m512i* out) 
 
 template <size_t kBytes>
 inline void prefetch_ahead(const uint8_t* p) {
-  // The far hint by CPU (kernels.h, far_prefetch_nta); a predictable branch.
-  if (far_prefetch_nta) {
-    for (size_t o = 0; o < kBytes; o += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchFar + o), _MM_HINT_NTA);
-      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchNear + o), _MM_HINT_T0);
-    }
-    return;
-  }
   for (size_t o = 0; o < kBytes; o += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchFar + o), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchNear + o), _MM_HINT_T0);
