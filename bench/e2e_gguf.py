@@ -10,6 +10,7 @@ from wait4).
 
 Per round and file:
   llama.cpp  llama-bench -m FILE -t THREADS -p P1,P2 -n DECODE -r 1 -o json
+  ik_llama.cpp (with --ik-llama-bench) the same and -rtr 1 -fmoe 1
              (pp: one batch of P tokens; tg: DECODE tokens generated one at
              a time from an empty context)
   Colibri    a child process: from_pretrained(FILE, threads=THREADS) (load
@@ -219,9 +220,9 @@ def decode_breakdown(model, generate, cnn):
 # ------------------------------------------------------------------- parent
 
 
-def llama_bench(a, path):
-    cmd = [a.llama_bench, "-m", path, "-t", str(a.threads), "-p", ",".join(map(str, a.prefill_sizes)),
-           "-n", str(a.decode), "-r", "1", "-o", "json"]
+def llama_bench(a, path, exe=None, extra=()):
+    cmd = [exe or a.llama_bench, "-m", path, "-t", str(a.threads), "-p", ",".join(map(str, a.prefill_sizes)),
+           "-n", str(a.decode), "-r", "1", "-o", "json"] + list(extra)
     out, peak = measured(cmd)
     res = {"peak_rss": peak}
     for row in json.loads(out):
@@ -231,6 +232,15 @@ def llama_bench(a, path):
         else:
             res["pp%d" % row["n_prompt"]] = tps
     return res
+
+
+# ik_llama.cpp's llama-bench with its run-time repacking and fused MoE on
+# (flash attention and its MLA mode 3 are its defaults).
+IK_ARGS = ("-rtr", "1", "-fmoe", "1")
+
+
+def ik_llama_bench(a, path):
+    return llama_bench(a, path, exe=a.ik_llama_bench, extra=IK_ARGS)
 
 
 def colibri_run(a, path):
@@ -277,6 +287,8 @@ def main():
     ap.add_argument("--make", metavar="DIR", help="write the synthetic files into DIR and exit")
     ap.add_argument("--gguf", action="append")
     ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--ik-llama-bench", default=None,
+                    help="ik_llama.cpp's llama-bench (bench/ik_llama_bench.sh), run with %s" % " ".join(IK_ARGS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefill", default="128,512")
@@ -297,13 +309,15 @@ def main():
         return
     results = {"cpu": cpu_model(), "threads": a.threads, "date": time.strftime("%Y-%m-%d"), "files": {}}
     for path in a.gguf:
-        results["files"][path] = {"llama.cpp": [], "colibri": [], "size": os.path.getsize(path)}
+        results["files"][path] = {"llama.cpp": [], "ik_llama.cpp": [], "colibri": [], "size": os.path.getsize(path)}
     for r in range(a.rounds):
         for path in a.gguf:
             runs = results["files"][path]
             engines = [("colibri", colibri_run)]
             if a.llama_bench:
                 engines.insert(0, ("llama.cpp", llama_bench))
+            if a.ik_llama_bench:
+                engines.insert(0, ("ik_llama.cpp", ik_llama_bench))
             if r % 2:
                 engines.reverse()
             for name, fn in engines:
@@ -329,8 +343,8 @@ def table(results, a):
              "| file | engine | " + " | ".join(k + " tokens/s" for k in keys) + " | peak RSS | load s |",
              "|---|---|" + "---|" * (len(keys) + 2)]
     for path, runs in results["files"].items():
-        for name in ("llama.cpp", "colibri"):
-            rs = runs[name]
+        for name in ("llama.cpp", "ik_llama.cpp", "colibri"):
+            rs = runs.get(name)
             if not rs:
                 continue
             cells = []
@@ -341,15 +355,17 @@ def table(results, a):
             load = statistics.median([r["load_s"] for r in rs]) if "load_s" in rs[0] else float("nan")
             lines.append("| %s (%.2f GiB) | %s | %s | %.2f GiB | %.1f |"
                          % (os.path.basename(path), runs["size"] / 2**30, name, " | ".join(cells), peak, load))
-        if runs["llama.cpp"] and runs["colibri"]:
+        for peer in ("llama.cpp", "ik_llama.cpp"):
+            if not runs.get(peer) or not runs["colibri"]:
+                continue
             ratios = []
             for k in keys:
                 c = statistics.median([r[k] for r in runs["colibri"]])
-                l = statistics.median([r[k] for r in runs["llama.cpp"]])
-                ratios.append("%.2fx" % (c / l))
+                v = [r[k] for r in runs[peer] if k in r]
+                ratios.append("%.2fx" % (c / statistics.median(v)) if v else "-")
             pc = statistics.median([r["peak_rss"] for r in runs["colibri"]])
-            pl = statistics.median([r["peak_rss"] for r in runs["llama.cpp"]])
-            lines.append("| | Colibri / llama.cpp | %s | %.2fx | |" % (" | ".join(ratios), pc / pl))
+            pl = statistics.median([r["peak_rss"] for r in runs[peer]])
+            lines.append("| | Colibri / %s | %s | %.2fx | |" % (peer, " | ".join(ratios), pc / pl))
     return "\n".join(lines)
 
 
