@@ -130,8 +130,9 @@ echo "test.sh: the wheel $(basename "$wheel") installed in $wheel_venv: $summary
 cmake -S . -B build-o0 -DCMAKE_BUILD_TYPE=Debug -DCOLIBRI_BUILD_TESTS=OFF -DCOLIBRI_BUILD_TOOLS=OFF \
   -DCOLIBRI_BUILD_BENCHMARKS=OFF -DCOLIBRI_BUILD_FUZZERS=OFF -DCOLIBRI_NATIVE=OFF -DCOLIBRI_WERROR=ON \
   -DCOLIBRI_SANITIZE_ADDRESS=OFF -DCOLIBRI_SANITIZE_THREAD=OFF >/dev/null
-cmake --build build-o0 -j"$jobs" --target colibri_objects
-./tests/isa_linkage.sh nm build-o0/CMakeFiles/colibri_objects.dir/src/kernels/*.o
+cmake --build build-o0 -j"$jobs" --target colibri_objects colibri_qdot_nta
+./tests/isa_linkage.sh nm build-o0/CMakeFiles/colibri_objects.dir/src/kernels/*.o \
+  build-o0/CMakeFiles/colibri_qdot_nta.dir/src/kernels/*.o
 
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOLIBRI_BUILD_TESTS=ON -DCOLIBRI_BUILD_TOOLS=ON \
   -DCOLIBRI_SANITIZE_ADDRESS=ON -DCOLIBRI_SANITIZE_THREAD=OFF -DCOLIBRI_WERROR=ON >/dev/null

@@ -24,6 +24,7 @@
 #include "kernel_scratch.h"
 #include "kernels/amx.h"
 #include "kernels/kernels.h"
+#include "kernels/quant_dot.h"
 #include "util/half.h"
 
 namespace colibri::kernels {
@@ -672,3 +673,35 @@ TEST(WeightFormatTest, FloatFormatsRoundTripAndSizes) {
 
 }  // namespace
 }  // namespace colibri
+
+// The far prefetch hint: COLIBRI_PREFETCH when it says nta or l2, else
+// non-temporal on AMD only (kernels.h); quant_dot.h's entries hand out that
+// compilation of the integer-dot kernels.
+TEST(CpuFeatures, FarPrefetchHintFollowsTheOverrideElseTheVendor) {
+  const char* forced = std::getenv("COLIBRI_PREFETCH");
+  bool expected = colibri::kernels::cpu_is_amd();
+  if (forced != nullptr && std::strcmp(forced, "nta") == 0) expected = true;
+  if (forced != nullptr && std::strcmp(forced, "l2") == 0) expected = false;
+  EXPECT_EQ(colibri::kernels::far_prefetch_nta(), expected);
+#if defined(__x86_64__)
+  // The vendor string itself, read independently of cpu_features.cpp.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(0u), "c"(0u));
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  const bool amd = std::strcmp(vendor, "AuthenticAMD") == 0 || std::strcmp(vendor, "HygonGenuine") == 0;
+  EXPECT_EQ(colibri::kernels::cpu_is_amd(), amd) << vendor;
+#endif
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+  using colibri::WeightType;
+  namespace k = colibri::kernels;
+  if (k::detect_isa() >= k::Isa::kAvx2) {
+    const k::QuantDotKernels* picked = k::quant_dot_avx2(WeightType::kQ4_0);
+    EXPECT_EQ(picked, expected ? k::far_nta::quant_dot_avx2(WeightType::kQ4_0)
+                               : k::far_l2::quant_dot_avx2(WeightType::kQ4_0));
+    EXPECT_NE(k::far_nta::quant_dot_avx2(WeightType::kQ4_0), k::far_l2::quant_dot_avx2(WeightType::kQ4_0));
+  }
+#endif
+}

@@ -5,6 +5,9 @@
 // matching register state on context switches (XCR0). A CPU with AVX-512 under
 // an OS or hypervisor that does not enable ZMM state would fault (#UD) on the
 // first AVX-512 instruction, so CPUID alone is not enough.
+#include <cstdlib>
+#include <cstring>
+
 #include "kernels/amx.h"
 #include "kernels/kernels.h"
 #include "kernels/quant_dot.h"
@@ -19,6 +22,7 @@ namespace {
 
 struct CpuFeatures {
   Isa level = Isa::kScalar;
+  bool amd = false;
   bool avx512_bf16 = false;
   bool avx512_vnni = false;
   bool avx_vnni = false;  // the VEX form, ymm only
@@ -41,6 +45,9 @@ bool bit(uint32_t reg, int b) { return ((reg >> b) & 1u) != 0; }
 CpuFeatures probe() {
   CpuFeatures out;
   uint32_t eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return out;
+  // "AuthenticAMD" / "HygonGenuine" in ebx, edx, ecx: the first four bytes tell.
+  out.amd = ebx == 0x68747541u /* "Auth" */ || ebx == 0x6f677948u /* "Hygo" */;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return out;
   const bool osxsave = bit(ecx, 27);
   const bool avx = bit(ecx, 28);
@@ -112,5 +119,18 @@ bool cpu_has_avx512_bf16() { return features().avx512_bf16; }
 bool cpu_has_avx512_vnni() { return features().avx512_vnni; }
 
 bool cpu_has_avx_vnni() { return features().avx_vnni; }
+
+bool cpu_is_amd() { return features().amd; }
+
+bool far_prefetch_nta() {
+  // Cached, as default_isa(): every model in the process agrees.
+  static const bool nta = [] {
+    const char* forced = std::getenv("COLIBRI_PREFETCH");
+    if (forced != nullptr && std::strcmp(forced, "nta") == 0) return true;
+    if (forced != nullptr && std::strcmp(forced, "l2") == 0) return false;
+    return cpu_is_amd();
+  }();
+  return nta;
+}
 
 }  // namespace colibri::kernels

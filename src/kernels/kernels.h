@@ -229,6 +229,19 @@ bool cpu_has_avx512_bf16();
 // and, with AVX512VL, ymm): likewise only true when detect_isa() is at
 // least kAvx512.
 bool cpu_has_avx512_vnni();
+// The CPU's vendor is AMD (or Hygon): CPUID leaf 0.
+bool cpu_is_amd();
+// Whether the integer-dot kernels' far prefetch (8 KiB ahead of the rows
+// they read) is non-temporal (prefetchnta) rather than into L2 (prefetcht1);
+// quant_dot.h hands out the compilation of the kernels with that hint. On
+// AMD Zen, whose L3 is filled by L2 evictions, weights streamed through L2
+// evict the rest of a process's working set (the next call's inputs, the
+// interpreter between calls); non-temporal lines leave it in place (Zen 5:
+// whole-model decode steps 1.04-1.13x faster). Intel's prefetchnta fills
+// L1 only, where 8 KiB ahead of several rows may be evicted before use, so
+// it stays prefetcht1 there. COLIBRI_PREFETCH=nta or =l2 forces either.
+// Computed once.
+bool far_prefetch_nta();
 // detect_isa(), lowered by the COLIBRI_ISA environment variable
 // ("scalar", "avx2", "avx512", "amx") when set. Never raised above detect_isa().
 Isa default_isa();

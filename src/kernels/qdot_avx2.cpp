@@ -66,6 +66,9 @@ const QuantDotKernels kTq2_0 = {"tq2_0-avx2", quantize_act, dot_rows_ternary<Mad
 
 }  // namespace
 
+// Compiled once per far prefetch hint (quant_dot.h).
+namespace COLIBRI_QDOT_VARIANT {
+
 const QuantDotKernels* quant_dot_avx2(WeightType t) {
   switch (t) {
     case WeightType::kQ8_0:
@@ -119,4 +122,5 @@ const QuantDotKernels* quant_dot_avx2(WeightType t) {
   }
 }
 
+}  // namespace COLIBRI_QDOT_VARIANT
 }  // namespace colibri::kernels

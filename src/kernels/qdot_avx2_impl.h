@@ -90,7 +90,7 @@ inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 template <size_t kBytes>
 inline void prefetch_block(const uint8_t* p) {
   for (size_t o = 0; o < kBytes; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchFar + o), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchFar + o), COLIBRI_FAR_PREFETCH_HINT);
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchNear + o), _MM_HINT_T0);
   }
 }

@@ -349,7 +349,7 @@ inline void codes_q4k_lanes(const uint8_t* blk, const KConsts& k, __m512i* out) 
 template <size_t kBytes>
 inline void prefetch_ahead(const uint8_t* p) {
   for (size_t o = 0; o < kBytes; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchFar + o), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchFar + o), COLIBRI_FAR_PREFETCH_HINT);
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchNear + o), _MM_HINT_T0);
   }
 }
@@ -1178,7 +1178,7 @@ void decode_gemm_weights(const uint8_t* rows, size_t row_bytes, size_t c, size_t
     // of a row is the quad 2 (k / 16) + k % 2 of sub-block (k % 16) / 2.
     alignas(64) uint8_t codes[16 * 256];
     alignas(64) float scales[16 * 16];
-    unpack_grid_rows16_avx512(gemm_grid_type(F), rows + c * gemm_block_bytes<F>(), row_bytes, codes, scales);
+    COLIBRI_QDOT_VARIANT::unpack_grid_rows16_avx512(gemm_grid_type(F), rows + c * gemm_block_bytes<F>(), row_bytes, codes, scales);
     for (size_t k4 = 0; k4 < 16; ++k4) {
       __m512i x[4];
       transpose16_rows(codes + 16 * k4, 256, x);
@@ -1478,17 +1478,17 @@ void dot_rows_gemm_or_few(const void* w, size_t row_bytes, int32_t rows, const v
 
 const QuantDotKernels kIq4Nl = {
     "iq4_nl-avx512-vnni", quantize_act,
-    dot_rows_gemm_or_few<GemmFormat::kIQ4NL, WeightType::kIQ4_NL, quant_dot_avx512_ymm, 5>};
+    dot_rows_gemm_or_few<GemmFormat::kIQ4NL, WeightType::kIQ4_NL, COLIBRI_QDOT_VARIANT::quant_dot_avx512_ymm, 5>};
 const QuantDotKernels kIq4Xs = {
     "iq4_xs-avx512-vnni", quantize_act,
-    dot_rows_gemm_or_few<GemmFormat::kIQ4XS, WeightType::kIQ4_XS, quant_dot_avx512_ymm, 4>};
+    dot_rows_gemm_or_few<GemmFormat::kIQ4XS, WeightType::kIQ4_XS, COLIBRI_QDOT_VARIANT::quant_dot_avx512_ymm, 4>};
 const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act,
-                               dot_rows_gemm_or_few<GemmFormat::kQ3K, WeightType::kQ3_K, quant_dot_avx512_planes, 16>};
+                               dot_rows_gemm_or_few<GemmFormat::kQ3K, WeightType::kQ3_K, COLIBRI_QDOT_VARIANT::quant_dot_avx512_planes, 16>};
 const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act,
-                               dot_rows_gemm_or_few<GemmFormat::kQ2K, WeightType::kQ2_K, quant_dot_avx512_planes, 16>};
+                               dot_rows_gemm_or_few<GemmFormat::kQ2K, WeightType::kQ2_K, COLIBRI_QDOT_VARIANT::quant_dot_avx512_planes, 16>};
 template <GemmFormat F, int kFewMaxTokens = kMaxTokens>
 constexpr QuantDotKernels grid_kernels(const char* name) {
-  return {name, quantize_act, dot_rows_gemm_or_few<F, gemm_grid_type(F), quant_dot_avx512_grid, kFewMaxTokens>};
+  return {name, quantize_act, dot_rows_gemm_or_few<F, gemm_grid_type(F), COLIBRI_QDOT_VARIANT::quant_dot_avx512_grid, kFewMaxTokens>};
 }
 const QuantDotKernels kIq2Xxs = grid_kernels<GemmFormat::kIQ2XXS>("iq2_xxs-avx512-vnni");
 const QuantDotKernels kIq3Xxs = grid_kernels<GemmFormat::kIQ3XXS, 4>("iq3_xxs-avx512-vnni");
@@ -1500,6 +1500,9 @@ const QuantDotKernels kIq1M = grid_kernels<GemmFormat::kIQ1M>("iq1_m-avx512-vnni
 const QuantDotKernels kFp8E4M3 = {"fp8_e4m3-avx512-vnni", fp8::copy_act, fp8::dot_rows<Fp8Zmm>};
 
 }  // namespace
+
+// Compiled once per far prefetch hint (quant_dot.h).
+namespace COLIBRI_QDOT_VARIANT {
 
 const QuantDotKernels* quant_dot_avx512(WeightType t) {
   switch (t) {
@@ -1547,4 +1550,5 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
   }
 }
 
+}  // namespace COLIBRI_QDOT_VARIANT
 }  // namespace colibri::kernels

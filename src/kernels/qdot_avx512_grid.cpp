@@ -445,6 +445,9 @@ const QuantDotKernels kIq3S = {"iq3_s-avx512-vnni", quantize_act, dot_rows_grid_
 
 }  // namespace
 
+// Compiled once per far prefetch hint (quant_dot.h).
+namespace COLIBRI_QDOT_VARIANT {
+
 void unpack_grid_rows16_avx512(WeightType t, const uint8_t* blocks, size_t row_bytes, uint8_t* codes, float* scales) {
   switch (t) {
     case WeightType::kIQ2_XXS:
@@ -487,4 +490,5 @@ const QuantDotKernels* quant_dot_avx512_grid(WeightType t) {
   }
 }
 
+}  // namespace COLIBRI_QDOT_VARIANT
 }  // namespace colibri::kernels

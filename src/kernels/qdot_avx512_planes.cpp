@@ -336,6 +336,9 @@ const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act, dot_rows_planes
 
 }  // namespace
 
+// Compiled once per far prefetch hint (quant_dot.h).
+namespace COLIBRI_QDOT_VARIANT {
+
 const QuantDotKernels* quant_dot_avx512_planes(WeightType t) {
   switch (t) {
     case WeightType::kTQ1_0:
@@ -351,4 +354,5 @@ const QuantDotKernels* quant_dot_avx512_planes(WeightType t) {
   }
 }
 
+}  // namespace COLIBRI_QDOT_VARIANT
 }  // namespace colibri::kernels

@@ -54,6 +54,9 @@ const QuantDotKernels kTq2_0 = {"tq2_0-avx512-vnni", quantize_act, dot_rows_tern
 
 }  // namespace
 
+// Compiled once per far prefetch hint (quant_dot.h).
+namespace COLIBRI_QDOT_VARIANT {
+
 const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
   switch (t) {
     case WeightType::kQ4_1:
@@ -93,4 +96,5 @@ const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
   }
 }
 
+}  // namespace COLIBRI_QDOT_VARIANT
 }  // namespace colibri::kernels

@@ -67,6 +67,9 @@ const QuantDotKernels kTq2_0 = {"tq2_0-avx2-vnni", quantize_act, dot_rows_ternar
 
 }  // namespace
 
+// Compiled once per far prefetch hint (quant_dot.h).
+namespace COLIBRI_QDOT_VARIANT {
+
 const QuantDotKernels* quant_dot_avx_vnni(WeightType t) {
   switch (t) {
     case WeightType::kQ8_0:
@@ -120,4 +123,5 @@ const QuantDotKernels* quant_dot_avx_vnni(WeightType t) {
   }
 }
 
+}  // namespace COLIBRI_QDOT_VARIANT
 }  // namespace colibri::kernels

@@ -44,6 +44,28 @@ size_t act_row_bytes(WeightType t, size_t n) {
   return is_quantized(t) ? n + n / kActBlock * sizeof(float) + n / 16 * sizeof(int16_t) : 0;
 }
 
+#if defined(COLIBRI_HAVE_X86_KERNELS)
+// The entries of quant_dot.h: the compilation far_prefetch_nta() picks.
+const QuantDotKernels* quant_dot_avx2(WeightType t) {
+  return far_prefetch_nta() ? far_nta::quant_dot_avx2(t) : far_l2::quant_dot_avx2(t);
+}
+const QuantDotKernels* quant_dot_avx_vnni(WeightType t) {
+  return far_prefetch_nta() ? far_nta::quant_dot_avx_vnni(t) : far_l2::quant_dot_avx_vnni(t);
+}
+const QuantDotKernels* quant_dot_avx512(WeightType t) {
+  return far_prefetch_nta() ? far_nta::quant_dot_avx512(t) : far_l2::quant_dot_avx512(t);
+}
+const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
+  return far_prefetch_nta() ? far_nta::quant_dot_avx512_ymm(t) : far_l2::quant_dot_avx512_ymm(t);
+}
+const QuantDotKernels* quant_dot_avx512_grid(WeightType t) {
+  return far_prefetch_nta() ? far_nta::quant_dot_avx512_grid(t) : far_l2::quant_dot_avx512_grid(t);
+}
+const QuantDotKernels* quant_dot_avx512_planes(WeightType t) {
+  return far_prefetch_nta() ? far_nta::quant_dot_avx512_planes(t) : far_l2::quant_dot_avx512_planes(t);
+}
+#endif
+
 const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa) {
   if (!is_quantized(t)) return nullptr;
   const Isa detected = detect_isa();

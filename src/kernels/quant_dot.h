@@ -105,12 +105,50 @@ const QuantDotKernels* quant_dot_avx512_grid(WeightType t);
 // .. 16 h + 15) of sub-block m (equal halves for the formats scaled per 32).
 // Buffers 64-byte aligned. Needs AVX512_VNNI.
 inline constexpr int kGridCodeOffset = 128;
-void unpack_grid_rows16_avx512(WeightType t, const uint8_t* blocks, size_t row_bytes, uint8_t* codes, float* scales);
+// unpack_grid_rows16_avx512: in far_l2 and far_nta below.
 // qdot_avx512_planes.cpp: TQ1_0, TQ2_0, Q2_K and Q3_K on zmm, a
 // super-block at a time (Q2_K and Q3_K: the calls and rows the many-token
 // kernel of qdot_avx512.cpp leaves); nullptr for other formats; needs
 // AVX512_VNNI.
 const QuantDotKernels* quant_dot_avx512_planes(WeightType t);
+
+// The integer-dot translation units above (qdot_avx2, qdot_avxvnni,
+// qdot_avx512, qdot_avx512vl, qdot_avx512_grid, qdot_avx512_planes) are
+// compiled twice (CMakeLists.txt): into far_l2 with their far prefetch
+// (8 KiB ahead of the rows they read) into L2, and into far_nta with it
+// non-temporal. The entries above, defined in quant_dot.cpp, hand out the
+// one far_prefetch_nta() picks for this CPU: a choice per build of the
+// kernels rather than a branch in their loops (a branch there grew them past
+// GCC's inlining limits: one-token q4_0 layers 3x slower).
+#define COLIBRI_QDOT_VARIANT_ENTRIES                                                                              \
+  const QuantDotKernels* quant_dot_avx2(WeightType t);                                                          \
+  const QuantDotKernels* quant_dot_avx_vnni(WeightType t);                                                      \
+  const QuantDotKernels* quant_dot_avx512(WeightType t);                                                        \
+  const QuantDotKernels* quant_dot_avx512_ymm(WeightType t);                                                    \
+  const QuantDotKernels* quant_dot_avx512_grid(WeightType t);                                                   \
+  void unpack_grid_rows16_avx512(WeightType t, const uint8_t* blocks, size_t row_bytes, uint8_t* codes,         \
+                                 float* scales);                                                                \
+  const QuantDotKernels* quant_dot_avx512_planes(WeightType t);
+namespace far_l2 {
+COLIBRI_QDOT_VARIANT_ENTRIES
+}  // namespace far_l2
+namespace far_nta {
+COLIBRI_QDOT_VARIANT_ENTRIES
+}  // namespace far_nta
+#undef COLIBRI_QDOT_VARIANT_ENTRIES
+// What a translation unit of the two compilations defines (CMakeLists.txt
+// sets both macros); the defaults keep other compilations of the header whole.
+#if !defined(COLIBRI_QDOT_VARIANT)
+#define COLIBRI_QDOT_VARIANT far_l2
+#endif
+#if !defined(COLIBRI_FAR_PREFETCH_NTA)
+#define COLIBRI_FAR_PREFETCH_NTA 0
+#endif
+#if COLIBRI_FAR_PREFETCH_NTA
+#define COLIBRI_FAR_PREFETCH_HINT _MM_HINT_NTA
+#else
+#define COLIBRI_FAR_PREFETCH_HINT _MM_HINT_T1
+#endif
 #endif
 
 }  // namespace colibri::kernels
