@@ -45,24 +45,33 @@ size_t act_row_bytes(WeightType t, size_t n) {
 }
 
 #if defined(COLIBRI_HAVE_X86_KERNELS)
-// The entries of quant_dot.h: the compilation far_prefetch_nta() picks.
-const QuantDotKernels* quant_dot_avx2(WeightType t) {
-  return far_prefetch_nta() ? far_nta::quant_dot_avx2(t) : far_l2::quant_dot_avx2(t);
+namespace {
+
+using EntryFn = const QuantDotKernels* (*)(WeightType);
+
+// The entry of the compilation far_prefetch_nta() picks (quant_dot.h).
+template <EntryFn kL2, EntryFn kNta>
+const QuantDotKernels* picked(WeightType t) {
+  return far_prefetch_nta() ? kNta(t) : kL2(t);
 }
+
+}  // namespace
+
+const QuantDotKernels* quant_dot_avx2(WeightType t) { return picked<far_l2::quant_dot_avx2, far_nta::quant_dot_avx2>(t); }
 const QuantDotKernels* quant_dot_avx_vnni(WeightType t) {
-  return far_prefetch_nta() ? far_nta::quant_dot_avx_vnni(t) : far_l2::quant_dot_avx_vnni(t);
+  return picked<far_l2::quant_dot_avx_vnni, far_nta::quant_dot_avx_vnni>(t);
 }
 const QuantDotKernels* quant_dot_avx512(WeightType t) {
-  return far_prefetch_nta() ? far_nta::quant_dot_avx512(t) : far_l2::quant_dot_avx512(t);
+  return picked<far_l2::quant_dot_avx512, far_nta::quant_dot_avx512>(t);
 }
 const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
-  return far_prefetch_nta() ? far_nta::quant_dot_avx512_ymm(t) : far_l2::quant_dot_avx512_ymm(t);
+  return picked<far_l2::quant_dot_avx512_ymm, far_nta::quant_dot_avx512_ymm>(t);
 }
 const QuantDotKernels* quant_dot_avx512_grid(WeightType t) {
-  return far_prefetch_nta() ? far_nta::quant_dot_avx512_grid(t) : far_l2::quant_dot_avx512_grid(t);
+  return picked<far_l2::quant_dot_avx512_grid, far_nta::quant_dot_avx512_grid>(t);
 }
 const QuantDotKernels* quant_dot_avx512_planes(WeightType t) {
-  return far_prefetch_nta() ? far_nta::quant_dot_avx512_planes(t) : far_l2::quant_dot_avx512_planes(t);
+  return picked<far_l2::quant_dot_avx512_planes, far_nta::quant_dot_avx512_planes>(t);
 }
 #endif
 
