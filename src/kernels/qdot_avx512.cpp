@@ -1347,7 +1347,7 @@ void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_
           const uintptr_t base = reinterpret_cast<uintptr_t>(rows16) + (last ? 64 * row_bytes : 0) + at;
           for (size_t j = 0; j < 16; ++j) {
             for (size_t o = 0; o < len; o += 64) {
-              _mm_prefetch(reinterpret_cast<const char*>(base + j * row_bytes + o), _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(base + j * row_bytes + o), COLIBRI_FAR_PREFETCH_HINT);
             }
           }
         }
