@@ -575,7 +575,7 @@ COLIBRI_API colibri_status_t colibri_linear_create(const colibri_linear_desc_t* 
 COLIBRI_API colibri_status_t colibri_linear_forward(colibri_linear_t* linear, int32_t n_tokens, const float* x,
                                                     float* y);
 /* Which kernels run it, e.g. "decode int8-avx512, prefill amx-bf16-dequant
- * from 10 tokens"; "" for NULL. Valid until colibri_linear_free. */
+ * from 24 tokens"; "" for NULL. Valid until colibri_linear_free. */
 COLIBRI_API const char* colibri_linear_kernels(const colibri_linear_t* linear);
 /* Bytes of packed weights it holds; 0 for NULL. */
 COLIBRI_API uint64_t colibri_linear_bytes(const colibri_linear_t* linear);

@@ -65,8 +65,18 @@ constexpr int32_t kAmxMinTokens = 4;
 // slower in the Mixtral T=128 layer (about 32 tokens per expert).
 constexpr int32_t kSplitMinTokens = 64;
 // Block formats: the AMX tier (rows dequantised to bf16, then the tiles)
-// against the int8 kernels, crossing between 8 and 12 tokens (docs/KERNELS.md).
-constexpr int32_t kQuantAmxMinTokens = 10;
+// against the int8 kernels, whose many-token kernel it has to beat. Whole
+// layers on a Sapphire Rapids Xeon (docs/KERNELS.md): even at about 24
+// tokens per expert for most formats, 1.03-1.2x slower at 16, 1.1-1.3x
+// faster at 32; q3_k and mxfp4 even at 16; q2_k (the int8 side's weakest
+// many-token pass) 1.4x faster already at 16 and even at 8. The tq formats
+// (no many-token kernel) and fp8_e4m3 (fp32 FMAs) keep the earlier 10.
+constexpr int32_t kQuantAmxMinTokens = 24;
+constexpr int32_t kQuantAmxMinTokensMid = 16;
+constexpr int32_t kQuantAmxMinTokensEarly = 10;
+constexpr uint32_t kAmxEarlyTypes = type_bit(WeightType::kQ2_K) | type_bit(WeightType::kTQ1_0) |
+                                    type_bit(WeightType::kTQ2_0) | type_bit(WeightType::kFP8_E4M3);
+constexpr uint32_t kAmxMidTypes = kAmxEarlyTypes | type_bit(WeightType::kQ3_K) | type_bit(WeightType::kMXFP4);
 
 using TableFn = const KernelTable& (*)(Isa isa);
 
@@ -129,7 +139,13 @@ const KernelTable& amx_f16_split_table(Isa) { return amx_f16_split_kernels(); }
 
 // Prefill: first match wins; no match, no tier.
 constexpr PrefillRow kPrefillRows[] = {
-    // Block formats on AMX: rows dequantised to bf16 in L2-sized chunks, then the tiles.
+    // Block formats on AMX: rows dequantised to bf16 in L2-sized chunks, then
+    // the tiles, from the count where they overtake the int8 kernels (an
+    // expert mixing formats takes the later count of its two).
+    {{kAmxEarlyTypes, Isa::kAmx, Needs::kBf16Dequant, kRoundingPrecisions, true, false}, 1,
+     {{quant_amx_bf16_table, kQuantAmxMinTokensEarly}, {}}},
+    {{kAmxMidTypes, Isa::kAmx, Needs::kBf16Dequant, kRoundingPrecisions, true, false}, 1,
+     {{quant_amx_bf16_table, kQuantAmxMinTokensMid}, {}}},
     {{kBlockTypes, Isa::kAmx, Needs::kBf16Dequant, kRoundingPrecisions, true, false}, 1,
      {{quant_amx_bf16_table, kQuantAmxMinTokens}, {}}},
     // fp8_e4m3 elsewhere: its codes widened exactly to fp32 in the token-lane

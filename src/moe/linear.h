@@ -57,7 +57,7 @@ class Linear {
   WeightType type() const { return shape_.down_type; }
   size_t weight_bytes() const { return weight_bytes_; }
   int threads() const { return pool_->size(); }
-  // "decode int8-avx512, prefill amx-bf16-dequant from 10 tokens".
+  // "decode int8-avx512, prefill amx-bf16-dequant from 24 tokens".
   const std::string& kernels_description() const { return kernels_; }
 
  private:
