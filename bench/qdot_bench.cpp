@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/amx.h"
 #include "kernels/quant_dot.h"
 #include "util/half.h"
 #include "util/weight_format.h"
@@ -106,6 +107,8 @@ int main(int argc, char** argv) {
     tables.push_back({"avx512-vnni", quant_dot_avx512});
     // The AVX2-level kernels with EVEX ymm (the grid i-quants' before their zmm kernels).
     tables.push_back({"avx512-vnni-ymm", quant_dot_avx512_ymm});
+    // The many-token products on AMX-INT8 tiles (the formats scaled per 32).
+    if (amx_int8_available()) tables.push_back({"amx-int8", quant_dot_amx_int8});
   }
 #endif
   // qwen3-moe, olmoe, gpt-oss-20b (the benchmark suite's shapes).
@@ -119,7 +122,7 @@ int main(int argc, char** argv) {
                                  std::to_string(shape[0]) + "x" + std::to_string(shape[1]);
         benchmark::RegisterBenchmark(name.c_str(), run_expert, table.get(t), t, shape[0], shape[1])
             ->ArgName("n")
-            ->Arg(1)->Arg(2)->Arg(4)->Arg(6)->Arg(8)->Arg(16)->Arg(32)
+            ->Arg(1)->Arg(2)->Arg(4)->Arg(6)->Arg(8)->Arg(12)->Arg(16)->Arg(32)
             ->Unit(benchmark::kMicrosecond)
             ->MeasureProcessCPUTime()
             ->UseRealTime();

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/amx.h"
 #include "kernels/quant_dot.h"
 #include "util/half.h"
 #include "util/quant_ref.h"
@@ -72,6 +73,7 @@ bool has_avx2() { return colibri::kernels::detect_isa() >= colibri::kernels::Isa
 bool has_avx512_vnni() {
   return colibri::kernels::detect_isa() >= colibri::kernels::Isa::kAvx512 && colibri::kernels::cpu_has_avx512_vnni();
 }
+bool has_amx_int8() { return has_avx512_vnni() && colibri::kernels::amx_int8_available(); }
 #endif
 
 // The scalar reference first, then every instruction set's tables, each
@@ -86,6 +88,9 @@ const std::vector<IsaKernels>& all_isa_kernels() {
       // The AVX2-level kernels with EVEX ymm, which the grid i-quants no
       // longer reach through selection but keep as the zmm kernels' baseline.
       {"avx512-vnni-ymm", colibri::kernels::quant_dot_avx512_ymm, has_avx512_vnni, "avx512-vnni", false},
+      // The AVX-512 kernels with the many-token products on AMX-INT8 tiles,
+      // for the formats scaled per 32.
+      {"amx-int8", colibri::kernels::quant_dot_amx_int8, has_amx_int8, "", false},
 #endif
   };
   return v;
@@ -484,7 +489,13 @@ TEST(QuantDot, TablesAndSizes) {
         avx_vnni ? colibri::kernels::quant_dot_avx_vnni(t) : colibri::kernels::quant_dot_avx2(t);
     EXPECT_NE(colibri::kernels::quant_dot_avx2(t), colibri::kernels::quant_dot_avx_vnni(t));
     const QuantDotKernels* top = colibri::kernels::quant_dot_kernels(t, Isa::kAmx);
-    if (avx512_vnni && !avx2_level_only(t)) {
+    // At the AMX level with AMX-INT8, the tile variants where a format has them.
+    const QuantDotKernels* amx_int8 =
+        avx512_vnni && colibri::kernels::amx_int8_available() ? colibri::kernels::quant_dot_amx_int8(t) : nullptr;
+    if (amx_int8 != nullptr) {
+      EXPECT_EQ(top, amx_int8);
+      EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAvx512), colibri::kernels::quant_dot_avx512(t));
+    } else if (avx512_vnni && !avx2_level_only(t)) {
       EXPECT_EQ(top, colibri::kernels::quant_dot_avx512(t));
       EXPECT_EQ(colibri::kernels::quant_dot_kernels(t, Isa::kAvx512), colibri::kernels::quant_dot_avx512(t));
     } else if (isa >= Isa::kAvx2) {

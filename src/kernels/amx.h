@@ -23,6 +23,9 @@ namespace colibri::kernels {
 // part of that first call, so call this before any amx_bf16_kernels() entry.
 // Always false off x86-64 Linux.
 bool amx_available();
+// amx_available() and CPUID reports AMX-INT8 (tdpbsud, the -amx-int8
+// integer tables of quant_dot.h). Computed once.
+bool amx_int8_available();
 
 #if defined(COLIBRI_HAVE_X86_KERNELS)
 // Table "amx-bf16" (isa kAmx), for f32, f16 and bf16 weights. Its kernels

@@ -53,9 +53,16 @@ bool probe() {
   return ::syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
+bool probe_int8() {
+  if (!amx_available()) return false;
+  uint32_t eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && bit(edx, 25);  // AMX-INT8
+}
+
 #else
 
 bool probe() { return false; }
+bool probe_int8() { return false; }
 
 #endif
 
@@ -63,6 +70,11 @@ bool probe() { return false; }
 
 bool amx_available() {
   static const bool ok = probe();
+  return ok;
+}
+
+bool amx_int8_available() {
+  static const bool ok = probe_int8();
   return ok;
 }
 

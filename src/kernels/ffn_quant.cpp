@@ -459,6 +459,10 @@ const KernelTable& quant_kernels(Isa isa, bool exact) {
   // The AVX2 level's integer kernels take vpdpbusd where the CPU has AVX-VNNI (quant_dot_kernels).
   static const KernelTable avx2 = quant_table<Isa::kAvx2>(cpu_has_avx_vnni() ? "int8-avx2-vnni" : "int8-avx2");
   static const KernelTable avx512 = quant_table<Isa::kAvx512>("int8-avx512-vnni");
+  // On AMX, the same with the many-token products on AMX-INT8 tiles
+  // (quant_dot_amx_int8) for the formats that have them.
+  static const KernelTable amx = quant_table<Isa::kAmx>("int8-amx");
+  if (isa >= Isa::kAmx && detect_isa() >= Isa::kAmx && cpu_has_avx512_vnni() && amx_int8_available()) return amx;
   return by_level(isa, true, scalar, &avx2, &avx512);
 #else
   return by_level(isa, true, scalar, nullptr, nullptr);

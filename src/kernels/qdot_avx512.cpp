@@ -521,14 +521,14 @@ enum class GemmFormat {
   // The grid i-quants, unpacked by qdot_avx512_grid.cpp's code.
   kIQ2XXS, kIQ3XXS, kIQ3S, kIQ1S, kIQ2XS, kIQ2S, kIQ1M
 };
-template <GemmFormat F, int kAbove = kMaxTokens>
+template <GemmFormat F, int kAbove = kMaxTokens, bool kTiles = false>
 int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                   int32_t tokens, size_t n, float* out, size_t ld_out);
 
 // Up to kMaxTokens tokens at a time; per token group the super-blocks in
 // column chunks whose prepared activations fit the stack buffer; per chunk
 // every row.
-template <Kind K>
+template <Kind K, bool kTiles = false>
 void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
                 size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
@@ -543,7 +543,7 @@ void dot_rows_k(const void* w, size_t row_bytes, int32_t rows, const void* act, 
   const size_t nsb = n / kQKK;
   if (nsb == 0) return zero_out(rows, tokens, out, ld_out);
   constexpr GemmFormat kGemm = kQ6 ? GemmFormat::kQ6K : K == Kind::kQ5K ? GemmFormat::kQ5K : GemmFormat::kQ4K;
-  const int32_t done = gemm_rows<kGemm>(wb, row_bytes, rows, ab, act_bytes, tokens, n, out, ld_out);
+  const int32_t done = gemm_rows<kGemm, kMaxTokens, kTiles>(wb, row_bytes, rows, ab, act_bytes, tokens, n, out, ld_out);
   if (done == rows) return;
   wb += static_cast<size_t>(done) * row_bytes;
   out += done;
@@ -1303,9 +1303,148 @@ constexpr GemmPassFns<F> gemm_pass_fns(std::integer_sequence<int, I...>) {
 }
 
 
+// AMX-INT8 (the `-amx-int8` tables, AMX CPUs): the many-token kernel's
+// decoded weights are already the B operand of tdpbsud: v[b * 8 + q] lane r
+// = row r's codes 4q .. 4q + 3 of block b (unsigned), so the 8 vectors of
+// block b are a B tile of 8 K-quads x 16 rows, as the decode stores them.
+// The activations (signed int8) are the A tile: 16 tokens x the 32 codes
+// of block b, packed per chunk. C[token][row] is the block's integer
+// product, which the same scaling as gemm_pass turns into floats (one
+// conversion, a multiply and an FMA per token, 16 rows and block, in place
+// of the eight vpdpbusd there). The formats scaled per 16 (two products a
+// block) keep the vpdpbusd passes. Tile instructions as inline assembly:
+// this object is not built with -mamx-*; the tiles are configured at the
+// start of every gemm_rows16 call and released at its end (ffn_amx.cpp
+// says why).
+struct alignas(64) AmxInt8Config {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles: 0, 1 accumulators, 2, 4 activations, 3, 5 weights (two blocks in flight).
+void amx_int8_configure() {
+  AmxInt8Config cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  cfg.colsb[0] = cfg.colsb[1] = 64;  // C: 16 tokens x 16 int32
+  cfg.rows[0] = cfg.rows[1] = 16;
+  cfg.colsb[2] = cfg.colsb[4] = 32;  // A: 16 tokens x 32 int8
+  cfg.rows[2] = cfg.rows[4] = 16;
+  cfg.colsb[3] = cfg.colsb[5] = 64;  // B: 8 K-quads x 16 rows x 4 uint8
+  cfg.rows[3] = cfg.rows[5] = 8;
+  // Not _tile_loadconfig() (ffn_amx.cpp says why).
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+void amx_int8_release() { __asm__ volatile("tilerelease" ::: "memory"); }
+
+// Activations of chunk (blocks b0 .. b0 + nbc) for token blocks of 16:
+// pack[(tb * kGemmBlocks + b) * 512 + t * 32 + k], zero past the tokens.
+struct alignas(64) AmxActs {
+  int8_t q[2 * kGemmBlocks * 512];
+};
+void amx_pack_acts(const uint8_t* ab, size_t act_bytes, size_t ta, size_t b0, size_t nbc, AmxActs& P) {
+  const size_t ntb = (ta + 15) / 16;
+  for (size_t tb = 0; tb < ntb; ++tb) {
+    for (size_t t = 0; t < 16; ++t) {
+      const size_t tok = tb * 16 + t;
+      for (size_t b = 0; b < nbc; ++b) {
+        int8_t* dst = P.q + (tb * kGemmBlocks + b) * 512 + t * 32;
+        if (tok < ta) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(dst),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab + tok * act_bytes + (b0 + b) * kQK32)));
+        } else {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(dst), _mm256_setzero_si256());
+        }
+      }
+    }
+  }
+}
+
+// The integer products of nbc blocks for one block of 16 tokens, C tiles
+// stored to c[b] (c[b][t * 16 + r]: token t, row r); consecutive blocks
+// alternate between two sets of tiles so the tile unit need not wait for a
+// store before the next product.
+inline void amx_int8_products(const GemmWeights& W, size_t nbc, const int8_t* acts, int32_t (*c)[256]) {
+  size_t b = 0;
+  for (; b + 2 <= nbc; b += 2) {
+    __asm__ volatile(
+        "tileloadd (%0,%2,1), %%tmm3\n\t"
+        "tileloadd (%1,%3,1), %%tmm2\n\t"
+        "tilezero %%tmm0\n\t"
+        "tileloadd (%4,%2,1), %%tmm5\n\t"
+        "tileloadd (%5,%3,1), %%tmm4\n\t"
+        "tilezero %%tmm1\n\t"
+        "tdpbsud %%tmm3, %%tmm2, %%tmm0\n\t"
+        "tdpbsud %%tmm5, %%tmm4, %%tmm1\n\t"
+        "tilestored %%tmm0, (%6,%2,1)\n\t"
+        "tilestored %%tmm1, (%7,%2,1)" ::"r"(W.v + 8 * b),
+        "r"(acts + b * 512), "r"(size_t{64}), "r"(size_t{32}), "r"(W.v + 8 * (b + 1)), "r"(acts + (b + 1) * 512),
+        "r"(c[b]), "r"(c[b + 1])
+        : "memory");
+  }
+  if (b < nbc) {
+    __asm__ volatile(
+        "tileloadd (%0,%2,1), %%tmm3\n\t"
+        "tileloadd (%1,%3,1), %%tmm2\n\t"
+        "tilezero %%tmm0\n\t"
+        "tdpbsud %%tmm3, %%tmm2, %%tmm0\n\t"
+        "tilestored %%tmm0, (%4,%2,1)" ::"r"(W.v + 8 * b),
+        "r"(acts + b * 512), "r"(size_t{64}), "r"(size_t{32}), "r"(c[b])
+        : "memory");
+  }
+}
+
+// The blocks' products scaled into NT tokens' accumulators (in registers).
+template <GemmFormat F, int NT>
+void amx_int8_scale(const int32_t (*c)[256], size_t nbc, const GemmWeights& W, const GemmActs& A, size_t t0,
+                    size_t tap, __m512* facc) {
+  constexpr bool kInit = gemm_block32(F);
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = facc[t];
+  for (size_t b = 0; b < nbc; ++b) {
+    const size_t at = b * tap + t0;
+    const __m512 ws = W.ws[b];
+    COLIBRI_UNROLL
+    for (int t = 0; t < NT; ++t) {
+      __m512i ci = _mm512_load_si512(c[b] + t * 16);
+      if constexpr (kInit) ci = _mm512_add_epi32(ci, _mm512_set1_epi32(A.i0[at + static_cast<size_t>(t)]));
+      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(A.da[at + static_cast<size_t>(t)]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), scale, acc[t]);
+      if constexpr (!kInit) acc[t] = _mm512_fnmadd_ps(W.wm[b], _mm512_set1_ps(A.ds[at + static_cast<size_t>(t)]), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) facc[t] = acc[t];
+}
+
+template <GemmFormat F>
+using AmxScaleFn = void (*)(const int32_t (*)[256], size_t, const GemmWeights&, const GemmActs&, size_t, size_t, __m512*);
+template <GemmFormat F>
+struct AmxScaleFns {
+  AmxScaleFn<F> fn[16];
+};
+template <GemmFormat F, int... I>
+constexpr AmxScaleFns<F> amx_scale_fns(std::integer_sequence<int, I...>) {
+  return {{&amx_int8_scale<F, I + 1>...}};
+}
+
+template <GemmFormat F>
+void amx_int8_blocks(const GemmWeights& W, size_t nbc, const AmxActs& P, const GemmActs& A, size_t ta, size_t tap,
+                     __m512* facc) {
+  static constexpr auto kScale = amx_scale_fns<F>(std::make_integer_sequence<int, 16>());
+  alignas(64) int32_t c[kGemmBlocks][256];
+  for (size_t t0 = 0, tb = 0; t0 < ta; t0 += 16, ++tb) {
+    const size_t nt = min_size(16, ta - t0);
+    amx_int8_products(W, nbc, P.q + tb * kGemmBlocks * 512, c);
+    kScale.fn[nt - 1](c, nbc, W, A, t0, tap, facc + t0);
+  }
+}
+
 // rows / 16 whole vectors of rows (the caller runs the rest) against
 // tokens <= kGemmMaxCallTokens; n elements a row.
-template <GemmFormat F>
+template <GemmFormat F, bool kTiles>
 void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                  int32_t tokens, size_t n, float* out, size_t ld_out) {
   constexpr bool kK = F == GemmFormat::kQ4K || F == GemmFormat::kQ5K || F == GemmFormat::kQ6K ||
@@ -1322,12 +1461,21 @@ void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_
   GemmActs A;
   GemmWeights W;
   alignas(64) __m512 facc[4 * kGemmMaxCallTokens];  // per vector of rows and token, across chunks
+  // Tiles from 9 tokens: at 6-8 (half-empty A tiles) they ran even with
+  // the vpdpbusd passes or slower (Sapphire Rapids, colibri_qdot_bench:
+  // iq4_xs at 6 tokens 151-153 against 168-171 GOP/s), at 12-32 1.03-1.35x
+  // faster.
+  constexpr bool kAmx = kTiles && !gemm_halves(kPassAs);
+  const bool tiles = kAmx && ta > 8;
+  AmxActs P;
+  if (tiles) amx_int8_configure();
   for (size_t rv0 = 0; rv0 < nrv; rv0 += 4) {
     const size_t nv = min_size(4, nrv - rv0);
     for (size_t i = 0; i < nv * ta; ++i) facc[i] = _mm512_setzero_ps();
     for (size_t c = 0, b0 = 0; b0 < nb; ++c, b0 += kGemmBlocks) {
       const size_t nbc = min_size(kGemmBlocks, nb - b0);
       prepare_gemm_acts<gemm_acts_as(F)>(ab, act_bytes, ta, tap, n, b0, nbc, A);
+      if (tiles) amx_pack_acts(ab, act_bytes, ta, b0, nbc, P);
       for (size_t v = 0; v < nv; ++v) {
         const uint8_t* rows16 = wb + (rv0 + v) * 16 * row_bytes;
         decode_gemm_weights<F>(rows16, row_bytes, c, nbc, W);
@@ -1351,6 +1499,12 @@ void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_
             }
           }
         }
+        if constexpr (kAmx) {
+          if (tiles) {
+            amx_int8_blocks<kPassAs>(W, nbc, P, A, ta, tap, facc + v * ta);
+            continue;
+          }
+        }
         // Passes of at most kPassTokens, as even as possible.
         const size_t passes = (ta + kPassTokens - 1) / kPassTokens;
         for (size_t p = 0, t0 = 0; p < passes; ++p) {
@@ -1364,23 +1518,24 @@ void gemm_rows16(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_
       for (size_t t = 0; t < ta; ++t) _mm512_storeu_ps(out + t * ld_out + (rv0 + v) * 16, facc[v * ta + t]);
     }
   }
+  if (tiles) amx_int8_release();
 }
 
 // gemm_rows16 over a call's tokens, 32 at a time, for calls of more than
 // kAbove tokens.
-template <GemmFormat F, int kAbove>
+template <GemmFormat F, int kAbove, bool kTiles>
 int32_t gemm_rows(const uint8_t* wb, size_t row_bytes, int32_t rows, const uint8_t* ab, size_t act_bytes,
                   int32_t tokens, size_t n, float* out, size_t ld_out) {
   if (tokens <= kAbove || rows < 16) return 0;
   for (int32_t t0 = 0; t0 < tokens; t0 += kGemmMaxCallTokens) {
     const int32_t tn = tokens - t0 < kGemmMaxCallTokens ? tokens - t0 : kGemmMaxCallTokens;
-    gemm_rows16<F>(wb, row_bytes, rows, ab + static_cast<size_t>(t0) * act_bytes, act_bytes, tn, n,
+    gemm_rows16<F, kTiles>(wb, row_bytes, rows, ab + static_cast<size_t>(t0) * act_bytes, act_bytes, tn, n,
                    out + static_cast<size_t>(t0) * ld_out, ld_out);
   }
   return rows / 16 * 16;
 }
 
-template <bool kQ8>
+template <bool kQ8, bool kTiles = false>
 void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
                  size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
@@ -1389,8 +1544,8 @@ void dot_rows_32(const void* w, size_t row_bytes, int32_t rows, const void* act,
   const size_t nb = n / kQK32;
   if (nb == 0) return zero_out(rows, tokens, out, ld_out);
   // Whole vectors of 16 rows of a many-token call, then the rest below.
-  const int32_t done = gemm_rows<kQ8 ? GemmFormat::kQ8_0 : GemmFormat::kQ4_0>(wb, row_bytes, rows, ab, act_bytes,
-                                                                               tokens, n, out, ld_out);
+  const int32_t done = gemm_rows<kQ8 ? GemmFormat::kQ8_0 : GemmFormat::kQ4_0, kMaxTokens, kTiles>(
+      wb, row_bytes, rows, ab, act_bytes, tokens, n, out, ld_out);
   if (done == rows) return;
   wb += static_cast<size_t>(done) * row_bytes;
   out += done;
@@ -1430,11 +1585,12 @@ const QuantDotKernels kQ4_0 = {"q4_0-avx512-vnni", quantize_act, dot_rows_32<fal
 // docs/KERNELS.md). On Zen 5 at 6-8 tokens the many-token kernel ran
 // 263-314 GOP/s against their 167-188 (colibri_qdot_bench, 2048x1024), at 5
 // even.
+template <bool kTiles = false>
 void dot_rows_mxfp4(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes, int32_t tokens,
                     size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
   const auto* wb = static_cast<const uint8_t*>(w);
-  const int32_t done = n / kQK32 == 0 ? 0 : gemm_rows<GemmFormat::kMXFP4, 5>(wb, row_bytes, rows, static_cast<const uint8_t*>(act),
+  const int32_t done = n / kQK32 == 0 ? 0 : gemm_rows<GemmFormat::kMXFP4, 5, kTiles>(wb, row_bytes, rows, static_cast<const uint8_t*>(act),
                                                                          act_bytes, tokens, n, out, ld_out);
   if (done == rows) return;
   quant_dot_kernels(WeightType::kMXFP4, Isa::kAvx2)
@@ -1445,7 +1601,7 @@ void dot_rows_mxfp4(const void* w, size_t row_bytes, int32_t rows, const void* a
 const QuantDotKernels kQ4_K = {"q4_k-avx512-vnni", quantize_act, dot_rows_k<Kind::kQ4K>};
 const QuantDotKernels kQ5_K = {"q5_k-avx512-vnni", quantize_act, dot_rows_k<Kind::kQ5K>};
 const QuantDotKernels kQ6_K = {"q6_k-avx512-vnni", quantize_act, dot_rows_k<Kind::kQ6K>};
-const QuantDotKernels kMxfp4 = {"mxfp4-avx512-vnni", quantize_act, dot_rows_mxfp4};
+const QuantDotKernels kMxfp4 = {"mxfp4-avx512-vnni", quantize_act, dot_rows_mxfp4<>};
 
 // iq4_nl, iq4_xs, q3_k, q2_k and the grid i-quants: the many-token kernel
 // here; fewer tokens (and the rows past the last whole 16) take the `Few`
@@ -1463,13 +1619,13 @@ const QuantDotKernels kMxfp4 = {"mxfp4-avx512-vnni", quantize_act, dot_rows_mxfp
 // For the other formats the few-token kernels are as fast at 8 tokens
 // or faster (q4_k 316 / 303, q6_k 282 / 273, iq1_s 192 / 178).
 using FewTokenTables = const QuantDotKernels* (*)(WeightType);
-template <GemmFormat F, WeightType T, FewTokenTables Few, int kFewMaxTokens>
+template <GemmFormat F, WeightType T, FewTokenTables Few, int kFewMaxTokens, bool kTiles = false>
 void dot_rows_gemm_or_few(const void* w, size_t row_bytes, int32_t rows, const void* act, size_t act_bytes,
                           int32_t tokens, size_t n, float* out, size_t ld_out) {
   if (rows <= 0 || tokens <= 0) return;
   const auto* wb = static_cast<const uint8_t*>(w);
   const int32_t done = n / kQK32 == 0 ? 0
-                                      : gemm_rows<F, kFewMaxTokens>(wb, row_bytes, rows, static_cast<const uint8_t*>(act),
+                                      : gemm_rows<F, kFewMaxTokens, kTiles>(wb, row_bytes, rows, static_cast<const uint8_t*>(act),
                                                                     act_bytes, tokens, n, out, ld_out);
   if (done == rows) return;
   Few(T)->dot_rows(wb + static_cast<size_t>(done) * row_bytes, row_bytes, rows - done, act, act_bytes, tokens, n,
@@ -1486,9 +1642,10 @@ const QuantDotKernels kQ3_K = {"q3_k-avx512-vnni", quantize_act,
                                dot_rows_gemm_or_few<GemmFormat::kQ3K, WeightType::kQ3_K, COLIBRI_QDOT_VARIANT::quant_dot_avx512_planes, 16>};
 const QuantDotKernels kQ2_K = {"q2_k-avx512-vnni", quantize_act,
                                dot_rows_gemm_or_few<GemmFormat::kQ2K, WeightType::kQ2_K, COLIBRI_QDOT_VARIANT::quant_dot_avx512_planes, 16>};
-template <GemmFormat F, int kFewMaxTokens = kMaxTokens>
+template <GemmFormat F, int kFewMaxTokens = kMaxTokens, bool kTiles = false>
 constexpr QuantDotKernels grid_kernels(const char* name) {
-  return {name, quantize_act, dot_rows_gemm_or_few<F, gemm_grid_type(F), COLIBRI_QDOT_VARIANT::quant_dot_avx512_grid, kFewMaxTokens>};
+  return {name, quantize_act,
+          dot_rows_gemm_or_few<F, gemm_grid_type(F), COLIBRI_QDOT_VARIANT::quant_dot_avx512_grid, kFewMaxTokens, kTiles>};
 }
 const QuantDotKernels kIq2Xxs = grid_kernels<GemmFormat::kIQ2XXS>("iq2_xxs-avx512-vnni");
 const QuantDotKernels kIq3Xxs = grid_kernels<GemmFormat::kIQ3XXS, 4>("iq3_xxs-avx512-vnni");
@@ -1498,6 +1655,24 @@ const QuantDotKernels kIq2Xs = grid_kernels<GemmFormat::kIQ2XS>("iq2_xs-avx512-v
 const QuantDotKernels kIq2S = grid_kernels<GemmFormat::kIQ2S>("iq2_s-avx512-vnni");
 const QuantDotKernels kIq1M = grid_kernels<GemmFormat::kIQ1M>("iq1_m-avx512-vnni");
 const QuantDotKernels kFp8E4M3 = {"fp8_e4m3-avx512-vnni", fp8::copy_act, fp8::dot_rows<Fp8Zmm>};
+
+// The same kernels with the many-token kernel's products on AMX-INT8 tiles,
+// for the formats scaled per 32 (the others have no -amx-int8 table).
+const QuantDotKernels kQ8_0Amx = {"q8_0-amx-int8", quantize_act, dot_rows_32<true, true>};
+const QuantDotKernels kQ4_0Amx = {"q4_0-amx-int8", quantize_act, dot_rows_32<false, true>};
+const QuantDotKernels kQ4_KAmx = {"q4_k-amx-int8", quantize_act, dot_rows_k<Kind::kQ4K, true>};
+const QuantDotKernels kQ5_KAmx = {"q5_k-amx-int8", quantize_act, dot_rows_k<Kind::kQ5K, true>};
+const QuantDotKernels kMxfp4Amx = {"mxfp4-amx-int8", quantize_act, dot_rows_mxfp4<true>};
+const QuantDotKernels kIq4NlAmx = {
+    "iq4_nl-amx-int8", quantize_act,
+    dot_rows_gemm_or_few<GemmFormat::kIQ4NL, WeightType::kIQ4_NL, COLIBRI_QDOT_VARIANT::quant_dot_avx512_ymm, 5, true>};
+const QuantDotKernels kIq4XsAmx = {
+    "iq4_xs-amx-int8", quantize_act,
+    dot_rows_gemm_or_few<GemmFormat::kIQ4XS, WeightType::kIQ4_XS, COLIBRI_QDOT_VARIANT::quant_dot_avx512_ymm, 4, true>};
+const QuantDotKernels kIq2XxsAmx = grid_kernels<GemmFormat::kIQ2XXS, kMaxTokens, true>("iq2_xxs-amx-int8");
+const QuantDotKernels kIq3XxsAmx = grid_kernels<GemmFormat::kIQ3XXS, 4, true>("iq3_xxs-amx-int8");
+const QuantDotKernels kIq3SAmx = grid_kernels<GemmFormat::kIQ3S, 5, true>("iq3_s-amx-int8");
+const QuantDotKernels kIq1SAmx = grid_kernels<GemmFormat::kIQ1S, kMaxTokens, true>("iq1_s-amx-int8");
 
 }  // namespace
 
@@ -1547,6 +1722,35 @@ const QuantDotKernels* quant_dot_avx512(WeightType t) {
       return quant_dot_avx512_planes(t);
     default:
       return quant_dot_avx512_ymm(t);
+  }
+}
+
+const QuantDotKernels* quant_dot_amx_int8(WeightType t) {
+  switch (t) {
+    case WeightType::kQ8_0:
+      return &kQ8_0Amx;
+    case WeightType::kQ4_0:
+      return &kQ4_0Amx;
+    case WeightType::kQ4_K:
+      return &kQ4_KAmx;
+    case WeightType::kQ5_K:
+      return &kQ5_KAmx;
+    case WeightType::kMXFP4:
+      return &kMxfp4Amx;
+    case WeightType::kIQ4_NL:
+      return &kIq4NlAmx;
+    case WeightType::kIQ4_XS:
+      return &kIq4XsAmx;
+    case WeightType::kIQ2_XXS:
+      return &kIq2XxsAmx;
+    case WeightType::kIQ3_XXS:
+      return &kIq3XxsAmx;
+    case WeightType::kIQ3_S:
+      return &kIq3SAmx;
+    case WeightType::kIQ1_S:
+      return &kIq1SAmx;
+    default:
+      return nullptr;
   }
 }
 

@@ -3,6 +3,8 @@
 // decides what may run).
 #include "kernels/quant_dot.h"
 
+#include "kernels/amx.h"
+
 #include "util/weight_format.h"
 
 namespace colibri::kernels {
@@ -73,6 +75,9 @@ const QuantDotKernels* quant_dot_avx512_grid(WeightType t) {
 const QuantDotKernels* quant_dot_avx512_planes(WeightType t) {
   return picked<far_l2::quant_dot_avx512_planes, far_nta::quant_dot_avx512_planes>(t);
 }
+const QuantDotKernels* quant_dot_amx_int8(WeightType t) {
+  return picked<far_l2::quant_dot_amx_int8, far_nta::quant_dot_amx_int8>(t);
+}
 #endif
 
 const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa) {
@@ -80,12 +85,17 @@ const QuantDotKernels* quant_dot_kernels(WeightType t, Isa isa) {
   const Isa detected = detect_isa();
   const Isa level = isa < detected ? isa : detected;
 #if defined(COLIBRI_HAVE_X86_KERNELS)
-  // kAmx decodes with the AVX-512 kernels; without AVX512_VNNI the AVX-512
+  // Otherwise kAmx decodes with the AVX-512 kernels; without AVX512_VNNI the AVX-512
   // level takes the AVX2-level ones, with AVX-VNNI where the CPU has it.
   // Every block format has an AVX-512 table; mxfp4's runs only its
   // many-token kernel itself and hands fewer tokens to the AVX2 level's
   // (an AVX-512 port of the transposed block-32 kernel, scales by
   // vpgatherdd, ran a gpt-oss-20b layer 30% slower than those on Zen 4).
+  // kAmx with AMX-INT8: the same kernels with the many-token products on
+  // tiles, for the formats that have them.
+  if (level >= Isa::kAmx && cpu_has_avx512_vnni() && amx_int8_available()) {
+    if (const QuantDotKernels* k = quant_dot_amx_int8(t)) return k;
+  }
   if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) {
     if (const QuantDotKernels* k = quant_dot_avx512(t)) return k;
   }

@@ -111,6 +111,10 @@ inline constexpr int kGridCodeOffset = 128;
 // kernel of qdot_avx512.cpp leaves); nullptr for other formats; needs
 // AVX512_VNNI.
 const QuantDotKernels* quant_dot_avx512_planes(WeightType t);
+// The AVX-512 kernels whose many-token products run on AMX-INT8 tiles
+// (names "<format>-amx-int8"); nullptr for the formats without them. Only
+// where amx_int8_available() (amx.h).
+const QuantDotKernels* quant_dot_amx_int8(WeightType t);
 
 // The integer-dot translation units above (qdot_avx2, qdot_avxvnni,
 // qdot_avx512, qdot_avx512vl, qdot_avx512_grid, qdot_avx512_planes) are
@@ -128,7 +132,8 @@ const QuantDotKernels* quant_dot_avx512_planes(WeightType t);
   const QuantDotKernels* quant_dot_avx512_grid(WeightType t);                                                   \
   void unpack_grid_rows16_avx512(WeightType t, const uint8_t* blocks, size_t row_bytes, uint8_t* codes,         \
                                  float* scales);                                                                \
-  const QuantDotKernels* quant_dot_avx512_planes(WeightType t);
+  const QuantDotKernels* quant_dot_avx512_planes(WeightType t);                                                 \
+  const QuantDotKernels* quant_dot_amx_int8(WeightType t);
 namespace far_l2 {
 COLIBRI_QDOT_VARIANT_ENTRIES
 }  // namespace far_l2
