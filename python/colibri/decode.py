@@ -12,7 +12,9 @@ itself: per block RMS norm, q / k / v projections, the family's q / k
 norms, rope, `cache.update` (transformers' own cache, so generate and the
 prefill path see the same cache), attention, o projection, residual, RMS
 norm, one `colibri_infer` with the built-in router (or the block's own
-feed-forward module where Colibri does not run it), residual. Each call
+feed-forward module where Colibri does not run it), residual. DeepSeek-V3's
+latent attention is its absorbed form's calls (q low-rank pair, latent kv
+projection and norm, rope, k_b, attention over the cached latents, v_b, o). Each call
 gets descriptors and buffers made once at install.
 
 Any other call runs the original forward: several tokens or sequences,
@@ -39,9 +41,10 @@ _FFN_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
 # reproduces (q / k norms per head or over the whole projection, biases in
 # the projections, gpt-oss's sinks).
 _FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss")
-# Families whose attention keeps its own forward (DeepSeek's absorbed latent
-# attention, loader._absorb), called directly with no mask; the rest of the
-# block as above.
+# Families whose attention is DeepSeek's absorbed latent attention
+# (loader._absorb): DeepSeek-V3's runs as C calls (_LatentAttention),
+# DeepSeek-V2's (a complex rotation) through its own forward called with no
+# mask; the rest of the block as above.
 _OWN_ATTENTION = ("deepseek_v2", "deepseek_v3")
 
 # Families whose sliding layers the step runs with the window as the
@@ -69,7 +72,9 @@ class _Block:
         self.h = torch.empty(1, d)
         self.ffn_out = torch.empty(1, d)
         self.own_attention = attn.forward if "_colibri_absorbed" in attn.__dict__ else None
+        self.mla = None
         if self.own_attention is not None:
+            self.mla = _LatentAttention.of(attn, config, threads)
             return
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         H = config.num_attention_heads
@@ -122,6 +127,110 @@ class _Block:
         return r
 
 
+class _LatentAttention:
+    """DeepSeek-V3's absorbed latent attention (loader._absorb) at one token
+    as C calls on buffers made once: the same calls in the same order as
+    loader._absorbed_mla_forward, so the same bits. Its rotary embedding
+    (transformers' apply_rotary_pos_emb_interleave, or the plain
+    rotate_half form without rope_interleave) is colibri_rope on the pairs
+    de-interleaved, which computes the same products and sums; DeepSeek-V2's
+    complex rotation keeps the module's forward."""
+
+    @classmethod
+    def of(cls, attn, config, threads):
+        if config.model_type != "deepseek_v3":
+            return None
+        names = ["kv_a_proj_with_mqa", "o_proj"]
+        names += ["q_a_proj", "q_b_proj"] if attn.q_lora_rank else ["q_proj"]
+        if not all(isinstance(getattr(attn, n, None), cnn.Linear) for n in names):
+            return None
+        norms = ["kv_a_layernorm"] + (["q_a_layernorm"] if attn.q_lora_rank else [])
+        if not all(isinstance(getattr(attn, n, None), cnn.RMSNorm) for n in norms):
+            return None
+        k_b, v_b, _ = attn.__dict__["_colibri_absorbed"]
+        return cls(attn, config, threads, k_b, v_b)
+
+    def __init__(self, attn, config, threads, k_b, v_b):
+        self.attn = attn
+        self.k_b, self.v_b = k_b, v_b
+        H = config.num_attention_heads
+        nope, rope, rank = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+        v_head = attn.v_head_dim
+        self.H, self.nope, self.rope, self.rank = H, nope, rope, rank
+        self.interleave = bool(getattr(config, "rope_interleave", True))
+        self.layer_idx = attn.layer_idx
+        if attn.q_lora_rank:
+            self.q_a = torch.empty(1, attn.q_lora_rank)
+            self.q_a_normed = torch.empty(1, attn.q_lora_rank)
+        self.q = torch.empty(1, H * (nope + rope))
+        self.kv_a = torch.empty(1, rank + rope)
+        self.q_nope = torch.empty(1, H * nope)
+        self.q_rot_pairs = torch.empty(H, rope)  # de-interleaved
+        self.k_rot_pairs = torch.empty(1, rope)
+        self.q_lat = torch.empty(1, H * rank)
+        self.query = torch.empty(H, rank + rope)  # latent part, then the rope part
+        self.lat = torch.empty(1, 1, H, rank)
+        self.v_out = torch.empty(1, H * v_head)
+        self.o_out = torch.empty(1, config.hidden_size)
+        q_rot_src = self.q_rot_pairs if self.interleave else self.q[:, nope:]
+        self.rope_q = _Block._rope_desc(H, rope, rope, 0, q_rot_src, self.query[:, rank:])
+        self.rope_q.x_stride[:] = (0, rope if self.interleave else nope + rope, 0)
+        self.rope_q.out_stride[:] = (0, rank + rope, 0)
+        self.rope_k = _Block._rope_desc(1, rope, rope, 0, None, None)
+        a = L.AttentionDesc()
+        a.batch, a.heads, a.kv_heads, a.q_len, a.qk_dim, a.v_dim, a.qk2_dim = 1, H, 1, 1, rank, rank, rope
+        a.n_threads = int(attn.__dict__.get("_colibri_threads", threads))
+        a.scale = float(attn.scaling)
+        a.q = self.query.data_ptr()
+        a.q_stride[:] = (0, rank + rope, 0)
+        a.out = self.lat.data_ptr()
+        self.desc = a
+
+    def run(self, step, h, cos_p, sin_p, cache):
+        """Attention of the normed hidden state at pointer h; returns the o
+        projection's output [1, d]."""
+        linear, norm, rope = step.linear, step.norm, step.rope
+        attn, H, nope, rope_dim, rank = self.attn, self.H, self.nope, self.rope, self.rank
+        if attn.q_lora_rank:
+            _ok(linear(attn.q_a_proj._handle, 1, h, self.q_a.data_ptr()), "colibri_linear_forward")
+            n = attn.q_a_layernorm
+            _ok(norm(self.q_a.data_ptr(), n.weight.data_ptr(), 1, self.q_a.shape[1], n.variance_epsilon,
+                     self.q_a_normed.data_ptr()), "colibri_rms_norm")
+            _ok(linear(attn.q_b_proj._handle, 1, self.q_a_normed.data_ptr(), self.q.data_ptr()),
+                "colibri_linear_forward")
+        else:
+            _ok(linear(attn.q_proj._handle, 1, h, self.q.data_ptr()), "colibri_linear_forward")
+        _ok(linear(attn.kv_a_proj_with_mqa._handle, 1, h, self.kv_a.data_ptr()), "colibri_linear_forward")
+        # Fresh tensors for what the cache keeps (a cache may hold them as given).
+        latent = torch.empty(1, 1, 1, rank)
+        k_rot = torch.empty(1, 1, 1, rope_dim)
+        n = attn.kv_a_layernorm
+        _ok(norm(self.kv_a.data_ptr(), n.weight.data_ptr(), 1, rank, n.variance_epsilon, latent.data_ptr()),
+            "colibri_rms_norm")
+        q = self.q.view(H, nope + rope_dim)
+        self.q_nope.view(H, nope).copy_(q[:, :nope])
+        if self.interleave:
+            self.q_rot_pairs.view(H, 2, rope_dim // 2).copy_(q[:, nope:].view(H, rope_dim // 2, 2).transpose(1, 2))
+            self.k_rot_pairs.view(2, rope_dim // 2).copy_(self.kv_a[0, rank:].view(rope_dim // 2, 2).t())
+            k_src = self.k_rot_pairs
+        else:
+            k_src = self.kv_a[:, rank:]
+        _rope_q_and_k(rope, self.rope_q, self.rope_k, k_src, k_rot, cos_p, sin_p)
+        keys, keys_rot = cache.update(latent, k_rot, self.layer_idx)
+        _ok(linear(self.k_b._handle, 1, self.q_nope.data_ptr(), self.q_lat.data_ptr()), "colibri_linear_forward")
+        self.query[:, :rank].copy_(self.q_lat.view(H, rank))
+        a = self.desc
+        a.kv_len = keys.shape[2]
+        a.k = a.v = keys.data_ptr()
+        a.k_stride[:] = a.v_stride[:] = leading_strides(keys, 3)
+        a.k2 = keys_rot.data_ptr()
+        a.k2_stride[:] = leading_strides(keys_rot, 3)
+        _ok(step.attention(a), "colibri_attention")
+        _ok(linear(self.v_b._handle, 1, self.lat.data_ptr(), self.v_out.data_ptr()), "colibri_linear_forward")
+        _ok(linear(attn.o_proj._handle, 1, self.v_out.data_ptr(), self.o_out.data_ptr()), "colibri_linear_forward")
+        return self.o_out
+
+
 class _Step:
     def __init__(self, model, base, original, style, threads):
         config = model.config
@@ -131,7 +240,8 @@ class _Step:
         # Blocks past num_hidden_layers (GLM's multi-token prediction) are not run by the forward.
         layers = base.layers[: config.num_hidden_layers]
         self.blocks = [_Block(i, layer, config, style, threads) for i, layer in enumerate(layers)]
-        self.standard = any(b.own_attention is None for b in self.blocks)
+        self.standard = any(b.own_attention is None and b.mla is None for b in self.blocks)
+        self.latent = [b.mla.rope for b in self.blocks if b.mla is not None]
         self.partial = style == "partial"
         self.modules = list(base.modules())
         self.lock = threading.Lock()
@@ -187,9 +297,9 @@ class _Step:
         if x.dtype != torch.float32:
             return None
         position_embeddings = base.rotary_emb(x, position_ids)
-        if self.standard:
+        if self.standard or self.latent:
             cos, sin = position_embeddings
-            if cos.dtype != torch.float32:
+            if cos.dtype != torch.float32 or any(width != cos.shape[-1] for width in self.latent):
                 return None
             cos, sin = cos.contiguous(), sin.contiguous()
             cos_p, sin_p, width = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
@@ -198,6 +308,11 @@ class _Step:
         for b in self.blocks:
             h = b.h.data_ptr()
             _ok(norm(x.data_ptr(), b.norm1.weight.data_ptr(), 1, b.d, b.norm1.variance_epsilon, h), "colibri_rms_norm")
+            if b.mla is not None:
+                x = x + b.mla.run(self, h, cos_p, sin_p, cache)
+                self._feed_forward(b, x)
+                x = x + b.ffn_result
+                continue
             if b.own_attention is not None:
                 out = b.own_attention(b.h.view(1, 1, -1), position_embeddings=position_embeddings,
                                       attention_mask=None, cache=cache)[0]
@@ -220,15 +335,7 @@ class _Step:
             else:
                 k_in = k
             k_roped = torch.empty(1, b.Hkv, 1, b.D)
-            for desc, src, dst in ((b.rope_q, None, None), (b.rope_k, k_in, k_roped)):
-                if src is not None:
-                    desc.x = src.data_ptr()
-                    desc.out = dst.data_ptr()
-                desc.cos, desc.sin = cos_p, sin_p
-                desc.table_stride[:] = (0, 0)
-                if self.partial:
-                    desc.rotary_dim = width
-                _ok(rope(desc), "colibri_rope")
+            _rope_q_and_k(rope, b.rope_q, b.rope_k, k_in, k_roped, cos_p, sin_p, width if self.partial else None)
             keys, values = cache.update(k_roped, v.view(1, 1, b.Hkv, b.Dv).transpose(1, 2), b.index)
             a = b.attn
             a.kv_len = keys.shape[2]
@@ -259,6 +366,19 @@ class _Step:
         else:
             out = b.ffn(b.h.view(1, 1, -1))
             b.ffn_result = (out[0] if isinstance(out, tuple) else out).reshape(1, -1)
+
+
+def _rope_q_and_k(rope, rope_q, rope_k, k, k_out, cos_p, sin_p, rotary_dim=None):
+    """The query's rope (its descriptor's buffers fixed) and the key's (k
+    into k_out, fresh each step) at this position's cos / sin."""
+    rope_k.x = k.data_ptr()
+    rope_k.out = k_out.data_ptr()
+    for desc in (rope_q, rope_k):
+        desc.cos, desc.sin = cos_p, sin_p
+        desc.table_stride[:] = (0, 0)
+        if rotary_dim is not None:
+            desc.rotary_dim = rotary_dim
+        _ok(rope(desc), "colibri_rope")
 
 
 def _ok(status, name):

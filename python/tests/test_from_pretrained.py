@@ -714,6 +714,10 @@ def test_direct_decode_steps_are_the_module_path_to_the_bit(tmp_path, name):
     absorbed = "_colibri_absorbed" in direct.model.layers[0].self_attn.__dict__
     takes = direct.config._attn_implementation.startswith("colibri-") and (absorbed or not name.startswith("deepseek"))
     assert (step is not None) == takes, (name, direct.config._attn_implementation)
+    if step is not None:
+        # DeepSeek-V3's latent attention as C calls; V2's complex rotation keeps its forward.
+        latent = [b.mla is not None for b in step.blocks]
+        assert latent == [direct.config.model_type == "deepseek_v3"] * len(step.blocks), (name, latent)
     ids = torch.randint(0, 320, (2, 6), generator=torch.Generator().manual_seed(11))
 
     def generate(model, prompt, **kw):
