@@ -200,6 +200,16 @@ typedef struct colibri_open_options_s {
   int32_t speculate;             /* 1 = the built-in router's guess of the next
                                     layer's experts starts their reads */
   int32_t io_engine;             /* colibri_io_engine_t */
+  /* 1 = where more than one instruction-set level can compute the experts'
+   * block formats, time each level's kernels on the model's own experts at
+   * open (about 0.1-0.5 s a distinct expert shape) and keep the fastest,
+   * remembered per CPU, library version, thread count and shape in
+   * $COLIBRI_CACHE_DIR/kernels.tsv (else $XDG_CACHE_HOME/colibri/, else
+   * ~/.cache/colibri/) so later opens measure nothing;
+   * colibri_model_kernels says what was chosen and the timings. Off under
+   * a memory budget, with COLIBRI_ISA set or COLIBRI_TUNE=0. 0 = the
+   * registry's choice for the level (docs/KERNELS.md). */
+  int32_t tune_kernels;
 } colibri_open_options_t;
 
 typedef enum {
@@ -219,7 +229,8 @@ typedef enum {
 /* Defaults: n_threads 0, lock_memory 1, huge_pages 1, verify_checksums 1,
  * pin_threads 0, reserve_tokens 64, bf16_compute 0, exact_prefill 0,
  * max_resident_bytes 0, max_resident_percent 0, io_threads 0,
- * eviction_policy DECAYED_FREQUENCY, direct_io 1, speculate 1, io_engine PREAD. */
+ * eviction_policy DECAYED_FREQUENCY, direct_io 1, speculate 1, io_engine PREAD,
+ * tune_kernels 1. */
 COLIBRI_API void colibri_open_options_default(colibri_open_options_t* options);
 
 /* Opens the model directory `path` (holding colibri.json). On success

@@ -7,6 +7,10 @@
 # for a short time (FUZZ_SECONDS, default 30).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Models opened by the tests keep the registry's kernels (a choice by
+# measurement depends on the moment's timings; the KernelChoice tests turn
+# it on themselves, as ctest's environment does for every test).
+export COLIBRI_TUNE=0
 # setup.sh prints the project Python's path last (.venv/bin/python).
 python="$(./scripts/setup.sh | tail -n 1)"
 jobs="$(nproc)"

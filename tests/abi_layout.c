@@ -44,6 +44,7 @@ int main(void) {
   FIELD(colibri_open_options_t, direct_io);
   FIELD(colibri_open_options_t, speculate);
   FIELD(colibri_open_options_t, io_engine);
+  FIELD(colibri_open_options_t, tune_kernels);
   end();
 
   BEGIN(colibri_router_desc_t);

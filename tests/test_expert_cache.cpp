@@ -221,7 +221,7 @@ TEST_P(CacheModel, BitIdenticalForEveryBudget) {
     colibri_free(m);
   }
   // A budget the model fits in, in bytes or as 100%: no cache at all.
-  for (const colibri_open_options_t o : {options(experts_bytes_), options(0, 100.0f)}) {
+  for (const colibri_open_options_t& o : {options(experts_bytes_), options(0, 100.0f)}) {
     colibri_model_t* m = open_with(dir_.path(), o);
     ASSERT_NE(m, nullptr);
     EXPECT_EQ(stats_of(m).cache_slots, 0);

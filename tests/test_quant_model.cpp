@@ -14,7 +14,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <string>
@@ -289,3 +291,173 @@ TEST(QuantApi, QuantizeDequantize) {
 }
 
 }  // namespace
+
+// Kernels chosen by measurement (src/moe/kernel_choice.h): measured once,
+// remembered in the cache file, the remembered choice computing right
+// whichever levels it names, the file keyed so another CPU or library
+// version never reuses a line, a corrupted file ignored with a warning, and
+// nothing measured where the option or the environment says no.
+class KernelChoice : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    colibri::ModelWriteSpec spec;
+    spec.n_layers = 2;
+    spec.n_experts = 8;
+    spec.d_model = 320;
+    spec.d_ff = 200;
+    spec.dtype = colibri::WeightType::kQ4_K;
+    spec.down_dtype = colibri::WeightType::kQ6_K;
+    colibri::write_random_model(model_.path(), spec, 11);
+    saved_tune_ = std::getenv("COLIBRI_TUNE") != nullptr ? std::getenv("COLIBRI_TUNE") : "";
+    had_tune_ = std::getenv("COLIBRI_TUNE") != nullptr;
+    ::unsetenv("COLIBRI_TUNE");
+    ::setenv("COLIBRI_CACHE_DIR", (cache_.path() + "/sub").c_str(), 1);
+    file_ = cache_.path() + "/sub/kernels.tsv";
+    if (std::getenv("COLIBRI_ISA") != nullptr) {
+      // A forced level: nothing is measured (checked here), nothing to choose.
+      EXPECT_EQ(kernels_of_new_model().find("measure"), std::string::npos);
+      EXPECT_FALSE(std::filesystem::exists(file_));
+      GTEST_SKIP() << "COLIBRI_ISA forces a level";
+    }
+    const std::string isa = colibri_cpu_isa();
+    if (isa != "avx512" && isa != "amx") GTEST_SKIP() << "one instruction-set level (" << isa << "): no choice";
+  }
+  void TearDown() override {
+    ::unsetenv("COLIBRI_CACHE_DIR");
+    if (had_tune_) ::setenv("COLIBRI_TUNE", saved_tune_.c_str(), 1);
+  }
+  std::string kernels_of_new_model(colibri_model_t** out = nullptr) {
+    colibri_model_t* m = open_test_model(model_.path(), false);
+    std::string k = m != nullptr ? colibri_model_kernels(m) : "";
+    if (out != nullptr) {
+      *out = m;
+    } else {
+      colibri_free(m);
+    }
+    return k;
+  }
+  static void write_file(const std::string& path, const std::string& text) {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    std::fwrite(text.data(), 1, text.size(), f);
+    std::fclose(f);
+  }
+
+  colibri_test::TempDir model_{"colibri_choice_model"};
+  colibri_test::TempDir cache_{"colibri_choice_cache"};
+  std::string file_;
+  std::string saved_tune_;
+  bool had_tune_ = false;
+};
+
+TEST_F(KernelChoice, MeasuredOnceThenRemembered) {
+  const std::string first = kernels_of_new_model();
+  EXPECT_NE(first.find("chosen by measurement: q4_k/q6_k 320x200: measured now"), std::string::npos) << first;
+  EXPECT_NE(first.find("1 token/expert"), std::string::npos) << first;
+  const std::string text = colibri_test::file_bytes(file_);
+  ASSERT_EQ(text.rfind("# colibri kernel choices v1\n", 0), 0u) << text;
+  // Both layers share a shape: one line, keyed by the CPU and the library.
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 2) << text;
+  EXPECT_NE(text.find(std::string("colibri ") + colibri_version() + "|"), std::string::npos) << text;
+  const std::string second = kernels_of_new_model();
+  EXPECT_NE(second.find("measured earlier (" + file_ + ")"), std::string::npos) << second;
+  EXPECT_EQ(colibri_test::file_bytes(file_), text);
+}
+
+// Whatever levels a remembered line names, the composed plan (one level's
+// decode tables, another's from 5 tokens per expert, the registry's AMX
+// tier above) matches the float64 reference at every token count.
+TEST_F(KernelChoice, RememberedChoicesComputeRight) {
+  kernels_of_new_model();
+  const std::string text = colibri_test::file_bytes(file_);
+  const size_t line = text.find('\n') + 1;
+  const size_t key_end = text.find('\t', line);
+  const size_t timings = text.find('\t', text.find('\t', key_end + 1) + 1);
+  ASSERT_NE(timings, std::string::npos) << text;
+  std::vector<std::string> levels = {"avx2", "avx512"};
+  if (std::string(colibri_cpu_isa()) == "amx") levels.push_back("amx");
+  for (const std::string& decode : levels) {
+    for (const std::string& many : levels) {
+      write_file(file_, text.substr(0, key_end) + "\t" + decode + "\t" + many + text.substr(timings));
+      colibri_model_t* raw = nullptr;
+      const std::string k = kernels_of_new_model(&raw);
+      Opened m;
+      m.model = raw;
+      ASSERT_NE(m.model, nullptr);
+      EXPECT_NE(k.find("measured earlier"), std::string::npos) << k;
+      EXPECT_EQ(k.rfind("decode int8-" + decode, 0), 0u) << decode << "/" << many << ": " << k;
+      if (many != decode) {
+        EXPECT_NE(k.find("prefill int8-" + many), std::string::npos) << decode << "/" << many << ": " << k;
+        EXPECT_NE(k.find(" from 5 tokens/expert"), std::string::npos) << decode << "/" << many << ": " << k;
+      }
+      uint32_t seed = 100;
+      for (int32_t T : {1, 3, 17, 130}) {
+        const double err = run_and_compare(m.model, model_.path(), static_cast<int32_t>(seed % 2), T, 2, 8, 320,
+                                           false, seed);
+        ++seed;
+        EXPECT_LE(err, kInt8Tolerance) << decode << "/" << many << " T=" << T << " " << k;
+      }
+    }
+  }
+}
+
+TEST_F(KernelChoice, AnotherCpuOrVersionIsNotReused) {
+  kernels_of_new_model();
+  const std::string text = colibri_test::file_bytes(file_);
+  const std::string version = std::string("colibri ") + colibri_version() + "|";
+  std::string other = text;
+  other.replace(other.find(version), version.size(), "colibri 0.0.0-other|");
+  const size_t cpu = other.find('|') + 1;
+  other.insert(cpu, "Another CPU ");
+  write_file(file_, other);
+  const std::string k = kernels_of_new_model();
+  EXPECT_NE(k.find("measured now"), std::string::npos) << k;
+  const std::string after = colibri_test::file_bytes(file_);
+  EXPECT_EQ(std::count(after.begin(), after.end(), '\n'), 3) << after;  // the other line kept, ours added
+  EXPECT_NE(after.find("colibri 0.0.0-other|Another CPU "), std::string::npos) << after;
+}
+
+TEST_F(KernelChoice, CorruptedCacheIsIgnoredWithAWarning) {
+  std::filesystem::create_directories(cache_.path() + "/sub");
+  for (const std::string& bad : {std::string("not a cache\n"),
+                                std::string("# colibri kernel choices v1\nkey\tavx512\tsse9\tx\n"),
+                                std::string("# colibri kernel choices v1\ntruncated line\n")}) {
+    write_file(file_, bad);
+    colibri_model_t* raw = nullptr;
+    const std::string k = kernels_of_new_model(&raw);
+    ASSERT_NE(raw, nullptr);
+    const std::string warning = colibri_last_warning();
+    colibri_free(raw);
+    EXPECT_NE(warning.find("kernel choice cache " + file_), std::string::npos) << warning;
+    EXPECT_NE(warning.find("ignored"), std::string::npos) << warning;
+    EXPECT_NE(k.find("measured now"), std::string::npos) << k;
+    EXPECT_EQ(colibri_test::file_bytes(file_).rfind("# colibri kernel choices v1\ncolibri ", 0), 0u);
+  }
+}
+
+TEST_F(KernelChoice, OffByOptionOrEnvironment) {
+  colibri_open_options_t o;
+  colibri_open_options_default(&o);
+  EXPECT_EQ(o.tune_kernels, 1);
+  o.lock_memory = 0;
+  o.huge_pages = 0;
+  o.tune_kernels = 0;
+  Opened m;
+  ASSERT_EQ(colibri_open(model_.path().c_str(), &o, &m.model), COLIBRI_OK) << colibri_last_error();
+  EXPECT_EQ(std::string(colibri_model_kernels(m.model)).find("measure"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(file_));
+  ::setenv("COLIBRI_TUNE", "0", 1);
+  EXPECT_EQ(kernels_of_new_model().find("measure"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(file_));
+  ::unsetenv("COLIBRI_TUNE");
+  // Without a cache directory it still measures, and remembers nothing.
+  ::unsetenv("COLIBRI_CACHE_DIR");
+  const char* home = std::getenv("HOME");
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const std::string saved_home = home != nullptr ? home : "", saved_xdg = xdg != nullptr ? xdg : "";
+  ::unsetenv("HOME");
+  ::unsetenv("XDG_CACHE_HOME");
+  EXPECT_NE(kernels_of_new_model().find("measured now"), std::string::npos);
+  if (home != nullptr) ::setenv("HOME", saved_home.c_str(), 1);
+  if (xdg != nullptr) ::setenv("XDG_CACHE_HOME", saved_xdg.c_str(), 1);
+}

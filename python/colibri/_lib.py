@@ -108,6 +108,7 @@ class OpenOptions(ctypes.Structure):
         ("direct_io", c_int32),
         ("speculate", c_int32),
         ("io_engine", c_int32),
+        ("tune_kernels", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 

@@ -194,11 +194,14 @@ class Model:
 
     ``Model(path, threads=0, lock=True, huge_pages=True, verify=True,
     bf16_compute=False, *, exact_prefill=False, max_resident=None, eviction="freq",
-    io_threads=0, direct_io=True, speculate=True, io_engine="pread")`` opens a model directory (colibri.json + expert
+    io_threads=0, direct_io=True, speculate=True, io_engine="pread", tune_kernels=True)`` opens a model directory (colibri.json + expert
     files, docs/FORMAT.md) or a GGUF file's MoE layers (the first file of a
     split set for a split one); ``max_resident`` (bytes, or a string such as
     ``"25%"`` of the experts) keeps only that much of the expert weights in
-    memory and reads the rest on demand (docs/CACHE.md); ``Model.from_arrays(...)`` builds one from
+    memory and reads the rest on demand (docs/CACHE.md); ``tune_kernels``
+    times the instruction-set levels' kernels on the model's experts at open
+    and keeps the fastest, remembered per CPU (colibri_open_options_t's
+    tune_kernels; ``kernels`` says what was chosen); ``Model.from_arrays(...)`` builds one from
     in-memory weights (colibri_open_memory). ``close()`` (or ``with``)
     releases it; methods of a closed model raise ValueError.
 
@@ -208,7 +211,8 @@ class Model:
 
     def __init__(self, path, threads=0, lock=True, huge_pages=True, verify=True, bf16_compute=False,
                  *, pin_threads=None, reserve_tokens=None, exact_prefill=False, max_resident=None,
-                 eviction="freq", io_threads=0, direct_io=True, speculate=True, io_engine="pread"):
+                 eviction="freq", io_threads=0, direct_io=True, speculate=True, io_engine="pread",
+                 tune_kernels=True):
         self._handle = None
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -218,6 +222,7 @@ class Model:
         opts = _open_options(threads, lock, huge_pages, verify, bf16_compute, pin_threads, reserve_tokens,
                              exact_prefill)
         _apply_budget(opts, max_resident, eviction, io_threads, direct_io, speculate, io_engine)
+        opts.tune_kernels = 1 if tune_kernels else 0
         p = os.fsencode(os.fspath(path))
         h = ctypes.c_void_p()
         L.check(L.lib().colibri_open(p, ctypes.byref(opts), ctypes.byref(h)), "colibri_open")
@@ -252,7 +257,7 @@ class Model:
     @classmethod
     def from_arrays(cls, layers, dtype="f32", router=None, threads=0, lock=True, huge_pages=True,
                     bf16_compute=False, *, pin_threads=None, reserve_tokens=None, exact_prefill=False,
-                    activation="swiglu", swiglu_alpha=1.702, swiglu_limit=7.0):
+                    activation="swiglu", swiglu_alpha=1.702, swiglu_limit=7.0, tune_kernels=True):
         """Builds a model from weights in memory (colibri_open_memory).
 
         layers: a list, one dict per layer, with
@@ -442,6 +447,7 @@ class Model:
             desc.fetch_expert = L.FETCH_EXPERT(fetch)
         opts = _open_options(threads, lock, huge_pages, True, bf16_compute, pin_threads, reserve_tokens,
                              exact_prefill)
+        opts.tune_kernels = 1 if tune_kernels else 0
         h = ctypes.c_void_p()
         status = open_memory(ctypes.byref(desc), ctypes.byref(opts), ctypes.byref(h))
         if errors:

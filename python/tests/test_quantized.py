@@ -5,6 +5,7 @@ same model with its expert weights replaced by their dequantised values
 activations, 1e-5 with exact_prefill."""
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -108,6 +109,35 @@ def test_from_arrays_quantises_and_reports_types():
         assert np.linalg.norm(y - ref) / np.linalg.norm(ref) <= 2e-2
     with pytest.raises(ValueError, match="dtype"):
         colibri.Model.from_arrays([{"experts": experts}], dtype="q7_k")
+
+
+def test_kernels_chosen_by_measurement(tmp_path, monkeypatch):
+    """tune_kernels (on by default) times the levels that can run the
+    experts and says so in `kernels`, remembering the choice under
+    COLIBRI_CACHE_DIR; off, the registry's tables. The C++ KernelChoice
+    tests check the cache's keys, corrupted files and every remembered
+    combination against the reference."""
+    monkeypatch.delenv("COLIBRI_TUNE", raising=False)
+    monkeypatch.setenv("COLIBRI_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(3)
+    E, F = 8, 64
+    experts = [(rng.standard_normal((F, D), dtype=np.float32) * 0.1,
+                rng.standard_normal((F, D), dtype=np.float32) * 0.1,
+                rng.standard_normal((D, F), dtype=np.float32) * 0.1) for _ in range(E)]
+    layers = [{"experts": experts}]
+    levels = colibri.cpu_isa() in ("avx512", "amx") and not os.environ.get("COLIBRI_ISA")
+    x = rng.standard_normal((5, D), dtype=np.float32)
+    ids = np.array([[e % E, (e + 3) % E] for e in range(5)], dtype=np.int32)
+    w = np.full((5, 2), 0.5, dtype=np.float32)
+    with colibri.Model.from_arrays(layers, dtype="q4_0", lock=False, huge_pages=False) as m:
+        assert ("chosen by measurement" in m.kernels) == levels, m.kernels
+        tuned = m.infer(x, ids, w)
+    assert (tmp_path / "kernels.tsv").exists() == levels
+    with colibri.Model.from_arrays(layers, dtype="q4_0", lock=False, huge_pages=False, tune_kernels=False) as m:
+        assert "measure" not in m.kernels
+        plain = m.infer(x, ids, w)
+    # Every level's int8 tables meet the same contract; here they agree closely.
+    assert np.linalg.norm(tuned - plain) / np.linalg.norm(plain) <= 1e-2
 
 
 def test_colibri_experts_quantised():

@@ -224,7 +224,7 @@ const char* colibri_dtype_name(colibri_dtype_t dtype) {
   return "unknown";
 }
 
-const char* colibri_version(void) { return "0.2.0"; }
+const char* colibri_version(void) { return COLIBRI_VERSION_STRING; }
 
 const char* colibri_cpu_isa(void) { return colibri::kernels::isa_name(colibri::kernels::default_isa()); }
 
@@ -298,6 +298,7 @@ void colibri_open_options_default(colibri_open_options_t* o) {
   o->direct_io = 1;
   o->speculate = 1;
   o->io_engine = COLIBRI_IO_PREAD;
+  o->tune_kernels = 1;
 }
 
 colibri_status_t colibri_open(const char* path, const colibri_open_options_t* options,

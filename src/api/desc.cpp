@@ -34,6 +34,7 @@ OpenOptions open_options(const colibri_open_options_t& o) {
   }
   r.io_engine = o.io_engine == COLIBRI_IO_URING ? IoEngine::kIoUring : IoEngine::kPread;
   r.speculate = o.speculate != 0;
+  r.tune_kernels = o.tune_kernels != 0;
   return r;
 }
 

@@ -7,6 +7,7 @@
 // first AVX-512 instruction, so CPUID alone is not enough.
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "kernels/amx.h"
 #include "kernels/kernels.h"
@@ -121,6 +122,37 @@ bool cpu_has_avx512_vnni() { return features().avx512_vnni; }
 bool cpu_has_avx_vnni() { return features().avx_vnni; }
 
 bool cpu_is_amd() { return features().amd; }
+
+std::string cpu_signature() {
+  static const std::string signature = [] {
+    std::string s;
+#if defined(__x86_64__) || defined(__i386__)
+    uint32_t regs[12] = {};
+    uint32_t max_ext = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(0x80000000u, &max_ext, &b, &c, &d) && max_ext >= 0x80000004u) {
+      for (uint32_t leaf = 0; leaf < 3; ++leaf) {
+        __get_cpuid(0x80000002u + leaf, &regs[leaf * 4], &regs[leaf * 4 + 1], &regs[leaf * 4 + 2], &regs[leaf * 4 + 3]);
+      }
+      char brand[49] = {};
+      std::memcpy(brand, regs, 48);
+      s = brand;
+      // Trim the padding some CPUs put around the brand.
+      while (!s.empty() && (s.back() == ' ' || s.back() == '\0')) s.pop_back();
+      s.erase(0, s.find_first_not_of(' '));
+    }
+    uint32_t eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
+      const uint32_t family = ((eax >> 8) & 0xfu) + (((eax >> 8) & 0xfu) == 0xfu ? ((eax >> 20) & 0xffu) : 0u);
+      const uint32_t model = ((eax >> 4) & 0xfu) | ((((eax >> 8) & 0xfu) == 6u || ((eax >> 8) & 0xfu) == 0xfu ? (eax >> 16) & 0xfu : 0u) << 4);
+      s += " (family " + std::to_string(family) + " model " + std::to_string(model) + " stepping " +
+           std::to_string(eax & 0xfu) + ")";
+    }
+#endif
+    if (s.empty()) s = "unknown CPU";
+    return s;
+  }();
+  return signature;
+}
 
 bool far_prefetch_nta() {
   // Cached, as default_isa(): every model in the process agrees.

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "util/weight_format.h"
 
@@ -231,6 +232,10 @@ bool cpu_has_avx512_bf16();
 bool cpu_has_avx512_vnni();
 // The CPU's vendor is AMD (or Hygon): CPUID leaf 0.
 bool cpu_is_amd();
+// The CPU's brand string and CPUID family / model / stepping, e.g. "AMD EPYC
+// 9R14 96-Core Processor (family 25 model 17 stepping 1)": what a kernel
+// choice measured on this CPU is keyed by. Computed once.
+std::string cpu_signature();
 // Whether the integer-dot kernels' far prefetch (8 KiB ahead of the rows
 // they read) is non-temporal (prefetchnta) rather than into L2 (prefetcht1);
 // quant_dot.h hands out the compilation of the kernels with that hint. On

@@ -50,6 +50,12 @@ Engine::Engine(const ExpertStore& store, int32_t n_layers, int32_t n_experts, Th
   spec_mark_.resize(static_cast<size_t>(n_experts));
 }
 
+void Engine::set_plan(int32_t layer, const kernels::KernelPlan& plan) {
+  check_layer(layer);
+  std::lock_guard<FairMutex> lock(call_mutex_);
+  plans_[static_cast<size_t>(layer)] = plan;
+}
+
 void Engine::set_router(const RouterDesc& desc) {
   std::lock_guard<FairMutex> lock(call_mutex_);
   router_ = RouterRule(desc, n_experts_);

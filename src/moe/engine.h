@@ -72,6 +72,8 @@ class Engine {
 
   // Layer `layer`'s tables.
   const kernels::KernelPlan& plan(int32_t layer) const { return plans_[static_cast<size_t>(layer)]; }
+  // Replaces them (the kernel choice by measurement at open, moe/kernel_choice.h).
+  void set_plan(int32_t layer, const kernels::KernelPlan& plan);
   const kernels::KernelTable& kernels() const { return *plans_[0].decode; }
 
   // Runs fn with no call in flight and none starting until it returns: the

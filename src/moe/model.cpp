@@ -8,6 +8,7 @@
 
 #include "io/checksum.h"
 #include "moe/gguf_model.h"
+#include "moe/kernel_choice.h"
 #include "util/c_enum.h"
 #include "util/error.h"
 
@@ -194,7 +195,7 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
       source_description_ += ", multi-token-prediction blocks skipped: " +
                              std::to_string(g.block_count - g.mtp_blocks) + "-" + std::to_string(g.block_count - 1);
     }
-    start(o);
+    start(o, warnings);
     load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return;
   }
@@ -205,7 +206,7 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
   so.defer_experts = slots > 0;
   store_ = std::make_unique<ExpertStore>(dir, manifest_, so, warnings);
   if (slots > 0) start_cache(o, directory_source(dir, manifest_, o.verify_checksums), slots, warnings);
-  start(o);
+  start(o, warnings);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -222,7 +223,7 @@ Model::Model(const Manifest& manifest, const std::vector<LayerBuffers>& layers, 
   store_ = std::make_unique<ExpertStore>(layers, manifest_, store_options(o, false), warnings,
                                          std::function<void(int32_t)>{},
                                          std::function<void(const void*, size_t)>{}, fetch);
-  start(o);
+  start(o, warnings);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -262,7 +263,7 @@ void Model::swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, siz
   // `retired` is unmapped here, after the lock: no call can be reading it.
 }
 
-void Model::start(const OpenOptions& o) {
+void Model::start(const OpenOptions& o, std::string* warnings) {
   // Workers spin between calls, so more threads than cores only steals time
   // from each other.
   const int cores = online_cores();
@@ -285,6 +286,19 @@ void Model::start(const OpenOptions& o) {
   engine_ = std::make_unique<Engine>(*store_, manifest_.n_layers, manifest_.n_experts, *pool_, plans);
   if (manifest_.has_router()) engine_->set_router(manifest_.router);
   if (cache_ != nullptr) engine_->set_cache(cache_.get(), o.speculate && manifest_.has_router());
+  // Under a budget the experts are not all in memory to be timed.
+  std::string measured;
+  if (o.tune_kernels && cache_ == nullptr && kernel_choice_allowed_by_environment()) {
+    KernelChoiceRequest request;
+    request.isa = isa;
+    request.precision = precision;
+    request.threads = pool_->size();
+    request.n_experts = manifest_.n_experts;
+    request.top_k = manifest_.has_router() ? manifest_.router.top_k : std::min(manifest_.n_experts, 8);
+    request.cache_path = kernel_choice_cache_path();
+    measured = choose_kernels_by_measurement(*engine_, *store_, manifest_.n_layers, request, warnings);
+    for (int32_t l = 0; l < manifest_.n_layers; ++l) plans[static_cast<size_t>(l)] = engine_->plan(l);
+  }
   // "decode ..., prefill ... from N tokens/expert"; layers of other types
   // (Manifest::layer_dtypes) run other tables: each set is listed with its layers.
   const auto describe = [](const kernels::KernelPlan& p) {
@@ -313,6 +327,7 @@ void Model::start(const OpenOptions& o) {
       kernels_description_.append("layers ").append(layers).append(": ").append(d);
     }
   }
+  if (!measured.empty()) kernels_description_ += " (chosen by measurement: " + measured + ")";
   if (o.reserve_tokens < 0) {
     fail(Status::kInvalidArgument, "options.reserve_tokens must be >= 0, got " +
                                            std::to_string(o.reserve_tokens));

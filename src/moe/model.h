@@ -38,6 +38,10 @@ struct OpenOptions {
   bool direct_io = true;
   IoEngine io_engine = IoEngine::kPread;
   bool speculate = true;   // router speculation under a budget
+  // Time the levels that can run the experts and keep the fastest
+  // (moe/kernel_choice.h); off under a budget and where the environment
+  // fixes the kernels (COLIBRI_ISA, COLIBRI_TUNE=0).
+  bool tune_kernels = true;
 };
 
 class Model {
@@ -81,7 +85,7 @@ class Model {
 
  private:
   // Everything after the store: pool, engine, kernel choice, scratch.
-  void start(const OpenOptions& options);
+  void start(const OpenOptions& options, std::string* warnings);
   // The cache's slot count for the options' budget (0: no budget, or one
   // the experts fit in); sets experts_bytes_ and slot_bytes_. Throws for a
   // bad budget, naming `what` (the model's path).

@@ -551,6 +551,9 @@ void add_cache_flags(CLI::App* c, CacheFlags* f) {
   c->add_flag("--buffered-io", f->buffered_io, "Under a budget: read through the page cache, not O_DIRECT");
   c->add_flag("--no-speculate", f->no_speculate,
               "Under a budget: do not prefetch the next layer's experts its router predicts");
+  c->add_flag("--no-tune", f->no_tune,
+              "Keep the registry's kernels: do not time the instruction-set levels on the experts at open "
+              "(docs/KERNELS.md)");
 }
 
 void add_run_commands(CLI::App& app) {

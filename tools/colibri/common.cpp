@@ -118,6 +118,7 @@ void apply_cache_flags(const CacheFlags& f, colibri_open_options_t* o) {
   }
   o->direct_io = f.buffered_io ? 0 : 1;
   o->speculate = f.no_speculate ? 0 : 1;
+  o->tune_kernels = f.no_tune ? 0 : 1;
 }
 
 void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out, const std::string& precision,

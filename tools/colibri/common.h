@@ -94,6 +94,7 @@ struct CacheFlags {
   std::string io_engine = "pread";
   bool buffered_io = false;
   bool no_speculate = false;
+  bool no_tune = false;  // keep the registry's kernels (colibri_open_options_t.tune_kernels = 0)
 };
 // Applies the flags to open options; throws CliError on a malformed size.
 void apply_cache_flags(const CacheFlags& flags, colibri_open_options_t* options);

@@ -1,0 +1,404 @@
+#include "moe/kernel_choice.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "util/weight_format.h"
+
+#ifndef COLIBRI_VERSION_STRING
+#define COLIBRI_VERSION_STRING "unknown"
+#endif
+
+namespace colibri {
+
+namespace {
+
+using kernels::Isa;
+using kernels::KernelPlan;
+using kernels::KernelTable;
+
+// Tokens per expert of the many-token measurement: below every format's AMX
+// tier but well into the int8 kernels' many-token passes, where the levels
+// differ most (docs/KERNELS.md).
+constexpr int32_t kManyTokens = 16;
+// From where the many-token winner takes over when it is not the decode one
+// (the registry's kTokensMinTokens: up to 4 tokens the decode passes run).
+constexpr int32_t kManyFromTokens = 5;
+// The registry's choice stays unless another is at least this much faster:
+// on a shared host the medians of tables running identical code (the amx
+// and avx512 levels' at one token) still differ by up to 4%.
+constexpr double kKeepMargin = 1.05;
+// Rounds of every candidate, interleaved, as many as about 0.2 s allows.
+constexpr int kMaxRounds = 31;
+constexpr int kMinRounds = 5;
+constexpr double kRoundsBudgetSeconds = 0.2;
+constexpr const char* kCacheHeader = "# colibri kernel choices v1";
+
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::string(v) : std::string();
+}
+
+// One level's plan for a shape.
+struct Candidate {
+  Isa level;
+  KernelPlan plan;
+};
+
+// The plan that decodes with decode_plan's table and runs many-token calls
+// with many_plan's, above the registry's tiers that start past kManyTokens.
+KernelPlan compose(const KernelPlan& top, const KernelPlan& decode_plan, const KernelPlan& many_plan) {
+  KernelPlan p = top;
+  p.decode = decode_plan.decode;
+  const KernelTable* many = &many_plan.pick(kManyTokens);
+  if (many == &p.pick(kManyTokens)) return p;
+  kernels::PrefillTiers tiers;
+  tiers.tier[tiers.count++] = {many, kManyFromTokens};
+  for (int i = 0; i < top.prefill.count; ++i) {
+    if (top.prefill.tier[i].min_tokens <= kManyTokens) continue;
+    if (tiers.count == 2) return p;  // no room: the registry's tiers stay
+    tiers.tier[tiers.count++] = top.prefill.tier[i];
+  }
+  p.prefill = tiers;
+  return p;
+}
+
+// Median seconds of each candidate's calls, rounds interleaved (the order
+// rotating), each call on experts the previous calls did not touch.
+class Timer {
+ public:
+  Timer(Engine& engine, int32_t layer, const kernels::ExpertShape& shape, const KernelChoiceRequest& r)
+      : engine_(engine), layer_(layer), E_(r.n_experts), k_(std::min(r.top_k, r.n_experts)) {
+    const size_t D = static_cast<size_t>(shape.d_model);
+    x_.resize(static_cast<size_t>(kManyTokens) * D);
+    y_.resize(x_.size());
+    uint32_t state = 12345u;
+    for (float& v : x_) {
+      state = state * 1664525u + 1013904223u;
+      v = static_cast<float>(static_cast<int32_t>(state >> 8) - (1 << 23)) / static_cast<float>(1 << 23);
+    }
+    ids_.resize(static_cast<size_t>(kManyTokens) * static_cast<size_t>(k_));
+    weights_.assign(ids_.size(), 1.0f / static_cast<float>(k_));
+  }
+
+  std::vector<double> medians(const std::vector<const KernelPlan*>& plans, int32_t tokens) {
+    const size_t n = plans.size();
+    std::vector<std::vector<double>> seconds(n);
+    for (size_t c = 0; c < n; ++c) call(*plans[c], tokens);  // warm-up: scratch sized, code paged in
+    double round = 0.0;
+    for (size_t c = 0; c < n; ++c) round += call(*plans[c], tokens);
+    const int rounds = std::clamp(static_cast<int>(kRoundsBudgetSeconds / std::max(round, 1e-9)), kMinRounds,
+                                  kMaxRounds);
+    for (int r = 0; r < rounds; ++r) {
+      for (size_t i = 0; i < n; ++i) {
+        const size_t c = (i + static_cast<size_t>(r)) % n;
+        seconds[c].push_back(call(*plans[c], tokens));
+      }
+    }
+    std::vector<double> out(n);
+    for (size_t c = 0; c < n; ++c) {
+      std::sort(seconds[c].begin(), seconds[c].end());
+      out[c] = seconds[c][seconds[c].size() / 2];
+    }
+    return out;
+  }
+
+ private:
+  double call(const KernelPlan& plan, int32_t tokens) {
+    engine_.set_plan(layer_, plan);
+    for (int32_t t = 0; t < tokens; ++t) {
+      for (int32_t j = 0; j < k_; ++j) {
+        ids_[static_cast<size_t>(t) * static_cast<size_t>(k_) + static_cast<size_t>(j)] = (cursor_ + j) % E_;
+      }
+    }
+    cursor_ = (cursor_ + k_) % E_;
+    InferArgs a;
+    a.layer = layer_;
+    a.n_tokens = tokens;
+    a.input = x_.data();
+    a.output = y_.data();
+    a.top_k = k_;
+    a.expert_ids = ids_.data();
+    a.expert_weights = weights_.data();
+    const auto t0 = std::chrono::steady_clock::now();
+    engine_.infer(a);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  Engine& engine_;
+  int32_t layer_;
+  int32_t E_;
+  int32_t k_;
+  int32_t cursor_ = 0;
+  std::vector<float> x_, y_, weights_;
+  std::vector<int32_t> ids_;
+};
+
+// The distinct tables among the candidates at `tokens` tokens per expert,
+// first seen first (the registry's own level leads).
+std::vector<size_t> distinct_at(const std::vector<Candidate>& candidates, int32_t tokens) {
+  std::vector<size_t> out;
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    const KernelTable* t = &candidates[c].plan.pick(tokens);
+    bool seen = false;
+    for (const size_t o : out) seen |= &candidates[o].plan.pick(tokens) == t;
+    if (!seen) out.push_back(c);
+  }
+  return out;
+}
+
+std::string ms(double seconds) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f ms", seconds * 1e3);
+  return buf;
+}
+
+struct Remembered {
+  Isa decode = Isa::kScalar;
+  Isa many = Isa::kScalar;
+  std::string timings;
+};
+
+// The cache file: a header line, then "key \t decode level \t many level \t
+// timings" lines. Anything else and the whole file is ignored (and
+// rewritten by the next measurement).
+std::map<std::string, Remembered> read_cache(const std::string& path, std::string* warning) {
+  std::map<std::string, Remembered> out;
+  std::ifstream in(path);
+  if (!in) return out;  // none yet
+  std::string line;
+  int number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    if (number == 1) {
+      if (line != kCacheHeader) {
+        *warning = "kernel choice cache " + path + ": line 1 is not \"" + kCacheHeader +
+                   "\"; the file is ignored and will be rewritten";
+        return {};
+      }
+      continue;
+    }
+    if (line.empty()) continue;
+    std::vector<std::string> fields;
+    std::stringstream ss(line);
+    for (std::string f; std::getline(ss, f, '\t');) fields.push_back(f);
+    Remembered r;
+    if (fields.size() != 4 || fields[0].empty() || !kernels::parse_isa(fields[1].c_str(), &r.decode) ||
+        !kernels::parse_isa(fields[2].c_str(), &r.many)) {
+      *warning = "kernel choice cache " + path + ": line " + std::to_string(number) +
+                 " is not \"key<TAB>level<TAB>level<TAB>timings\"; the file is ignored and will be rewritten";
+      return {};
+    }
+    r.timings = fields[3];
+    out[fields[0]] = r;
+  }
+  return out;
+}
+
+bool make_dirs(const std::string& dir) {
+  if (dir.empty()) return true;
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) == 0) return S_ISDIR(st.st_mode);
+  const size_t slash = dir.find_last_of('/');
+  if (slash != std::string::npos && slash > 0 && !make_dirs(dir.substr(0, slash))) return false;
+  return ::mkdir(dir.c_str(), 0755) == 0 || errno == EEXIST;
+}
+
+// Written to a temporary file and renamed, so a reader never sees half a
+// file; concurrent writers each leave a whole one.
+bool write_cache(const std::string& path, const std::map<std::string, Remembered>& entries, std::string* why) {
+  const size_t slash = path.find_last_of('/');
+  if (slash != std::string::npos && !make_dirs(path.substr(0, slash))) {
+    *why = std::string("cannot create its directory: ") + std::strerror(errno);
+    return false;
+  }
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) {
+      *why = std::strerror(errno);
+      return false;
+    }
+    out << kCacheHeader << "\n";
+    for (const auto& [key, r] : entries) {
+      out << key << "\t" << kernels::isa_name(r.decode) << "\t" << kernels::isa_name(r.many) << "\t" << r.timings
+          << "\n";
+    }
+    if (!out.flush()) {
+      *why = std::strerror(errno);
+      std::remove(tmp.c_str());
+      return false;
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    *why = std::strerror(errno);
+    std::remove(tmp.c_str());
+    return false;
+  }
+  return true;
+}
+
+const char* precision_name(kernels::PrefillPrecision p) {
+  switch (p) {
+    case kernels::PrefillPrecision::kDefault:
+      return "default";
+    case kernels::PrefillPrecision::kExact:
+      return "exact";
+    case kernels::PrefillPrecision::kBf16:
+      return "bf16";
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::string kernel_choice_cache_path() {
+  std::string dir = env("COLIBRI_CACHE_DIR");
+  if (dir.empty()) {
+    const std::string xdg = env("XDG_CACHE_HOME");
+    const std::string home = env("HOME");
+    if (!xdg.empty()) {
+      dir = xdg + "/colibri";
+    } else if (!home.empty()) {
+      dir = home + "/.cache/colibri";
+    }
+  }
+  return dir.empty() ? std::string() : dir + "/kernels.tsv";
+}
+
+bool kernel_choice_allowed_by_environment() {
+  if (!env("COLIBRI_ISA").empty()) return false;
+  const std::string tune = env("COLIBRI_TUNE");
+  return tune != "0" && tune != "off" && tune != "false";
+}
+
+std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& store, int32_t n_layers,
+                                          const KernelChoiceRequest& request, std::string* warnings) {
+  const auto warn = [warnings](const std::string& w) {
+    if (warnings == nullptr || w.empty()) return;
+    if (!warnings->empty()) *warnings += "; ";
+    *warnings += w;
+  };
+  std::map<std::string, Remembered> cache;
+  bool cache_read = false, cache_dirty = false;
+  std::vector<bool> done(static_cast<size_t>(n_layers), false);
+  std::string description;
+  for (int32_t rep = 0; rep < n_layers; ++rep) {
+    if (done[static_cast<size_t>(rep)]) continue;
+    const kernels::ExpertShape& shape = store.shape(rep);
+    const KernelPlan top = engine.plan(rep);
+    // The layers sharing this shape take the same choice.
+    std::vector<int32_t> layers;
+    for (int32_t l = rep; l < n_layers; ++l) {
+      const kernels::ExpertShape& s = store.shape(l);
+      if (s.weight_type == shape.weight_type && s.down_type == shape.down_type && s.d_model == shape.d_model &&
+          s.d_ff == shape.d_ff && s.epilogue.plain() == shape.epilogue.plain()) {
+        layers.push_back(l);
+        done[static_cast<size_t>(l)] = true;
+      }
+    }
+    if (!weight_format(shape.weight_type).quantized || !weight_format(shape.down_type).quantized) continue;
+    std::vector<Candidate> candidates;
+    for (int l = static_cast<int>(request.isa); l >= static_cast<int>(Isa::kAvx2); --l) {
+      const Isa level = static_cast<Isa>(l);
+      if (!kernels::isa_supported(level)) continue;
+      candidates.push_back({level, l == static_cast<int>(request.isa)
+                                       ? top
+                                       : kernels::plan_kernels(level, shape, request.precision)});
+    }
+    const std::vector<size_t> decode_set = distinct_at(candidates, 1);
+    const std::vector<size_t> many_set = distinct_at(candidates, kManyTokens);
+    if (decode_set.size() < 2 && many_set.size() < 2) continue;
+    bool resident = true;
+    for (int32_t e = 0; e < request.n_experts && resident; ++e) resident = store.packed_expert(rep, e) != nullptr;
+    if (!resident) continue;
+
+    std::string key = std::string("colibri ") + COLIBRI_VERSION_STRING + "|" + kernels::cpu_signature() +
+                      "|threads " + std::to_string(request.threads) + "|level " + kernels::isa_name(request.isa) +
+                      "|precision " + precision_name(request.precision) + "|" +
+                      weight_format(shape.weight_type).name + "/" + weight_format(shape.down_type).name + " " +
+                      std::to_string(shape.d_model) + "x" + std::to_string(shape.d_ff) +
+                      (shape.epilogue.plain() ? "" : " epilogue") + "|top-k " + std::to_string(request.top_k) +
+                      "|tables";
+    for (const Candidate& c : candidates) key += std::string(" ") + c.plan.decode->name;
+    const std::string label = std::string(weight_format(shape.weight_type).name) + "/" +
+                              weight_format(shape.down_type).name + " " + std::to_string(shape.d_model) + "x" +
+                              std::to_string(shape.d_ff);
+
+    if (!cache_read && !request.cache_path.empty()) {
+      std::string warning;
+      cache = read_cache(request.cache_path, &warning);
+      warn(warning);
+      cache_read = true;
+    }
+    Remembered choice;
+    bool from_cache = false;
+    const auto hit = cache.find(key);
+    const auto level_index = [&](Isa level) {
+      for (size_t c = 0; c < candidates.size(); ++c) {
+        if (candidates[c].level == level) return static_cast<int>(c);
+      }
+      return -1;
+    };
+    if (hit != cache.end() && level_index(hit->second.decode) >= 0 && level_index(hit->second.many) >= 0) {
+      choice = hit->second;
+      from_cache = true;
+    } else {
+      Timer timer(engine, rep, shape, request);
+      std::string timings;
+      const auto pick = [&](const std::vector<size_t>& set, int32_t tokens, const char* what) {
+        if (set.size() < 2) return candidates[set[0]].level;
+        std::vector<const KernelPlan*> plans;
+        plans.reserve(set.size());
+        for (const size_t c : set) plans.push_back(&candidates[c].plan);
+        const std::vector<double> t = timer.medians(plans, tokens);
+        size_t best = 0;
+        for (size_t i = 1; i < t.size(); ++i) {
+          if (t[i] < t[best]) best = i;
+        }
+        if (t[0] <= t[best] * kKeepMargin) best = 0;
+        if (!timings.empty()) timings += ", ";
+        timings += what;
+        for (size_t i = 0; i < t.size(); ++i) {
+          timings += std::string(i == 0 ? " " : " / ") + candidates[set[i]].plan.pick(tokens).name + " " + ms(t[i]);
+        }
+        return candidates[set[best]].level;
+      };
+      choice.decode = pick(decode_set, 1, "1 token/expert");
+      choice.many = pick(many_set, kManyTokens, "16 tokens/expert");
+      choice.timings = timings;
+      engine.set_plan(rep, top);
+      if (!request.cache_path.empty()) {
+        cache[key] = choice;
+        cache_dirty = true;
+      }
+    }
+    const KernelPlan chosen = compose(top, candidates[static_cast<size_t>(level_index(choice.decode))].plan,
+                                      candidates[static_cast<size_t>(level_index(choice.many))].plan);
+    for (const int32_t l : layers) engine.set_plan(l, chosen);
+    if (!description.empty()) description += "; ";
+    description += label + ": measured " + (from_cache ? "earlier (" + request.cache_path + ")" : std::string("now")) +
+                   ", " + choice.timings;
+  }
+  if (cache_dirty) {
+    std::string why;
+    if (!write_cache(request.cache_path, cache, &why)) {
+      warn("kernel choice cache " + request.cache_path + " not written: " + why);
+    }
+  }
+  return description;
+}
+
+}  // namespace colibri
