@@ -701,6 +701,21 @@ COLIBRI_API colibri_status_t colibri_route_compile_file(
 
 COLIBRI_API void colibri_buffer_free(void* buffer);
 
+/* What `colibri doctor` reports, as a JSON document (NUL-terminated, release
+ * with colibri_buffer_free; *out_size, if not NULL, its length): "cpu" (name,
+ * the kernel level used and detected, features), "cores" (online, allowed,
+ * physical, recommended_threads), "memory", "huge_pages" (THP mode, hugetlbfs
+ * pool), "memlock" (RLIMIT_MEMLOCK), "numa", "environment" (COLIBRI_ISA,
+ * COLIBRI_TUNE, COLIBRI_PREFETCH, the kernel choice cache), "model" (null
+ * without model_path; else a directory or GGUF file read without loading
+ * its weights: shape, experts' bytes, each expert shape's kernels and what a
+ * measurement at open remembered) and "problems" ([{"problem", "fix"}]: each
+ * with the command that fixes it). n_threads: what the model would be
+ * opened with (0 = one per online core). A model that cannot be read fails
+ * with the message naming it. Thread-safe. */
+COLIBRI_API colibri_status_t colibri_doctor(const char* model_path, int32_t n_threads, char** out_json,
+                                            size_t* out_size);
+
 /* Decoded routing: ids and weights as flat [T][k] arrays. */
 typedef struct colibri_routing colibri_routing_t;
 

@@ -299,7 +299,7 @@ TEST_F(CliTest, ErrorsExitNonZeroNameTheCulpritAndLeaveNoOutput) {
 }
 
 TEST_F(CliTest, EverySubcommandHasHelp) {
-  for (const char* sub : {"gen", "route compile", "route dump", "infer", "bench", "demo", "verify", "info"}) {
+  for (const char* sub : {"gen", "route compile", "route dump", "infer", "bench", "demo", "verify", "info", "doctor"}) {
     RunResult r = run(std::string(sub) + " --help");
     EXPECT_EQ(r.exit_code, 0) << sub;
     EXPECT_NE(r.out.find("Usage"), std::string::npos) << sub << ": " << r.out;
@@ -369,6 +369,45 @@ TEST_F(CliTest, BenchAndInfoSmoke) {
   RunResult i = run("info --model " + model);
   ASSERT_EQ(i.exit_code, 0) << i.err;
   EXPECT_NE(i.out.find("experts      8"), std::string::npos) << i.out;
+}
+
+// colibri doctor: the machine's facts and each problem with its fix, for a
+// model read but not loaded (its experts' bytes from the manifest's shapes,
+// each expert shape's kernels); a bad model path fails naming it.
+TEST_F(CliTest, DoctorReportsTheMachineAndTheModel) {
+  const std::string model = path("m");
+  ASSERT_EQ(run("gen --out " + model + " --experts 8 --d-model 256 --d-ff 64 --dtype q4_0").exit_code, 0);
+  RunResult j = run("doctor --model " + model + " --threads 64 --json");
+  ASSERT_EQ(j.exit_code, 0) << j.err;
+  const auto doc = nlohmann::json::parse(j.out);
+  EXPECT_EQ(doc["cpu"]["level"].get<std::string>(), colibri_cpu_isa());
+  EXPECT_GE(doc["cores"]["physical"].get<int>(), 1);
+  EXPECT_LE(doc["cores"]["physical"].get<int>(), doc["cores"]["allowed"].get<int>());
+  EXPECT_EQ(doc["cores"]["recommended_threads"].get<int>(), doc["cores"]["physical"].get<int>());
+  EXPECT_GT(doc["memory"]["total_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(doc["model"]["experts"].get<int>(), 8);
+  // 8 experts of 3 q4_0 matrices 64 x 256 (18 bytes per 32 weights).
+  EXPECT_EQ(doc["model"]["experts_bytes"].get<uint64_t>(), 8u * 3u * 64u * 256u / 32u * 18u);
+  ASSERT_EQ(doc["model"]["kernels"].size(), 1u);
+  EXPECT_EQ(doc["model"]["kernels"][0]["types"].get<std::string>(), "q4_0/q4_0");
+  EXPECT_EQ(doc["model"]["kernels"][0]["registry"].get<std::string>().rfind("decode int8-", 0), 0u);
+  // 64 threads on this machine's cores: a problem, with the thread count that fixes it.
+  bool threads_problem = false;
+  for (const auto& p : doc["problems"]) {
+    threads_problem |= p["problem"].get<std::string>().find("64 threads on") == 0 &&
+                       p["fix"].get<std::string>().find("--threads " + std::to_string(
+                           doc["cores"]["physical"].get<int>())) != std::string::npos;
+  }
+  EXPECT_TRUE(threads_problem) << j.out;
+  RunResult text = run("doctor --model " + model);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("kernels      q4_0/q4_0: decode int8-"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("cpu          name "), std::string::npos) << text.out;
+  RunResult bare = run("doctor");
+  EXPECT_EQ(bare.exit_code, 0) << bare.err;
+  RunResult bad = run("doctor --model " + path("missing"));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find(path("missing")), std::string::npos) << bad.err;
 }
 
 }  // namespace

@@ -512,6 +512,7 @@ _PROTOTYPES = {
         [ctypes.c_char_p, ctypes.c_char_p, _P(RouteCompileOptions)],
     ),
     "colibri_buffer_free": (None, [c_void_p]),
+    "colibri_doctor": (ctypes.c_int, [ctypes.c_char_p, c_int32, _P(c_void_p), _P(ctypes.c_size_t)]),
     "colibri_routing_decode": (
         ctypes.c_int,
         [c_void_p, ctypes.c_size_t, c_int32, ctypes.c_char_p, _P(c_void_p)],

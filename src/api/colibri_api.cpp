@@ -17,6 +17,7 @@
 #include "io/verify.h"
 #include "kernels/kernels.h"
 #include "moe/attention.h"
+#include "moe/doctor.h"
 #include "moe/linear.h"
 #include "moe/model.h"
 #include "moe/rms_norm.h"
@@ -697,6 +698,24 @@ colibri_status_t colibri_route_compile_file(const char* route_path, const char* 
 }
 
 void colibri_buffer_free(void* buffer) { std::free(buffer); }
+
+colibri_status_t colibri_doctor(const char* model_path, int32_t n_threads, char** out_json, size_t* out_size) {
+  if (out_json == nullptr) return null_argument("colibri_doctor", "out_json");
+  *out_json = nullptr;
+  if (out_size != nullptr) *out_size = 0;
+  if (n_threads < 0) {
+    return set_error(COLIBRI_ERR_INVALID_ARGUMENT, {"colibri_doctor: n_threads must be >= 0 (0 = one per core)"});
+  }
+  return guarded("colibri_doctor", [&] {
+    const std::string report = colibri::doctor_report(model_path != nullptr ? model_path : "", n_threads);
+    auto* buffer = static_cast<char*>(std::malloc(report.size() + 1));
+    if (buffer == nullptr) throw std::bad_alloc();
+    std::memcpy(buffer, report.c_str(), report.size() + 1);
+    *out_json = buffer;
+    if (out_size != nullptr) *out_size = report.size();
+    return COLIBRI_OK;
+  });
+}
 
 colibri_status_t colibri_routing_decode(const void* blob, size_t blob_size, int32_t n_experts,
                                         const char* source_name, colibri_routing_t** out) {

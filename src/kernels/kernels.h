@@ -324,6 +324,8 @@ struct KernelPlan {
   const KernelTable& pick(int32_t n) const { return prefill.pick(n, *decode); }
 };
 KernelPlan plan_kernels(Isa isa, const ExpertShape& shape, PrefillPrecision precision);
+// "decode int8-avx512-vnni, prefill amx-bf16-dequant from 24 <unit>".
+std::string describe_plan(const KernelPlan& plan, const char* unit);
 
 // The tables for block-quantised weights (ffn_quant.cpp) at the highest
 // level <= isa: "int8-<isa>", activations quantised to int8 blocks and

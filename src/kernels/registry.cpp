@@ -220,4 +220,13 @@ KernelPlan plan_kernels(Isa isa, const ExpertShape& shape, PrefillPrecision prec
   return plan;
 }
 
+std::string describe_plan(const KernelPlan& plan, const char* unit) {
+  std::string d = std::string("decode ") + plan.decode->name;
+  for (int i = 0; i < plan.prefill.count; ++i) {
+    d += std::string(i == 0 ? ", prefill " : ", ") + plan.prefill.tier[i].table->name + " from " +
+         std::to_string(plan.prefill.tier[i].min_tokens) + " " + unit;
+  }
+  return d;
+}
+
 }  // namespace colibri::kernels

@@ -262,7 +262,44 @@ const char* precision_name(kernels::PrefillPrecision p) {
   return "?";
 }
 
+// Each level's plan from the request's down to avx2, the request's own first.
+std::vector<Candidate> candidates_for(const KernelChoiceRequest& request, const kernels::ExpertShape& shape,
+                                      const KernelPlan& top) {
+  std::vector<Candidate> candidates;
+  for (int l = static_cast<int>(request.isa); l >= static_cast<int>(Isa::kAvx2); --l) {
+    const Isa level = static_cast<Isa>(l);
+    if (!kernels::isa_supported(level)) continue;
+    candidates.push_back(
+        {level, l == static_cast<int>(request.isa) ? top : kernels::plan_kernels(level, shape, request.precision)});
+  }
+  return candidates;
+}
+
+std::string choice_key(const KernelChoiceRequest& request, const kernels::ExpertShape& shape,
+                       const std::vector<Candidate>& candidates) {
+  std::string key = std::string("colibri ") + COLIBRI_VERSION_STRING + "|" + kernels::cpu_signature() +
+                    "|threads " + std::to_string(request.threads) + "|level " + kernels::isa_name(request.isa) +
+                    "|precision " + precision_name(request.precision) + "|" + weight_format(shape.weight_type).name +
+                    "/" + weight_format(shape.down_type).name + " " + std::to_string(shape.d_model) + "x" +
+                    std::to_string(shape.d_ff) + (shape.epilogue.plain() ? "" : " epilogue") + "|top-k " +
+                    std::to_string(request.top_k) + "|tables";
+  for (const Candidate& c : candidates) key += std::string(" ") + c.plan.decode->name;
+  return key;
+}
+
 }  // namespace
+
+std::string remembered_kernel_choice(const KernelChoiceRequest& request, const kernels::ExpertShape& shape) {
+  if (request.cache_path.empty()) return "";
+  const KernelPlan top = kernels::plan_kernels(request.isa, shape, request.precision);
+  const std::vector<Candidate> candidates = candidates_for(request, shape, top);
+  std::string warning;
+  const std::map<std::string, Remembered> cache = read_cache(request.cache_path, &warning);
+  const auto hit = cache.find(choice_key(request, shape, candidates));
+  if (hit == cache.end()) return "";
+  return std::string("decode ") + kernels::isa_name(hit->second.decode) + " level, many tokens " +
+         kernels::isa_name(hit->second.many) + " level (" + hit->second.timings + ")";
+}
 
 std::string kernel_choice_cache_path() {
   std::string dir = env("COLIBRI_CACHE_DIR");
@@ -310,14 +347,7 @@ std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& sto
       }
     }
     if (!weight_format(shape.weight_type).quantized || !weight_format(shape.down_type).quantized) continue;
-    std::vector<Candidate> candidates;
-    for (int l = static_cast<int>(request.isa); l >= static_cast<int>(Isa::kAvx2); --l) {
-      const Isa level = static_cast<Isa>(l);
-      if (!kernels::isa_supported(level)) continue;
-      candidates.push_back({level, l == static_cast<int>(request.isa)
-                                       ? top
-                                       : kernels::plan_kernels(level, shape, request.precision)});
-    }
+    const std::vector<Candidate> candidates = candidates_for(request, shape, top);
     const std::vector<size_t> decode_set = distinct_at(candidates, 1);
     const std::vector<size_t> many_set = distinct_at(candidates, kManyTokens);
     if (decode_set.size() < 2 && many_set.size() < 2) continue;
@@ -325,14 +355,7 @@ std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& sto
     for (int32_t e = 0; e < request.n_experts && resident; ++e) resident = store.packed_expert(rep, e) != nullptr;
     if (!resident) continue;
 
-    std::string key = std::string("colibri ") + COLIBRI_VERSION_STRING + "|" + kernels::cpu_signature() +
-                      "|threads " + std::to_string(request.threads) + "|level " + kernels::isa_name(request.isa) +
-                      "|precision " + precision_name(request.precision) + "|" +
-                      weight_format(shape.weight_type).name + "/" + weight_format(shape.down_type).name + " " +
-                      std::to_string(shape.d_model) + "x" + std::to_string(shape.d_ff) +
-                      (shape.epilogue.plain() ? "" : " epilogue") + "|top-k " + std::to_string(request.top_k) +
-                      "|tables";
-    for (const Candidate& c : candidates) key += std::string(" ") + c.plan.decode->name;
+    const std::string key = choice_key(request, shape, candidates);
     const std::string label = std::string(weight_format(shape.weight_type).name) + "/" +
                               weight_format(shape.down_type).name + " " + std::to_string(shape.d_model) + "x" +
                               std::to_string(shape.d_ff);

@@ -44,4 +44,8 @@ bool kernel_choice_allowed_by_environment();
 std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& store, int32_t n_layers,
                                           const KernelChoiceRequest& request, std::string* warnings);
 
+// What the cache file remembers for layers of `shape` opened as `request`
+// says ("decode avx512 level, many tokens amx level (timings)"), or "".
+std::string remembered_kernel_choice(const KernelChoiceRequest& request, const kernels::ExpertShape& shape);
+
 }  // namespace colibri

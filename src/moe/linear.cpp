@@ -24,15 +24,6 @@ int32_t linear_rows_per_item(int32_t rows, int threads) {
 // workers costs more than they save.
 constexpr double kParallelMinMacs = 65536.0;
 
-std::string describe(const kernels::KernelPlan& p) {
-  std::string d = std::string("decode ") + p.decode->name;
-  for (int i = 0; i < p.prefill.count; ++i) {
-    d += std::string(i == 0 ? ", prefill " : ", ") + p.prefill.tier[i].table->name + " from " +
-         std::to_string(p.prefill.tier[i].min_tokens) + " tokens";
-  }
-  return d;
-}
-
 }  // namespace
 
 Linear::Linear(WeightType type, int32_t out_features, int32_t in_features, const void* rows, size_t size,
@@ -100,7 +91,7 @@ Linear::Linear(WeightType type, int32_t out_features, int32_t in_features, const
   if (options.isa >= 0) isa = std::min(isa, static_cast<kernels::Isa>(options.isa));
   plan_ = kernels::plan_kernels(isa, shape_,
                                 options.exact ? kernels::PrefillPrecision::kExact : kernels::PrefillPrecision::kDefault);
-  kernels_ = describe(plan_);
+  kernels_ = kernels::describe_plan(plan_, "tokens");
 
   const int cores = online_cores();
   int threads = options.threads == 0 ? cores : std::min(options.threads, cores);

@@ -301,14 +301,7 @@ void Model::start(const OpenOptions& o, std::string* warnings) {
   }
   // "decode ..., prefill ... from N tokens/expert"; layers of other types
   // (Manifest::layer_dtypes) run other tables: each set is listed with its layers.
-  const auto describe = [](const kernels::KernelPlan& p) {
-    std::string d = std::string("decode ") + p.decode->name;
-    for (int i = 0; i < p.prefill.count; ++i) {
-      d += std::string(i == 0 ? ", prefill " : ", ") + p.prefill.tier[i].table->name + " from " +
-           std::to_string(p.prefill.tier[i].min_tokens) + " tokens/expert";
-    }
-    return d;
-  };
+  const auto describe = [](const kernels::KernelPlan& p) { return kernels::describe_plan(p, "tokens/expert"); };
   std::vector<std::pair<std::string, std::string>> sets;  // description, its layers
   for (int32_t l = 0; l < manifest_.n_layers; ++l) {
     const std::string d = describe(plans[static_cast<size_t>(l)]);

@@ -1,9 +1,11 @@
-// colibri gen | verify | info
+// colibri gen | verify | info | doctor
 #include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "common.h"
@@ -171,6 +173,41 @@ void run_info(const std::string& dir, int threads, const CacheFlags& cache, bool
   }
 }
 
+// colibri_doctor's JSON as lines: each section's fields, the model's
+// kernels one shape a line, then the problems with their fixes.
+void run_doctor(const std::string& model, int threads, bool as_json) {
+  char* text = nullptr;
+  size_t size = 0;
+  check(colibri_doctor(model.empty() ? nullptr : model.c_str(), threads, &text, &size), "colibri_doctor");
+  const std::string report(text, size);
+  colibri_buffer_free(text);
+  if (as_json) {
+    std::printf("%s\n", report.c_str());
+    return;
+  }
+  const nlohmann::ordered_json r = nlohmann::ordered_json::parse(report);
+  const auto value = [](const nlohmann::ordered_json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
+  for (const auto& [section, fields] : r.items()) {
+    if (section == "problems" || !fields.is_object()) continue;
+    std::string line;
+    for (const auto& [key, v] : fields.items()) {
+      if (key == "kernels") continue;
+      line += (line.empty() ? "" : ", ") + key + " " + value(v);
+    }
+    std::printf("%-12s %s\n", section.c_str(), line.c_str());
+    if (fields.contains("kernels")) {
+      for (const auto& k : fields["kernels"]) {
+        std::printf("%-12s %s: %s%s\n", "kernels", value(k["types"]).c_str(), value(k["registry"]).c_str(),
+                    k["measured"].is_null() ? "" : ("; measured at an earlier open: " + value(k["measured"])).c_str());
+      }
+    }
+  }
+  if (r["problems"].empty()) std::printf("problems     none found\n");
+  for (const auto& p : r["problems"]) {
+    std::printf("problem      %s\n  fix        %s\n", value(p["problem"]).c_str(), value(p["fix"]).c_str());
+  }
+}
+
 }  // namespace
 
 void add_model_commands(CLI::App& app) {
@@ -215,6 +252,20 @@ void add_model_commands(CLI::App& app) {
   auto tensors = std::make_shared<bool>(false);
   i->add_flag("--tensors", *tensors, "GGUF: every tensor's type, shape and bytes (default: the types per block)");
   i->callback([info_dir, threads, cache, tensors] { run_info(*info_dir, *threads, *cache, *tensors); });
+
+  auto doctor_model = std::make_shared<std::string>();
+  auto doctor_threads = std::make_shared<int>(0);
+  auto doctor_json = std::make_shared<bool>(false);
+  CLI::App* d = app.add_subcommand(
+      "doctor", "Check this machine for a model: CPU and kernels, cores and threads, memory, huge pages, mlock, NUMA; "
+                "each problem with the command that fixes it");
+  d->add_option("--model", *doctor_model, "Model directory or GGUF file (read, not loaded)");
+  d->add_option("--threads", *doctor_threads, "Threads the model would run on (0 = one per core)")
+      ->check(CLI::NonNegativeNumber);
+  d->add_flag("--json", *doctor_json, "Print colibri_doctor's JSON document");
+  d->callback([doctor_model, doctor_threads, doctor_json] {
+    run_doctor(*doctor_model, *doctor_threads, *doctor_json);
+  });
 }
 
 }  // namespace colibri_cli
