@@ -11,6 +11,8 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -287,6 +289,19 @@ std::string choice_key(const KernelChoiceRequest& request, const kernels::Expert
   return key;
 }
 
+// Choices measured in this process where no cache file keeps them (no cache
+// directory, or one that cannot be written): colibri.torch.from_pretrained
+// opens a model per block, which would otherwise measure every block.
+struct Memo {
+  std::mutex mutex;
+  std::map<std::string, Remembered> choices;
+  std::set<std::string> unwritable;  // cache paths a write failed on
+};
+Memo& memo() {
+  static Memo m;
+  return m;
+}
+
 }  // namespace
 
 std::string remembered_kernel_choice(const KernelChoiceRequest& request, const kernels::ExpertShape& shape) {
@@ -367,7 +382,17 @@ std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& sto
       cache_read = true;
     }
     Remembered choice;
-    bool from_cache = false;
+    bool from_cache = false, from_memo = false;
+    bool use_memo;
+    {
+      std::lock_guard<std::mutex> lock(memo().mutex);
+      use_memo = request.cache_path.empty() || memo().unwritable.count(request.cache_path) != 0;
+      const auto m = use_memo ? memo().choices.find(key) : memo().choices.end();
+      if (m != memo().choices.end()) {
+        choice = m->second;
+        from_memo = true;
+      }
+    }
     const auto hit = cache.find(key);
     const auto level_index = [&](Isa level) {
       for (size_t c = 0; c < candidates.size(); ++c) {
@@ -375,7 +400,9 @@ std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& sto
       }
       return -1;
     };
-    if (hit != cache.end() && level_index(hit->second.decode) >= 0 && level_index(hit->second.many) >= 0) {
+    if (from_memo) {
+      // measured by an earlier open of this process
+    } else if (hit != cache.end() && level_index(hit->second.decode) >= 0 && level_index(hit->second.many) >= 0) {
       choice = hit->second;
       from_cache = true;
     } else {
@@ -407,18 +434,25 @@ std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& sto
         cache[key] = choice;
         cache_dirty = true;
       }
+      std::lock_guard<std::mutex> lock(memo().mutex);
+      memo().choices[key] = choice;
     }
     const KernelPlan chosen = compose(top, candidates[static_cast<size_t>(level_index(choice.decode))].plan,
                                       candidates[static_cast<size_t>(level_index(choice.many))].plan);
     for (const int32_t l : layers) engine.set_plan(l, chosen);
     if (!description.empty()) description += "; ";
-    description += label + ": measured " + (from_cache ? "earlier (" + request.cache_path + ")" : std::string("now")) +
+    description += label + ": measured " +
+                   (from_cache  ? "earlier (" + request.cache_path + ")"
+                    : from_memo ? std::string("earlier in this process")
+                                : std::string("now")) +
                    ", " + choice.timings;
   }
   if (cache_dirty) {
     std::string why;
     if (!write_cache(request.cache_path, cache, &why)) {
       warn("kernel choice cache " + request.cache_path + " not written: " + why);
+      std::lock_guard<std::mutex> lock(memo().mutex);
+      memo().unwritable.insert(request.cache_path);
     }
   }
   return description;
