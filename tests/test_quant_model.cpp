@@ -299,15 +299,30 @@ TEST(QuantApi, QuantizeDequantize) {
 // nothing measured where the option or the environment says no.
 class KernelChoice : public ::testing::Test {
  protected:
-  void SetUp() override {
+  // 2 layers of 8 experts, 320 x 200.
+  static void write_model(const std::string& dir, colibri::WeightType type, colibri::WeightType down, uint32_t seed) {
     colibri::ModelWriteSpec spec;
     spec.n_layers = 2;
     spec.n_experts = 8;
     spec.d_model = 320;
     spec.d_ff = 200;
-    spec.dtype = colibri::WeightType::kQ4_K;
-    spec.down_dtype = colibri::WeightType::kQ6_K;
-    colibri::write_random_model(model_.path(), spec, 11);
+    spec.dtype = type;
+    spec.down_dtype = down;
+    colibri::write_random_model(dir, spec, seed);
+  }
+  // The cache text with the levels of the line holding `what` replaced.
+  static std::string with_levels(const std::string& text, const std::string& what, const std::string& decode,
+                                 const std::string& many) {
+    const size_t line = text.find(what);
+    EXPECT_NE(line, std::string::npos) << what << " in " << text;
+    if (line == std::string::npos) return text;
+    const size_t key_end = text.find('\t', line);
+    const size_t timings = text.find('\t', text.find('\t', key_end + 1) + 1);
+    return text.substr(0, key_end) + "\t" + decode + "\t" + many + text.substr(timings);
+  }
+
+  void SetUp() override {
+    write_model(model_.path(), colibri::WeightType::kQ4_K, colibri::WeightType::kQ6_K, 11);
     saved_tune_ = std::getenv("COLIBRI_TUNE") != nullptr ? std::getenv("COLIBRI_TUNE") : "";
     had_tune_ = std::getenv("COLIBRI_TUNE") != nullptr;
     ::unsetenv("COLIBRI_TUNE");
@@ -370,15 +385,11 @@ TEST_F(KernelChoice, MeasuredOnceThenRemembered) {
 TEST_F(KernelChoice, RememberedChoicesComputeRight) {
   kernels_of_new_model();
   const std::string text = colibri_test::file_bytes(file_);
-  const size_t line = text.find('\n') + 1;
-  const size_t key_end = text.find('\t', line);
-  const size_t timings = text.find('\t', text.find('\t', key_end + 1) + 1);
-  ASSERT_NE(timings, std::string::npos) << text;
   std::vector<std::string> levels = {"avx2", "avx512"};
   if (std::string(colibri_cpu_isa()) == "amx") levels.push_back("amx");
   for (const std::string& decode : levels) {
     for (const std::string& many : levels) {
-      write_file(file_, text.substr(0, key_end) + "\t" + decode + "\t" + many + text.substr(timings));
+      write_file(file_, with_levels(text, "q4_k/q6_k", decode, many));
       colibri_model_t* raw = nullptr;
       const std::string k = kernels_of_new_model(&raw);
       Opened m;
@@ -398,6 +409,31 @@ TEST_F(KernelChoice, RememberedChoicesComputeRight) {
         EXPECT_LE(err, kInt8Tolerance) << decode << "/" << many << " T=" << T << " " << k;
       }
     }
+  }
+}
+
+// q2_k's AMX tier starts at 10 tokens per expert, below the many-token
+// measurement's 16: a remembered avx512 choice for many tokens runs up to
+// 16 and the AMX tier from 17, and both compute right.
+TEST_F(KernelChoice, RegistryTierBelowTheMeasurementMovesAboveIt) {
+  if (std::string(colibri_cpu_isa()) != "amx") GTEST_SKIP() << "no AMX tier below 16 tokens here";
+  colibri_test::TempDir q2("colibri_choice_q2k");
+  write_model(q2.path(), colibri::WeightType::kQ2_K, colibri::WeightType::kQ2_K, 13);
+  colibri_free(open_test_model(q2.path(), false));
+  write_file(file_, with_levels(colibri_test::file_bytes(file_), "q2_k/q2_k", "avx512", "avx512"));
+  Opened m;
+  m.model = open_test_model(q2.path(), false);
+  ASSERT_NE(m.model, nullptr);
+  const std::string k = colibri_model_kernels(m.model);
+  EXPECT_EQ(k.rfind("decode int8-avx512-vnni, prefill int8-avx512-vnni from 5 tokens/expert, amx-bf16-dequant "
+                    "from 17 tokens/expert", 0),
+            0u)
+      << k;
+  uint32_t seed = 200;
+  for (int32_t T : {1, 17, 40, 130}) {
+    const double err = run_and_compare(m.model, q2.path(), static_cast<int32_t>(seed % 2), T, 2, 8, 320, false, seed);
+    ++seed;
+    EXPECT_LE(err, kInt8Tolerance) << "T=" << T << " " << k;
   }
 }
 

@@ -60,7 +60,10 @@ struct Candidate {
 };
 
 // The plan that decodes with decode_plan's table and runs many-token calls
-// with many_plan's, above the registry's tiers that start past kManyTokens.
+// with many_plan's up to kManyTokens, the registry's tiers above that (a
+// tier that started at or below kManyTokens, such as q2_k's AMX tier from
+// 10 tokens, now from kManyTokens + 1: the measurement only says which is
+// faster at kManyTokens).
 KernelPlan compose(const KernelPlan& top, const KernelPlan& decode_plan, const KernelPlan& many_plan) {
   KernelPlan p = top;
   p.decode = decode_plan.decode;
@@ -69,9 +72,11 @@ KernelPlan compose(const KernelPlan& top, const KernelPlan& decode_plan, const K
   kernels::PrefillTiers tiers;
   tiers.tier[tiers.count++] = {many, kManyFromTokens};
   for (int i = 0; i < top.prefill.count; ++i) {
-    if (top.prefill.tier[i].min_tokens <= kManyTokens) continue;
+    kernels::PrefillTier t = top.prefill.tier[i];
+    if (t.table == many) continue;
     if (tiers.count == 2) return p;  // no room: the registry's tiers stay
-    tiers.tier[tiers.count++] = top.prefill.tier[i];
+    t.min_tokens = std::max(t.min_tokens, kManyTokens + 1);
+    tiers.tier[tiers.count++] = t;
   }
   p.prefill = tiers;
   return p;
