@@ -1,14 +1,10 @@
 #include "moe/kernel_choice.h"
 
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -17,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "io/mapped_file.h"
+#include "util/error.h"
 #include "util/weight_format.h"
 
 #ifndef COLIBRI_VERSION_STRING
@@ -214,44 +212,24 @@ std::map<std::string, Remembered> read_cache(const std::string& path, std::strin
   return out;
 }
 
-bool make_dirs(const std::string& dir) {
-  if (dir.empty()) return true;
-  struct stat st {};
-  if (::stat(dir.c_str(), &st) == 0) return S_ISDIR(st.st_mode);
-  const size_t slash = dir.find_last_of('/');
-  if (slash != std::string::npos && slash > 0 && !make_dirs(dir.substr(0, slash))) return false;
-  return ::mkdir(dir.c_str(), 0755) == 0 || errno == EEXIST;
-}
-
-// Written to a temporary file and renamed, so a reader never sees half a
-// file; concurrent writers each leave a whole one.
+// The header and a line per entry, written through write_file_atomic (a
+// temporary file and rename: a reader never sees half a file; concurrent
+// writers each leave a whole one).
 bool write_cache(const std::string& path, const std::map<std::string, Remembered>& entries, std::string* why) {
-  const size_t slash = path.find_last_of('/');
-  if (slash != std::string::npos && !make_dirs(path.substr(0, slash))) {
-    *why = std::string("cannot create its directory: ") + std::strerror(errno);
+  std::string text = std::string(kCacheHeader) + "\n";
+  for (const auto& [key, r] : entries) {
+    text += key + "\t" + kernels::isa_name(r.decode) + "\t" + kernels::isa_name(r.many) + "\t" + r.timings + "\n";
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  if (ec) {
+    *why = "cannot create its directory: " + ec.message();
     return false;
   }
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!out) {
-      *why = std::strerror(errno);
-      return false;
-    }
-    out << kCacheHeader << "\n";
-    for (const auto& [key, r] : entries) {
-      out << key << "\t" << kernels::isa_name(r.decode) << "\t" << kernels::isa_name(r.many) << "\t" << r.timings
-          << "\n";
-    }
-    if (!out.flush()) {
-      *why = std::strerror(errno);
-      std::remove(tmp.c_str());
-      return false;
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    *why = std::strerror(errno);
-    std::remove(tmp.c_str());
+  try {
+    write_file_atomic(path, text.data(), text.size());
+  } catch (const Error& e) {
+    *why = e.what();
     return false;
   }
   return true;
