@@ -31,6 +31,10 @@
 #   scikit-build-core     the PEP 517 backend that builds the package with CMake
 #   transformers          the real Hugging Face MoE classes (5.x; 4.57.6 in
 #                         .venv-transformers4, with torch, numpy, pytest, safetensors, gguf)
+#   fastapi, uvicorn      the OpenAI-compatible server (python -m colibri.serve): a
+#                         small, well-kept ASGI stack with request validation
+#   prometheus_client     the server's /metrics in Prometheus' text format
+#   openai                the real client the server is tested against
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -90,7 +94,8 @@ make_venv() {
 }
 
 venv=.venv
-make_venv "$venv" numpy pytest matplotlib safetensors gguf scikit-build-core "transformers>=5,<6"
+make_venv "$venv" numpy pytest matplotlib safetensors gguf scikit-build-core "transformers>=5,<6" \
+  fastapi uvicorn prometheus_client openai
 # A second environment with transformers 4.57, whose MoE classes keep one
 # nn.Module per expert where 5.x fuses them: the PyTorch integration is
 # tested against both (ctest's python_transformers4). One environment can

@@ -246,6 +246,7 @@ class _Step:
         self.modules = list(base.modules())
         self.lock = threading.Lock()
         self.steps = 0  # steps taken on the direct path, for tests and benchmarks
+        self.batch_steps = 0  # run_batch's steps
         self.output = None  # (class, cache field) of the original forward's output, seen at its first call
         windows = []
         if config.model_type not in _WINDOWED:
@@ -353,6 +354,130 @@ class _Step:
         cls, field = self.output
         return cls(**{"last_hidden_state": last, field: cache})
 
+
+    def fits_batch(self, caches):
+        """Whether run_batch may take a decode step of sequences with these
+        caches now: what `fits` asks of one sequence, for each."""
+        if self.base.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        config = self.config
+        if (config.output_hidden_states or config.output_attentions
+                or getattr(config, "output_router_logits", False)):
+            return False
+        for cache in caches:
+            if not hasattr(cache, "get_seq_length") or not hasattr(cache, "update"):
+                return False
+            past = cache.get_seq_length()
+            if past == 0 or (self.max_kv is not None and past + 1 > self.max_kv):
+                return False
+        if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules):
+            return False
+        from torch.nn.modules import module as torch_module
+        return not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+    def run_batch(self, input_ids, positions, caches):
+        """One decode step of B sequences, each on its own cache (continuous
+        batching, colibri.batching): input_ids [B] the new tokens, positions
+        [B] each sequence's cached length, caches the B transformers caches.
+        The projections, norms and feed-forward layers run once on B rows
+        (each weight read once for all); rope is per row at its own
+        position, and each sequence's attention runs over its own cache.
+        At B = 1 these are run()'s calls, so the same bits. Returns the final
+        norm's output [B, d], or None, with no cache touched, where the step
+        does not take this model's dtypes."""
+        base, B = self.base, len(caches)
+        x = base.embed_tokens(input_ids.view(B, 1))
+        if x.dtype != torch.float32:
+            return None
+        position_embeddings = base.rotary_emb(x, positions.view(B, 1))
+        if self.standard or self.latent:
+            cos, sin = position_embeddings
+            if cos.dtype != torch.float32 or any(width != cos.shape[-1] for width in self.latent):
+                return None
+            cos, sin = cos.contiguous(), sin.contiguous()
+            width = cos.shape[-1]
+            row_bytes = width * cos.element_size()
+        x = x.reshape(B, -1)
+        norm = self.norm
+        for b in self.blocks:
+            h = torch.empty(B, b.d)
+            _ok(norm(x.data_ptr(), b.norm1.weight.data_ptr(), B, b.d, b.norm1.variance_epsilon, h.data_ptr()),
+                "colibri_rms_norm")
+            if b.mla is not None or b.own_attention is not None:
+                out = torch.empty(B, b.d)
+                for i in range(B):
+                    if b.mla is not None:
+                        o = b.mla.run(self, h[i:i + 1].data_ptr(), cos.data_ptr() + i * row_bytes,
+                                      sin.data_ptr() + i * row_bytes, caches[i])
+                    else:
+                        own = position_embeddings  # DeepSeek-V2's complex rotation, or (cos, sin)
+                        own = tuple(t[i:i + 1] for t in own) if isinstance(own, tuple) else own[i:i + 1]
+                        o = b.own_attention(h[i:i + 1].view(1, 1, -1), attention_mask=None, cache=caches[i],
+                                            position_embeddings=own)[0]
+                    out[i].copy_(o.reshape(-1))
+                x = x + out
+            else:
+                x = x + self._attention_rows(b, h, cos, sin, width, caches)
+            x = x + self._feed_forward_rows(b, x)
+        self.batch_steps += 1
+        return base.norm(x.view(B, 1, -1)).view(B, -1)
+
+    def _attention_rows(self, b, h, cos, sin, width, caches):
+        """A standard block's attention of B normed rows h, each sequence
+        over its own cache; returns the o projection's output [B, d]."""
+        B, linear = h.shape[0], self.linear
+        H, Hkv, D, Dv = b.H, b.Hkv, b.D, b.Dv
+        q, k, v = torch.empty(B, H * D), torch.empty(B, Hkv * D), torch.empty(B, Hkv * Dv)
+        for proj, out in ((b.q, q), (b.k, k), (b.v, v)):
+            _ok(linear(proj._handle, B, h.data_ptr(), out.data_ptr()), "colibri_linear_forward")
+        if b.qk_norms is not None:
+            q_norm, (q_rows, q_dim), k_norm, (k_rows, k_dim) = b.qk_norms
+            q_in, k_in = torch.empty_like(q), torch.empty_like(k)
+            _ok(self.norm(q.data_ptr(), q_norm.weight.data_ptr(), B * q_rows, q_dim, q_norm.variance_epsilon,
+                          q_in.data_ptr()), "colibri_rms_norm")
+            _ok(self.norm(k.data_ptr(), k_norm.weight.data_ptr(), B * k_rows, k_dim, k_norm.variance_epsilon,
+                          k_in.data_ptr()), "colibri_rms_norm")
+        else:
+            q_in, k_in = q, k
+        q_roped, k_roped = torch.empty(B, H, 1, D), torch.empty(B, Hkv, 1, D)
+        for template, heads, src, dst in ((b.rope_q, H, q_in, q_roped), (b.rope_k, Hkv, k_in, k_roped)):
+            r = L.RopeDesc.from_buffer_copy(template)
+            r.batch = B
+            r.x, r.out = src.data_ptr(), dst.data_ptr()
+            r.x_stride[:] = (heads * D, D, 0)
+            r.out_stride[:] = (heads * D, D, 0)
+            r.cos, r.sin = cos.data_ptr(), sin.data_ptr()
+            r.table_stride[:] = (width, 0)
+            if self.partial:
+                r.rotary_dim = width
+            _ok(self.rope(r), "colibri_rope")
+        attn_out = torch.empty(B, 1, H, Dv)
+        a = L.AttentionDesc.from_buffer_copy(b.attn)
+        for i, cache in enumerate(caches):
+            keys, values = cache.update(k_roped[i:i + 1], v[i:i + 1].view(1, 1, Hkv, Dv).transpose(1, 2), b.index)
+            a.q, a.out = q_roped[i].data_ptr(), attn_out[i].data_ptr()
+            a.kv_len = keys.shape[2]
+            a.k, a.v = keys.data_ptr(), values.data_ptr()
+            a.k_stride[:] = leading_strides(keys, 3)
+            a.v_stride[:] = leading_strides(values, 3)
+            _ok(self.attention(a), "colibri_attention")
+        o = torch.empty(B, b.d)
+        _ok(linear(b.o._handle, B, attn_out.data_ptr(), o.data_ptr()), "colibri_linear_forward")
+        return o
+
+    def _feed_forward_rows(self, b, x):
+        """The block's norm and feed-forward of B rows x; returns [B, d]."""
+        B = x.shape[0]
+        h = torch.empty(B, b.d)
+        _ok(self.norm(x.data_ptr(), b.norm2.weight.data_ptr(), B, b.d, b.norm2.variance_epsilon, h.data_ptr()),
+            "colibri_rms_norm")
+        if b.moe is None:
+            out = b.ffn(h.view(B, 1, -1))
+            return (out[0] if isinstance(out, tuple) else out).reshape(B, -1)
+        model, layer = b.moe
+        out = torch.empty(B, b.d)
+        model._infer_pointers(layer, B, 0, h.data_ptr(), None, None, out.data_ptr())
+        return out
 
     def _feed_forward(self, b, x):
         """The block's norm and feed-forward of x into b.ffn_result."""
