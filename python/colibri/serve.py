@@ -134,6 +134,7 @@ def build_app(model, tokenizer, engine, name, metrics=None):
         stop: Union[str, List[str], None] = None
         stream: bool = False
         stream_options: Optional[dict] = None
+        ignore_eos: bool = False  # llama-server's and vLLM's extension: generate max_tokens whatever comes
 
     class Message(BaseModel):
         model_config = ConfigDict(extra="allow")
@@ -231,7 +232,7 @@ def build_app(model, tokenizer, engine, name, metrics=None):
         received = time.perf_counter()
         try:
             seq = engine.submit(ids, max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                on_token=stream.on_token)
+                                on_token=stream.on_token, stop_tokens=[] if req.ignore_eos else None)
         except ValueError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise RequestError(str(e), param="max_tokens" if code else "prompt", code=code) from e
