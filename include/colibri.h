@@ -48,7 +48,8 @@ typedef enum colibri_status {
   COLIBRI_ERR_CHECKSUM = 4,         /* checksum mismatch */
   COLIBRI_ERR_OUT_OF_MEMORY = 5,
   COLIBRI_ERR_UNSUPPORTED = 6, /* valid but not supported by this build */
-  COLIBRI_ERR_INTERNAL = 7
+  COLIBRI_ERR_INTERNAL = 7,
+  COLIBRI_ERR_CANCELLED = 8 /* the open's progress callback asked to stop */
 } colibri_status_t;
 
 /* Weight types. The block-quantised ones store GGUF's blocks byte for byte
@@ -156,6 +157,13 @@ COLIBRI_API colibri_status_t colibri_dequantize(colibri_dtype_t dtype, const voi
 
 /* ------------------------------------------------------------ open/close */
 
+/* How far an open has come, `progress` in [0, 1] (non-decreasing; 0 before
+ * the experts are read, 1 when the model is ready), on the opening thread.
+ * Return nonzero to go on, 0 to cancel: the open then returns
+ * COLIBRI_ERR_CANCELLED with nothing left open or allocated (llama.cpp's
+ * load-progress convention). Called about 200 times at most. */
+typedef int32_t (*colibri_progress_fn)(float progress, void* user_data);
+
 typedef struct colibri_open_options_s {
   int32_t n_threads;        /* worker threads incl. caller; 0 = one per online core */
   int32_t lock_memory;      /* 1 = mlock packed weights (best effort), 0 = don't */
@@ -210,6 +218,8 @@ typedef struct colibri_open_options_s {
    * a memory budget, with COLIBRI_ISA set or COLIBRI_TUNE=0. 0 = the
    * registry's choice for the level (docs/KERNELS.md). */
   int32_t tune_kernels;
+  colibri_progress_fn progress; /* NULL = none */
+  void* progress_user_data;     /* passed to progress */
 } colibri_open_options_t;
 
 typedef enum {
@@ -230,7 +240,7 @@ typedef enum {
  * pin_threads 0, reserve_tokens 64, bf16_compute 0, exact_prefill 0,
  * max_resident_bytes 0, max_resident_percent 0, io_threads 0,
  * eviction_policy DECAYED_FREQUENCY, direct_io 1, speculate 1, io_engine PREAD,
- * tune_kernels 1. */
+ * tune_kernels 1, progress NULL. */
 COLIBRI_API void colibri_open_options_default(colibri_open_options_t* options);
 
 /* Opens the model directory `path` (holding colibri.json). On success

@@ -45,6 +45,8 @@ int main(void) {
   FIELD(colibri_open_options_t, speculate);
   FIELD(colibri_open_options_t, io_engine);
   FIELD(colibri_open_options_t, tune_kernels);
+  FIELD(colibri_open_options_t, progress);
+  FIELD(colibri_open_options_t, progress_user_data);
   end();
 
   BEGIN(colibri_router_desc_t);

@@ -179,3 +179,70 @@ TEST(EngineRouting, SkewedEmptyExpertsAndSingleToken) {
 }
 
 }  // namespace
+
+namespace {
+
+struct ProgressLog {
+  std::vector<float> seen;
+  float cancel_at = 2.0f;  // return 0 once progress reaches this
+};
+
+int32_t record_progress(float progress, void* user) {
+  auto* log = static_cast<ProgressLog*>(user);
+  log->seen.push_back(progress);
+  return progress >= log->cancel_at ? 0 : 1;
+}
+
+}  // namespace
+
+// The progress callback sees 0 first and 1 last, never going back, a
+// bounded number of times; returning 0 cancels the open with
+// COLIBRI_ERR_CANCELLED and no model (ASan's leak check runs this too);
+// the next open is unaffected.
+TEST(OpenOptions, ProgressCallbackReportsAndCancels) {
+  TempDir dir;
+  colibri::ModelWriteSpec spec;
+  spec.n_layers = 3;
+  spec.n_experts = 96;
+  spec.d_model = 32;
+  spec.d_ff = 32;
+  spec.dtype = colibri::WeightType::kF32;
+  colibri::write_random_model(dir.path, spec, 9);
+  colibri_open_options_t o;
+  colibri_open_options_default(&o);
+  o.tune_kernels = 0;
+  ProgressLog log;
+  o.progress = record_progress;
+  o.progress_user_data = &log;
+  colibri_model_t* m = nullptr;
+  ASSERT_EQ(colibri_open(dir.path.c_str(), &o, &m), COLIBRI_OK) << colibri_last_error();
+  colibri_free(m);
+  ASSERT_GE(log.seen.size(), 3u);
+  EXPECT_LE(log.seen.size(), 202u);
+  EXPECT_EQ(log.seen.front(), 0.0f);
+  EXPECT_EQ(log.seen.back(), 1.0f);
+  for (size_t i = 1; i < log.seen.size(); ++i) EXPECT_GT(log.seen[i], log.seen[i - 1]) << i;
+
+  ProgressLog cancel;
+  cancel.cancel_at = 0.3f;
+  o.progress_user_data = &cancel;
+  m = nullptr;
+  EXPECT_EQ(colibri_open(dir.path.c_str(), &o, &m), COLIBRI_ERR_CANCELLED);
+  EXPECT_EQ(m, nullptr);
+  EXPECT_NE(std::string(colibri_last_error()).find("cancelled by its progress callback"), std::string::npos)
+      << colibri_last_error();
+  EXPECT_STREQ(colibri_status_name(COLIBRI_ERR_CANCELLED), "cancelled");
+  ASSERT_FALSE(cancel.seen.empty());
+  EXPECT_GE(cancel.seen.back(), 0.3f);
+  EXPECT_LT(cancel.seen.back(), 1.0f);
+
+  // Cancelled at the very end (1.0): still no model.
+  cancel.seen.clear();
+  cancel.cancel_at = 1.0f;
+  EXPECT_EQ(colibri_open(dir.path.c_str(), &o, &m), COLIBRI_ERR_CANCELLED);
+  EXPECT_EQ(m, nullptr);
+
+  o.progress = nullptr;
+  ASSERT_EQ(colibri_open(dir.path.c_str(), &o, &m), COLIBRI_OK) << colibri_last_error();
+  colibri_free(m);
+}

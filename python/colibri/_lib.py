@@ -28,6 +28,7 @@ ERR_CHECKSUM = 4
 ERR_OUT_OF_MEMORY = 5
 ERR_UNSUPPORTED = 6
 ERR_INTERNAL = 7
+ERR_CANCELLED = 8
 
 STATUS_NAMES = {
     0: "COLIBRI_OK",
@@ -38,6 +39,7 @@ STATUS_NAMES = {
     5: "COLIBRI_ERR_OUT_OF_MEMORY",
     6: "COLIBRI_ERR_UNSUPPORTED",
     7: "COLIBRI_ERR_INTERNAL",
+    8: "COLIBRI_ERR_CANCELLED",
 }
 
 DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
@@ -91,6 +93,10 @@ c_float = ctypes.c_float
 c_void_p = ctypes.c_void_p
 
 
+# colibri_progress_fn: int32_t (*)(float progress, void* user_data).
+PROGRESS_FN = ctypes.CFUNCTYPE(c_int32, c_float, c_void_p)
+
+
 class OpenOptions(ctypes.Structure):
     _fields_ = [
         ("n_threads", c_int32),
@@ -109,6 +115,8 @@ class OpenOptions(ctypes.Structure):
         ("speculate", c_int32),
         ("io_engine", c_int32),
         ("tune_kernels", c_int32),
+        ("progress", c_void_p),  # a PROGRESS_FN kept alive by the caller
+        ("progress_user_data", c_void_p),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 

@@ -586,7 +586,7 @@ def _route_in_colibri(model, report):
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
                     bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri",
-                    direct_decode=True):
+                    direct_decode=True, progress=None):
     """A transformers model (eval mode) for a GGUF file (or the first file of
     a split set) or a Hugging Face checkpoint directory, its large weights
     computed by Colibri. See colibri.torch.from_pretrained."""
@@ -595,7 +595,7 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     if attention not in ("colibri", "model"):
         raise ValueError("attention must be 'colibri' or 'model', got %r" % (attention,))
     options = dict(threads=threads, exact_prefill=exact_prefill, lock=lock, huge_pages=huge_pages,
-                   bf16_compute=bf16_compute)
+                   bf16_compute=bf16_compute, progress=progress)
     if os.path.isdir(path):
         if max_resident is not None:
             raise ValueError("%s: max_resident needs a GGUF file (experts read on demand come from a file Colibri "
@@ -850,7 +850,7 @@ def _from_gguf(path, max_resident, options):
     _materialise_buffers(model, f.path)
     report = ctorch.accelerate(model, gguf=f.path, threads=threads, exact_prefill=exact_prefill,
                                max_resident=max_resident, lock=lock, huge_pages=huge_pages,
-                               bf16_compute=bf16_compute)
+                               bf16_compute=bf16_compute, progress=options.get("progress"))
     if len(report.accelerated) != config.num_hidden_layers - dense_blocks:
         raise ValueError("%s: Colibri took %d of the %d MoE blocks (skipped: %s)"
                          % (f.path, len(report.accelerated), config.num_hidden_layers - dense_blocks,

@@ -4,6 +4,7 @@ import ctypes
 import dataclasses
 import os
 import threading
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -189,19 +190,75 @@ _CACHE_STAT_FIELDS = ("cache_slots", "resident_bytes", "resident_experts", "expe
                       "prefetch_used", "predicted", "predicted_used", "uring_reads")
 
 
+class _OpenProgress:
+    """Model's `progress=`: None or False for none; True for a tqdm bar on
+    stderr; or a callable taking the fraction done (0 to 1) that returns
+    False to cancel the open. An exception raised in the callable (a
+    KeyboardInterrupt while the file is read included) cancels the open and
+    is raised again once the library has freed what it made."""
+
+    def __init__(self, progress, path, opts):
+        self.error, self.bar, self.fn = None, None, None
+        if progress is None or progress is False:
+            return
+        if progress is True:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                warnings.warn("progress=True draws its bar with tqdm, which is not installed (pip install tqdm)")
+                return
+            self.bar = tqdm(total=100, desc="opening %s" % os.path.basename(path), unit="%",
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}", leave=False)
+            fn = self._advance
+        elif callable(progress):
+            fn = progress
+        else:
+            raise TypeError("progress must be None, a bool or a callable, got %r" % (progress,))
+
+        def hook(fraction, _user):
+            try:
+                return 0 if fn(fraction) is False else 1
+            except BaseException as e:  # noqa: B036 - KeyboardInterrupt cancels the open too
+                self.error = e
+                return 0
+
+        self.fn = L.PROGRESS_FN(hook)  # kept alive by self for the call
+        opts.progress = ctypes.cast(self.fn, ctypes.c_void_p)
+
+    def _advance(self, fraction):
+        self.bar.update(fraction * 100 - self.bar.n)
+
+    def check(self, status):
+        if status == L.ERR_CANCELLED and self.error is not None:
+            raise self.error
+        L.check(status, "colibri_open")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+        return False
+
+
 class Model:
     """A Colibri model.
 
     ``Model(path, threads=0, lock=True, huge_pages=True, verify=True,
     bf16_compute=False, *, exact_prefill=False, max_resident=None, eviction="freq",
-    io_threads=0, direct_io=True, speculate=True, io_engine="pread", tune_kernels=True)`` opens a model directory (colibri.json + expert
+    io_threads=0, direct_io=True, speculate=True, io_engine="pread", tune_kernels=True, progress=None)`` opens a
+    model directory (colibri.json + expert
     files, docs/FORMAT.md) or a GGUF file's MoE layers (the first file of a
     split set for a split one); ``max_resident`` (bytes, or a string such as
     ``"25%"`` of the experts) keeps only that much of the expert weights in
     memory and reads the rest on demand (docs/CACHE.md); ``tune_kernels``
     times the instruction-set levels' kernels on the model's experts at open
     and keeps the fastest, remembered per CPU (colibri_open_options_t's
-    tune_kernels; ``kernels`` says what was chosen); ``Model.from_arrays(...)`` builds one from
+    tune_kernels; ``kernels`` says what was chosen); ``progress`` True shows a
+    tqdm bar of the open, or a callable gets the fraction done (0 to 1) and
+    returns False to cancel it (ColibriError COLIBRI_ERR_CANCELLED; nothing
+    stays open); ``Model.from_arrays(...)`` builds one from
     in-memory weights (colibri_open_memory). ``close()`` (or ``with``)
     releases it; methods of a closed model raise ValueError.
 
@@ -212,7 +269,7 @@ class Model:
     def __init__(self, path, threads=0, lock=True, huge_pages=True, verify=True, bf16_compute=False,
                  *, pin_threads=None, reserve_tokens=None, exact_prefill=False, max_resident=None,
                  eviction="freq", io_threads=0, direct_io=True, speculate=True, io_engine="pread",
-                 tune_kernels=True):
+                 tune_kernels=True, progress=None):
         self._handle = None
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -225,7 +282,8 @@ class Model:
         opts.tune_kernels = 1 if tune_kernels else 0
         p = os.fsencode(os.fspath(path))
         h = ctypes.c_void_p()
-        L.check(L.lib().colibri_open(p, ctypes.byref(opts), ctypes.byref(h)), "colibri_open")
+        with _OpenProgress(progress, os.fspath(path), opts) as watch:
+            watch.check(L.lib().colibri_open(p, ctypes.byref(opts), ctypes.byref(h)))
         self._set_handle(h, os.fspath(path))
 
     def _set_handle(self, h, source):

@@ -1101,11 +1101,11 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lock, huge_pages, exact_prefill,
-                          keep_pytorch_weights, released_params, max_resident=None):
+                          keep_pytorch_weights, released_params, max_resident=None, progress=None):
     """accelerate(gguf=...): every recognised block runs the GGUF's layer of
     its decoder-layer index, in the file's stored formats."""
     cmodel = Model(gguf, threads=threads, lock=lock, huge_pages=huge_pages, bf16_compute=bf16_compute,
-                   exact_prefill=exact_prefill, max_resident=max_resident)
+                   exact_prefill=exact_prefill, max_resident=max_resident, progress=progress)
     info, first = cmodel.info, cmodel.first_block
     dtype = info.dtype if info.down_dtype == info.dtype else "%s/%s" % (info.dtype, info.down_dtype)
     members = []
@@ -1150,7 +1150,7 @@ def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lo
 
 def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
                verbose=False, exact_prefill=False, keep_pytorch_weights=False, gguf=None, max_resident=None,
-               expert_source=None, checkpoint=None):
+               expert_source=None, checkpoint=None, progress=None):
     """Runs the experts of every recognised sparse-MoE block of `model` in
     Colibri; returns an AccelerateReport.
 
@@ -1185,6 +1185,10 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
     the file and are read on demand (colibri.Model's max_resident=,
     docs/CACHE.md), so a model larger than memory runs. Without gguf= the
     experts come from PyTorch's memory and a budget is refused.
+
+    progress (with gguf=): True for a tqdm bar while the file's experts are
+    opened, or a callable given the fraction done that returns False to
+    cancel (colibri.Model's progress=).
 
     Memory: Colibri keeps its own (packed) copy of the expert weights, so by
     default the PyTorch copies of the weights it took over (routed experts,
@@ -1260,11 +1264,13 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
             raise ValueError("accelerate(): dtype and gguf exclude each other (the GGUF's experts run in the types "
                              "the file stores)")
         _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lock, huge_pages, exact_prefill,
-                              keep_pytorch_weights, released_params, max_resident)
+                              keep_pytorch_weights, released_params, max_resident, progress)
         groups = {}
     elif max_resident is not None:
         raise ValueError("accelerate(): max_resident needs gguf= (experts read on demand come from a file; without "
                          "one they are in PyTorch's memory already)")
+    elif progress not in (None, False):
+        raise ValueError("accelerate(): progress needs gguf= (it reports the file's open)")
     for key, members in groups.items():
         cdtype = key[0]
         layers = [spec.layer_dict(shared_in_colibri=in_colibri) for _, _, spec, in_colibri in members]
@@ -1296,7 +1302,7 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
                     bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri",
-                    direct_decode=True):
+                    direct_decode=True, progress=None):
     """A transformers model whose large weights Colibri computes, from one
     call, built without materialising those weights (docs/PYTORCH.md):
 
@@ -1336,12 +1342,16 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     calls, the same bits, about 0.1-0.15 ms less a block (colibri.decode;
     Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GLM-4-MoE, gpt-oss). Other calls
     run the model's own forward; DeepSeek's blocks keep their absorbed
-    attention forward inside the direct step."""
+    attention forward inside the direct step.
+
+    progress: for a GGUF file, True shows a tqdm bar while its experts are
+    opened (most of the file), or a callable gets the fraction done and
+    returns False to cancel (colibri.Model's progress=)."""
     from .loader import from_pretrained as load
 
     return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,
                 huge_pages=huge_pages, bf16_compute=bf16_compute, torch_threads=torch_threads, dtype=dtype,
-                dense_dtype=dense_dtype, attention=attention, direct_decode=direct_decode)
+                dense_dtype=dense_dtype, attention=attention, direct_decode=direct_decode, progress=progress)
 
 
 def restore(model):

@@ -441,3 +441,42 @@ def test_gguf_inconsistent_files_name_the_tensor_or_key(tmp_path):
         t.clear()
         t["blk.0.ffn_gate.weight"] = np.zeros((32, 64), np.float32)
     refused(dense, "no block has expert tensors")
+
+
+def test_open_progress_reports_and_cancels(tmp_path, capsys):
+    """Model(progress=callable) sees 0 first and 1 last, rising; returning
+    False cancels with COLIBRI_ERR_CANCELLED; an exception in the callable
+    (KeyboardInterrupt included) cancels and comes back out; progress=True
+    draws a tqdm bar on stderr, nothing on stdout; nothing stays open."""
+    path = str(tmp_path / "m.gguf")
+    gf.write_moe_gguf(path, n_blocks=3, n_experts=32, d_model=256, d_ff=256, dtype="q4_0", reference=False)
+    seen = []
+    with colibri.Model(path, threads=2, tune_kernels=False, progress=seen.append) as m:
+        assert m.info.n_layers == 3
+    assert seen[0] == 0.0 and seen[-1] == 1.0 and 3 <= len(seen) <= 202
+    assert all(a < b for a, b in zip(seen, seen[1:]))
+
+    stopped = []
+
+    def stop_halfway(fraction):
+        stopped.append(fraction)
+        return fraction < 0.5
+
+    with pytest.raises(colibri.ColibriError, match="cancelled by its progress callback") as e:
+        colibri.Model(path, threads=2, tune_kernels=False, progress=stop_halfway)
+    assert e.value.status == 8 and 0.5 <= stopped[-1] < 1.0
+
+    def interrupted(fraction):
+        if fraction > 0.2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        colibri.Model(path, threads=2, tune_kernels=False, progress=interrupted)
+    with pytest.raises(TypeError, match="progress"):
+        colibri.Model(path, progress="yes")
+
+    pytest.importorskip("tqdm")
+    capsys.readouterr()
+    with colibri.Model(path, threads=2, tune_kernels=False, progress=True) as m:
+        assert m.info.n_experts == 32
+    out, err = capsys.readouterr()
+    assert out == "" and "opening m.gguf" in err

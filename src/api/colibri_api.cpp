@@ -99,6 +99,7 @@ static_assert(static_cast<int>(colibri::Status::kChecksum) == COLIBRI_ERR_CHECKS
 static_assert(static_cast<int>(colibri::Status::kOutOfMemory) == COLIBRI_ERR_OUT_OF_MEMORY);
 static_assert(static_cast<int>(colibri::Status::kUnsupported) == COLIBRI_ERR_UNSUPPORTED);
 static_assert(static_cast<int>(colibri::Status::kInternal) == COLIBRI_ERR_INTERNAL);
+static_assert(static_cast<int>(colibri::Status::kCancelled) == COLIBRI_ERR_CANCELLED);
 
 colibri_huge_page_kind_t to_c_huge_pages(colibri::HugePageKind k) {
   switch (k) {
@@ -189,6 +190,7 @@ const char* colibri_status_name(colibri_status_t status) {
     case COLIBRI_ERR_OUT_OF_MEMORY: return "out of memory";
     case COLIBRI_ERR_UNSUPPORTED: return "unsupported";
     case COLIBRI_ERR_INTERNAL: return "internal error";
+    case COLIBRI_ERR_CANCELLED: return "cancelled";
   }
   return "unknown status";
 }

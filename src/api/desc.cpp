@@ -35,6 +35,9 @@ OpenOptions open_options(const colibri_open_options_t& o) {
   r.io_engine = o.io_engine == COLIBRI_IO_URING ? IoEngine::kIoUring : IoEngine::kPread;
   r.speculate = o.speculate != 0;
   r.tune_kernels = o.tune_kernels != 0;
+  if (o.progress != nullptr) {
+    r.progress = [fn = o.progress, user = o.progress_user_data](float fraction) { return fn(fraction, user) != 0; };
+  }
   return r;
 }
 

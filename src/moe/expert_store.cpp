@@ -162,6 +162,12 @@ void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
   }
 }
 
+void ExpertStore::expert_packed(const Manifest& m, const StoreOptions& options, int32_t layer, int32_t expert) {
+  if (options.progress == nullptr) return;
+  const double done = static_cast<double>(layer) * m.n_experts + expert + 1;
+  options.progress->report(static_cast<float>(0.9 * done / (static_cast<double>(m.n_layers) * m.n_experts)));
+}
+
 WeightRegion ExpertStore::pack_replacement(int32_t layer, const uint8_t* file_bytes, std::string* warnings) const {
   const Layer& L = layers_[static_cast<size_t>(layer)];
   WeightRegion fresh(L.expert_bytes, options_.huge_pages);
@@ -216,6 +222,7 @@ ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest
       parts.up_bias = reinterpret_cast<const uint8_t*>(ew.up_bias);
       parts.down_bias = reinterpret_cast<const uint8_t*>(ew.down_bias);
       pack_expert_parts(parts, shape, mutable_at(base(l, e)));
+      expert_packed(m, options, l, e);
       stats_.bytes_files += m.expert_file_bytes(l);
       if (source_copied) {
         const size_t gate_up = static_cast<size_t>(shape.d_ff) *
@@ -321,6 +328,7 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
       }
       const Bytes file = open_checked(m.expert_file(l, e));
       pack_expert(file.data(), shape(l), mutable_at(base(l, e)));
+      expert_packed(m, options, l, e);
     }
     if (m.has_shared()) {
       const Bytes file = open_checked(m.shared_file(l));

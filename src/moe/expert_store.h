@@ -14,6 +14,7 @@
 #include "kernels/kernels.h"
 #include "moe/weight_buffers.h"
 #include "runtime/memory.h"
+#include "util/progress.h"
 
 namespace colibri {
 
@@ -38,6 +39,8 @@ struct StoreOptions {
   // Leave the routed experts out of the region (an ExpertCache holds them,
   // moe/expert_cache.h); routers and shared experts are packed as always.
   bool defer_experts = false;
+  // Told of each packed expert (as 0-0.9 of the open), when set.
+  Progress* progress = nullptr;
 };
 
 struct StoreStats {
@@ -143,6 +146,8 @@ class ExpertStore {
  private:
   void layout(const Manifest& m, const StoreOptions& options);
   void finish(const StoreOptions& options, std::string* warnings);
+  // Reports expert `expert` of `layer` packed to options.progress.
+  static void expert_packed(const Manifest& m, const StoreOptions& options, int32_t layer, int32_t expert);
   size_t slot(int32_t layer, int32_t expert) const {
     return static_cast<size_t>(layer) * static_cast<size_t>(n_experts_) + static_cast<size_t>(expert);
   }

@@ -171,11 +171,14 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
   check_threads(o);
   if (is_gguf_file(dir)) {
     // The weights are copied into the store, then the file is unmapped.
+    Progress progress(o.progress);
+    progress.report(0.0f);
     const GgufModel g = load_gguf_model(dir);
     manifest_ = g.manifest;
     const int32_t slots = budget_slots(o, dir);
     StoreOptions so = store_options(o, false);
     so.defer_experts = slots > 0;
+    so.progress = &progress;
     store_ = std::make_unique<ExpertStore>(g.layers, manifest_, so, warnings,
                                            [&g](int32_t layer) { g.release_layer(layer); },
                                            [&g](const void* p, size_t n) { g.release_bytes(p, n); });
@@ -196,17 +199,22 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
                              std::to_string(g.block_count - g.mtp_blocks) + "-" + std::to_string(g.block_count - 1);
     }
     start(o, warnings);
+    progress.report(1.0f);
     load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return;
   }
+  Progress progress(o.progress);
+  progress.report(0.0f);
   manifest_ = load_manifest(dir);
   if (o.verify_checksums) verify_manifest_checksum(dir);
   const int32_t slots = budget_slots(o, dir);
   StoreOptions so = store_options(o, o.verify_checksums);
   so.defer_experts = slots > 0;
+  so.progress = &progress;
   store_ = std::make_unique<ExpertStore>(dir, manifest_, so, warnings);
   if (slots > 0) start_cache(o, directory_source(dir, manifest_, o.verify_checksums), slots, warnings);
   start(o, warnings);
+  progress.report(1.0f);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -220,10 +228,14 @@ Model::Model(const Manifest& manifest, const std::vector<LayerBuffers>& layers, 
                                    "files (a model directory or a GGUF file), whose experts can be read again; "
                                    "colibri_open_memory's weights are the caller's memory");
   }
-  store_ = std::make_unique<ExpertStore>(layers, manifest_, store_options(o, false), warnings,
-                                         std::function<void(int32_t)>{},
+  Progress progress(o.progress);
+  progress.report(0.0f);
+  StoreOptions so = store_options(o, false);
+  so.progress = &progress;
+  store_ = std::make_unique<ExpertStore>(layers, manifest_, so, warnings, std::function<void(int32_t)>{},
                                          std::function<void(const void*, size_t)>{}, fetch);
   start(o, warnings);
+  progress.report(1.0f);
   load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -42,6 +43,8 @@ struct OpenOptions {
   // (moe/kernel_choice.h); off under a budget and where the environment
   // fixes the kernels (COLIBRI_ISA, COLIBRI_TUNE=0).
   bool tune_kernels = true;
+  // Called with how far the open has come; false cancels it (util/progress.h).
+  std::function<bool(float)> progress;
 };
 
 class Model {

@@ -19,6 +19,7 @@ enum class Status : int {
   kOutOfMemory = 5,
   kUnsupported = 6,  // valid but not supported by this build
   kInternal = 7,
+  kCancelled = 8,  // a progress callback asked to stop
 };
 
 class Error : public std::runtime_error {

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <set>
 
+#include <unistd.h>
+
 #include "io/mapped_file.h"
 #include "util/error.h"
 
@@ -121,6 +123,22 @@ void apply_cache_flags(const CacheFlags& f, colibri_open_options_t* o) {
   o->tune_kernels = f.no_tune ? 0 : 1;
 }
 
+namespace {
+
+// colibri_progress_fn for a terminal: one line on stderr, redrawn in place
+// and cleared when the open ends.
+int32_t draw_open_progress(float progress, void* user) {
+  constexpr int kWidth = 30;
+  const int filled = static_cast<int>(progress * kWidth);
+  std::fprintf(stderr, "\r%s [%.*s%*s] %3d%%", static_cast<const char*>(user), filled,
+               "##############################", kWidth - filled, "", static_cast<int>(progress * 100.0f));
+  if (progress >= 1.0f) std::fprintf(stderr, "\r\033[K");
+  std::fflush(stderr);
+  return 1;
+}
+
+}  // namespace
+
 void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out, const std::string& precision,
                 const CacheFlags& cache) {
   colibri_open_options_t options;
@@ -130,7 +148,15 @@ void open_model(const std::string& dir, int threads, bool verify, ModelHandle* o
   options.verify_checksums = verify ? 1 : 0;
   options.exact_prefill = precision == "exact" ? 1 : 0;
   options.bf16_compute = precision == "bf16" ? 1 : 0;
-  check(colibri_open(dir.c_str(), &options, &out->model), "open " + dir);
+  // A progress line only where a person watches; pipes and logs stay clean.
+  const std::string label = "opening " + dir;
+  if (isatty(STDERR_FILENO) != 0) {
+    options.progress = draw_open_progress;
+    options.progress_user_data = const_cast<char*>(label.c_str());
+  }
+  const colibri_status_t status = colibri_open(dir.c_str(), &options, &out->model);
+  if (status != COLIBRI_OK && options.progress != nullptr) std::fprintf(stderr, "\r\033[K");
+  check(status, "open " + dir);
   const std::string warning = colibri_last_warning();
   if (!warning.empty()) std::fprintf(stderr, "colibri: warning: %s\n", warning.c_str());
 }
