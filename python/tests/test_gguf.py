@@ -239,10 +239,11 @@ def test_convert_gguf_directory_is_bit_identical(tmp_path, arch, dtype, down, ex
     n_blocks = extra.pop("n_blocks", 3 if extra.get("dense_blocks") else 2)
     fix = gf.write_moe_gguf(path, arch, n_blocks=n_blocks, dtype=dtype, down_dtype=down, seed=3, **extra)
     out = tmp_path / "dir"
-    r = subprocess.run([cli, "convert", "--gguf", path, "--out", str(out)], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([cli, "convert", "--gguf", path, "--out", str(out), "--progress"], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"gguf {arch}" in r.stdout
+    assert "converting %s [##############################] 100%%" % path in r.stderr, r.stderr
     r = subprocess.run([cli, "verify", "--model", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     x = np.random.default_rng(2).standard_normal((33, fix.d_model)).astype(np.float32)

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -38,37 +39,6 @@ void parse_layer_range(const std::string& text, colibri::HfConvertOptions* o) {
   o->last_layer = dash == std::string::npos ? *o->first_layer : number(text.substr(dash + 1));
 }
 
-// One line redrawn in place: bar, bytes and layers. Redrawn at most ~10
-// times a second: small experts finish far faster than a terminal scrolls.
-class ProgressBar {
- public:
-  void update(const colibri::HfConvertProgress& p) {
-    const auto now = std::chrono::steady_clock::now();
-    const bool last = p.bytes_done == p.bytes_total;
-    if (!last && drawn_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
-    last_draw_ = now;
-    drawn_ = true;
-    constexpr int kWidth = 30;
-    const double frac = p.bytes_total ? static_cast<double>(p.bytes_done) / static_cast<double>(p.bytes_total) : 1.0;
-    const int filled = static_cast<int>(frac * kWidth);
-    std::string bar(static_cast<size_t>(filled), '#');
-    bar.resize(kWidth, '.');
-    std::fprintf(stderr, "\r[%s] %3.0f%%  %s / %s  layers %d/%d ", bar.c_str(), frac * 100.0,
-                 human_bytes(p.bytes_done).c_str(), human_bytes(p.bytes_total).c_str(), p.layers_done,
-                 p.layers_total);
-    std::fflush(stderr);
-  }
-  // Ends the line so the summary or an error starts on a fresh one.
-  void finish() {
-    if (drawn_) std::fprintf(stderr, "\n");
-    drawn_ = false;
-  }
-
- private:
-  bool drawn_ = false;
-  std::chrono::steady_clock::time_point last_draw_{};
-};
-
 std::string layer_list(const std::vector<int32_t>& layers) {
   // Contiguous selections are the common case; print them as a range.
   if (layers.back() - layers.front() + 1 == static_cast<int32_t>(layers.size())) {
@@ -91,11 +61,16 @@ void run_convert_gguf(const ConvertArgs& a) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   colibri::GgufConvertResult r;
+  ProgressLine bar("converting " + a.gguf);
+  std::function<void(float)> progress;
+  if (ProgressLine::wanted(a.progress)) progress = [&bar](float f) { bar.update(f); };
   try {
-    r = colibri::convert_gguf_model(a.gguf, a.out);
+    r = colibri::convert_gguf_model(a.gguf, a.out, progress);
   } catch (const std::exception& e) {
+    bar.finish(true);
     throw CliError(std::string("convert: ") + e.what());
   }
+  bar.finish(true);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const colibri::Manifest& m = r.model.manifest;
   std::printf("converted %s (gguf %s) to %s: %d MoE layer(s) [GGUF blocks %d-%d] x %d experts, d_model %d, d_ff %d%s, "
@@ -125,9 +100,14 @@ void run_convert(const ConvertArgs& a) {
     o.down_dtype = down;
   }
   if (!a.layers.empty()) parse_layer_range(a.layers, &o);
-  ProgressBar bar;
-  if (a.progress || ::isatty(STDERR_FILENO)) {
-    o.progress = [&bar](const colibri::HfConvertProgress& p) { bar.update(p); };
+  ProgressLine bar("converting");
+  if (ProgressLine::wanted(a.progress)) {
+    o.progress = [&bar](const colibri::HfConvertProgress& p) {
+      const double frac =
+          p.bytes_total ? static_cast<double>(p.bytes_done) / static_cast<double>(p.bytes_total) : 1.0;
+      bar.update(frac, human_bytes(p.bytes_done) + " / " + human_bytes(p.bytes_total) + "  layers " +
+                           std::to_string(p.layers_done) + "/" + std::to_string(p.layers_total));
+    };
   }
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -135,10 +115,10 @@ void run_convert(const ConvertArgs& a) {
   try {
     r = colibri::convert_hf_checkpoint(o);
   } catch (const std::exception& e) {
-    bar.finish();
+    bar.finish(true);
     throw CliError(std::string("convert: ") + e.what());
   }
-  bar.finish();
+  bar.finish(true);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   const colibri::HfMoeConfig& c = r.config;
@@ -156,6 +136,7 @@ void run_convert(const ConvertArgs& a) {
 
 struct QuantizeArgs {
   std::string model, out, dtype;
+  bool progress = false;
 };
 
 void run_quantize(const QuantizeArgs& a) {
@@ -170,11 +151,16 @@ void run_quantize(const QuantizeArgs& a) {
     throw CliError("quantize: --out: " + a.out + " already holds a model (" + colibri::kManifestName + ")");
   }
   const auto t0 = std::chrono::steady_clock::now();
+  ProgressLine bar("quantizing " + a.model);
+  std::function<void(float)> progress;
+  if (ProgressLine::wanted(a.progress)) progress = [&bar](float f) { bar.update(f); };
   try {
-    colibri::requantize_model_dir(a.model, a.out, dtype, down);
+    colibri::requantize_model_dir(a.model, a.out, dtype, down, progress);
   } catch (const std::exception& e) {
+    bar.finish(true);
     throw CliError(std::string("quantize: ") + e.what());
   }
+  bar.finish(true);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const colibri::Manifest in = colibri::load_manifest(a.model);
   const colibri::Manifest out = colibri::load_manifest(a.out);
@@ -200,6 +186,7 @@ void add_convert_commands(CLI::App& app) {
   q->add_option("--dtype", qa->dtype, std::string("Weight type: ") + kDtypeChoices + "; q4_k_m is q4_k with q6_k down")
       ->required()
       ->check(CLI::IsMember(dtype_choices()));
+  q->add_flag("--progress", qa->progress, "Progress bar on stderr even when it is not a terminal");
   q->callback([qa] { run_quantize(*qa); });
 
   auto ca = std::make_shared<ConvertArgs>();

@@ -123,21 +123,33 @@ void apply_cache_flags(const CacheFlags& f, colibri_open_options_t* o) {
   o->tune_kernels = f.no_tune ? 0 : 1;
 }
 
-namespace {
+bool ProgressLine::wanted(bool forced) { return forced || isatty(STDERR_FILENO) != 0; }
 
-// colibri_progress_fn for a terminal: one line on stderr, redrawn in place
-// and cleared when the open ends.
-int32_t draw_open_progress(float progress, void* user) {
+void ProgressLine::update(double fraction, const std::string& detail) {
+  const auto now = std::chrono::steady_clock::now();
+  const bool last = fraction >= 1.0;
+  if (!last && drawn_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+  last_draw_ = now;
+  drawn_ = true;
   constexpr int kWidth = 30;
-  const int filled = static_cast<int>(progress * kWidth);
-  std::fprintf(stderr, "\r%s [%.*s%*s] %3d%%", static_cast<const char*>(user), filled,
-               "##############################", kWidth - filled, "", static_cast<int>(progress * 100.0f));
-  if (progress >= 1.0f) std::fprintf(stderr, "\r\033[K");
+  const int filled = static_cast<int>(std::min(1.0, std::max(0.0, fraction)) * kWidth);
+  std::string bar(static_cast<size_t>(filled), '#');
+  bar.resize(kWidth, '.');
+  std::fprintf(stderr, "\r%s [%s] %3.0f%%%s%s ", label_.c_str(), bar.c_str(), fraction * 100.0,
+               detail.empty() ? "" : "  ", detail.c_str());
   std::fflush(stderr);
-  return 1;
 }
 
-}  // namespace
+void ProgressLine::finish(bool keep) {
+  if (drawn_) std::fprintf(stderr, keep ? "\n" : "\r\033[K");
+  std::fflush(stderr);
+  drawn_ = false;
+}
+
+int32_t ProgressLine::on_open(float progress, void* line) {
+  static_cast<ProgressLine*>(line)->update(progress);
+  return 1;
+}
 
 void open_model(const std::string& dir, int threads, bool verify, ModelHandle* out, const std::string& precision,
                 const CacheFlags& cache) {
@@ -149,13 +161,13 @@ void open_model(const std::string& dir, int threads, bool verify, ModelHandle* o
   options.exact_prefill = precision == "exact" ? 1 : 0;
   options.bf16_compute = precision == "bf16" ? 1 : 0;
   // A progress line only where a person watches; pipes and logs stay clean.
-  const std::string label = "opening " + dir;
-  if (isatty(STDERR_FILENO) != 0) {
-    options.progress = draw_open_progress;
-    options.progress_user_data = const_cast<char*>(label.c_str());
+  ProgressLine line("opening " + dir);
+  if (ProgressLine::wanted(false)) {
+    options.progress = ProgressLine::on_open;
+    options.progress_user_data = &line;
   }
   const colibri_status_t status = colibri_open(dir.c_str(), &options, &out->model);
-  if (status != COLIBRI_OK && options.progress != nullptr) std::fprintf(stderr, "\r\033[K");
+  line.finish(false);
   check(status, "open " + dir);
   const std::string warning = colibri_last_warning();
   if (!warning.empty()) std::fprintf(stderr, "colibri: warning: %s\n", warning.c_str());

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -12,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "colibri.h"
@@ -164,6 +166,26 @@ class SwapStress {
 };
 
 std::string human_bytes(uint64_t bytes);
+
+// A progress bar on stderr, one line redrawn in place at most ~10 times a
+// second (small experts finish far faster than a terminal scrolls), for
+// the long steps: opening, converting and quantising large files.
+class ProgressLine {
+ public:
+  explicit ProgressLine(std::string label) : label_(std::move(label)) {}
+  // Whether a line is worth drawing: stderr is a terminal (or forced).
+  static bool wanted(bool forced);
+  void update(double fraction, const std::string& detail = "");
+  // Ends the line: kept (a newline) or erased.
+  void finish(bool keep);
+  // colibri_progress_fn over a ProgressLine* (the open's progress).
+  static int32_t on_open(float progress, void* line);
+
+ private:
+  std::string label_;
+  bool drawn_ = false;
+  std::chrono::steady_clock::time_point last_draw_{};
+};
 const char* huge_page_kind_name(colibri_huge_page_kind_t kind);
 
 }  // namespace colibri_cli

@@ -41,7 +41,8 @@ std::vector<uint8_t> expert_file(const ExpertBuffers& w, const Manifest& m, int3
 
 }  // namespace
 
-GgufConvertResult convert_gguf_model(const std::string& gguf_path, const std::string& out_dir) {
+GgufConvertResult convert_gguf_model(const std::string& gguf_path, const std::string& out_dir,
+                                     const std::function<void(float)>& progress) {
   GgufConvertResult r;
   r.model = load_gguf_model(gguf_path);
   struct stat st {};
@@ -72,6 +73,10 @@ GgufConvertResult convert_gguf_model(const std::string& gguf_path, const std::st
     }
     for (int32_t e = 0; e < m.n_experts; ++e) {
       write_one(m.expert_file(l, e), expert_file(L.experts[static_cast<size_t>(e)], m, l, m.d_ff, m.expert_bias));
+      if (progress) {
+        progress(static_cast<float>(static_cast<double>(l * m.n_experts + e + 1) /
+                                    (static_cast<double>(m.n_layers) * m.n_experts)));
+      }
     }
     if (m.has_shared()) {
       write_one(m.shared_file(l), expert_file(L.shared, m, l, m.shared_d_ff, false));

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "moe/gguf_model.h"
@@ -19,6 +20,8 @@ struct GgufConvertResult {
 // `gguf_path` (or the first file of a split set). Throws Error naming the
 // file, key or tensor at fault; the manifest is written last, so a failed
 // conversion leaves no model behind.
-GgufConvertResult convert_gguf_model(const std::string& gguf_path, const std::string& out_dir);
+// `progress`, when set, is told the fraction of experts written after each.
+GgufConvertResult convert_gguf_model(const std::string& gguf_path, const std::string& out_dir,
+                                     const std::function<void(float)>& progress = {});
 
 }  // namespace colibri

@@ -273,7 +273,7 @@ void widen_expert(const MappedFile& f, const Manifest& m, int32_t layer, int32_t
 }  // namespace
 
 void requantize_model_dir(const std::string& in_dir, const std::string& out_dir, WeightType dtype,
-                          WeightType down_dtype) {
+                          WeightType down_dtype, const std::function<void(float)>& progress) {
   verify_manifest_checksum(in_dir);
   const Manifest in = load_manifest(in_dir);
   ModelWriteSpec spec;
@@ -297,6 +297,7 @@ void requantize_model_dir(const std::string& in_dir, const std::string& out_dir,
   fill.expert = [&](int32_t l, int32_t e, float* w) {
     widen_expert(open_weight_file(in_dir, in, l, in.expert_file(l, e), in.expert_file_bytes(l)), in, l, in.d_ff,
                  in.expert_bias, w);
+    if (progress) progress(static_cast<float>(static_cast<double>(l * in.n_experts + e + 1) / (E * in.n_layers)));
   };
   fill.router = [&](int32_t l, float* router, float* bias) {
     const MappedFile f = open_weight_file(in_dir, in, l, in.router_file(l), in.router_file_bytes());

@@ -87,8 +87,9 @@ void write_random_model(const std::string& dir, const ModelWriteSpec& spec, uint
 // formats): each file read, its sizes and checksums checked, widened by its
 // format's reference dequantiser and quantised again; router, gates,
 // router rule and provenance copied. One expert in memory at a time.
+// `progress`, when set, is told the fraction of experts done after each.
 void requantize_model_dir(const std::string& in_dir, const std::string& out_dir, WeightType dtype,
-                          WeightType down_dtype);
+                          WeightType down_dtype, const std::function<void(float)>& progress = {});
 
 // The same values write_random_model writes, for one expert.
 void random_expert_weights(const ModelWriteSpec& spec, uint64_t seed, int32_t layer, int32_t expert,
