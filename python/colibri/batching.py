@@ -170,7 +170,12 @@ class Engine:
             if self._running:
                 started = time.perf_counter()
                 batch = list(self._running)
-                self._decode(batch)
+                try:
+                    self._decode(batch)
+                except Exception as e:  # the step's sequences end with the error; the engine goes on
+                    for seq in batch:
+                        seq.error = "%s: %s" % (type(e).__name__, e)
+                        self._finish(seq, "error")
                 self.steps += 1
                 if self.on_step is not None:
                     self.on_step(len(batch), time.perf_counter() - started)

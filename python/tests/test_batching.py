@@ -142,3 +142,24 @@ def test_requests_the_model_cannot_run_are_refused(tmp_path):
     while engine.step():
         pass
     assert len(seq.tokens) <= 12 and seq.finish_reason in ("length", "stop")
+
+
+def test_a_failing_step_ends_its_sequences_with_the_error_and_the_engine_goes_on(tmp_path):
+    path, _ = write(tmp_path, "qwen3moe")
+    model = ct.from_pretrained(path, threads=2)
+    engine = Engine(model)
+    seq = engine.submit([5, 6, 7], 8)
+    engine.step()  # prefilled, one token
+    decode = engine._decode
+
+    def broken(batch):
+        raise RuntimeError("colibri_infer failed")
+
+    engine._decode = broken
+    engine.step()
+    assert seq.finish_reason == "error" and "colibri_infer failed" in seq.error and engine.busy == 0
+    engine._decode = decode
+    again = engine.submit([5, 6, 7], 8, stop_tokens=[])
+    while engine.step():
+        pass
+    assert again.finish_reason == "length" and len(again.tokens) == 8
