@@ -220,6 +220,20 @@ typedef struct colibri_open_options_s {
   int32_t tune_kernels;
   colibri_progress_fn progress; /* NULL = none */
   void* progress_user_data;     /* passed to progress */
+  /* Expert parallelism: the routed experts this process computes, for
+   * processes that each hold a share of a model's experts and add their
+   * outputs (an all-reduce). NULL = all. Otherwise local_experts_len
+   * bytes, nonzero = computed here: n_experts of them (the same experts in
+   * every layer) or n_layers * n_experts (layer-major, a placement per
+   * layer). Only these experts are read and packed, so memory is about
+   * their share plus routers and shared experts. Routing still chooses
+   * among all experts; slots routed to the others add nothing, so the
+   * outputs of processes holding disjoint shares that cover every expert
+   * sum to the whole layer's (within float summation order). Kernels are
+   * not timed at open (tune_kernels) for a share. */
+  const uint8_t* local_experts;
+  int64_t local_experts_len;
+  int32_t skip_shared_expert; /* 1 = the shared expert is another process's: left out */
 } colibri_open_options_t;
 
 typedef enum {
@@ -240,7 +254,7 @@ typedef enum {
  * pin_threads 0, reserve_tokens 64, bf16_compute 0, exact_prefill 0,
  * max_resident_bytes 0, max_resident_percent 0, io_threads 0,
  * eviction_policy DECAYED_FREQUENCY, direct_io 1, speculate 1, io_engine PREAD,
- * tune_kernels 1, progress NULL. */
+ * tune_kernels 1, progress NULL, local_experts NULL, skip_shared_expert 0. */
 COLIBRI_API void colibri_open_options_default(colibri_open_options_t* options);
 
 /* Opens the model directory `path` (holding colibri.json). On success

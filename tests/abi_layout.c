@@ -47,6 +47,9 @@ int main(void) {
   FIELD(colibri_open_options_t, tune_kernels);
   FIELD(colibri_open_options_t, progress);
   FIELD(colibri_open_options_t, progress_user_data);
+  FIELD(colibri_open_options_t, local_experts);
+  FIELD(colibri_open_options_t, local_experts_len);
+  FIELD(colibri_open_options_t, skip_shared_expert);
   end();
 
   BEGIN(colibri_router_desc_t);

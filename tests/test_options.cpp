@@ -3,6 +3,7 @@
 // model reports match the option.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -245,4 +246,122 @@ TEST(OpenOptions, ProgressCallbackReportsAndCancels) {
   o.progress = nullptr;
   ASSERT_EQ(colibri_open(dir.path.c_str(), &o, &m), COLIBRI_OK) << colibri_last_error();
   colibri_free(m);
+}
+
+namespace {
+
+// One call of `model` with the built-in router on T random tokens; NaN-poisoned output.
+std::vector<float> routed_output(colibri_model_t* model, int32_t layer, const std::vector<float>& x, int T) {
+  std::vector<float> y(x.size(), NAN);
+  colibri_infer_t r;
+  colibri_infer_default(&r);
+  r.layer = layer;
+  r.n_tokens = T;
+  r.input = x.data();
+  r.output = y.data();
+  EXPECT_EQ(colibri_infer(model, &r), COLIBRI_OK) << colibri_last_error();
+  return y;
+}
+
+}  // namespace
+
+// Expert parallelism: two processes' shares (here two models in one) that
+// cover every expert, the shared expert in one of them, add up to the whole
+// layer's output for decode and prefill, each packing about half the
+// experts; per-layer placements; bad lengths and swaps of another share's
+// expert are refused.
+TEST(OpenOptions, LocalExpertSharesSumToTheWholeLayer) {
+  TempDir dir;
+  colibri::ModelWriteSpec spec;
+  spec.n_layers = 2;
+  spec.n_experts = 16;
+  spec.d_model = 64;
+  spec.d_ff = 48;
+  spec.dtype = colibri::WeightType::kF32;
+  spec.router.family = colibri::RouterFamily::kQwen2Moe;
+  spec.router.top_k = 4;
+  spec.router.norm_topk_prob = 0;
+  spec.shared_d_ff = 32;
+  spec.shared_gate = true;
+  colibri::write_random_model(dir.path, spec, 21);
+  const int E = spec.n_experts, D = spec.d_model;
+
+  colibri_open_options_t o;
+  colibri_open_options_default(&o);
+  o.tune_kernels = 0;
+  colibri_model_t* whole = nullptr;
+  ASSERT_EQ(colibri_open(dir.path.c_str(), &o, &whole), COLIBRI_OK) << colibri_last_error();
+
+  // Share A: even experts in layer 0, the first half in layer 1, and the
+  // shared expert; share B: the rest, no shared expert.
+  std::vector<uint8_t> a(static_cast<size_t>(2 * E)), b(a.size());
+  for (int e = 0; e < E; ++e) {
+    a[static_cast<size_t>(e)] = e % 2 == 0;
+    a[static_cast<size_t>(E + e)] = e < E / 2;
+  }
+  for (size_t i = 0; i < a.size(); ++i) b[i] = !a[i];
+  colibri_model_t* part[2] = {nullptr, nullptr};
+  o.local_experts = a.data();
+  o.local_experts_len = static_cast<int64_t>(a.size());
+  ASSERT_EQ(colibri_open(dir.path.c_str(), &o, &part[0]), COLIBRI_OK) << colibri_last_error();
+  o.local_experts = b.data();
+  o.skip_shared_expert = 1;
+  ASSERT_EQ(colibri_open(dir.path.c_str(), &o, &part[1]), COLIBRI_OK) << colibri_last_error();
+
+  colibri_stats_t sw, s0, s1;
+  ASSERT_EQ(colibri_stats(whole, &sw), COLIBRI_OK);
+  ASSERT_EQ(colibri_stats(part[0], &s0), COLIBRI_OK);
+  ASSERT_EQ(colibri_stats(part[1], &s1), COLIBRI_OK);
+  EXPECT_LT(s0.bytes_mapped, sw.bytes_mapped * 6 / 10) << s0.bytes_mapped << " of " << sw.bytes_mapped;
+  EXPECT_LT(s1.bytes_mapped, s0.bytes_mapped) << "share B holds no shared expert";
+
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (const int T : {1, 3, 40}) {
+    for (int32_t layer = 0; layer < 2; ++layer) {
+      std::vector<float> x(static_cast<size_t>(T) * D);
+      for (float& v : x) v = u(rng);
+      const std::vector<float> want = routed_output(whole, layer, x, T);
+      const std::vector<float> y0 = routed_output(part[0], layer, x, T);
+      const std::vector<float> y1 = routed_output(part[1], layer, x, T);
+      double err = 0.0, norm = 0.0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        const double d = static_cast<double>(y0[i]) + y1[i] - want[i];
+        err += d * d;
+        norm += static_cast<double>(want[i]) * want[i];
+      }
+      EXPECT_LT(std::sqrt(err / norm), 1e-6) << "T " << T << " layer " << layer;
+      // Neither share alone is the whole layer.
+      double alone = 0.0;
+      for (size_t i = 0; i < want.size(); ++i) alone += std::fabs(static_cast<double>(y0[i]) - want[i]);
+      EXPECT_GT(alone, 1e-3) << "T " << T << " layer " << layer;
+    }
+  }
+  // Another share's expert cannot be swapped in here.
+  std::vector<uint8_t> bytes(static_cast<size_t>(3) * spec.d_model * spec.d_ff * 4, 0);
+  colibri_swap_source_t source;
+  colibri_swap_source_default(&source);
+  source.data = bytes.data();
+  source.size = bytes.size();
+  source.dtype = COLIBRI_DTYPE_F32;
+  EXPECT_EQ(colibri_swap_expert(part[0], 0, 1, &source), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(colibri_last_error()).find("not computed by this process"), std::string::npos)
+      << colibri_last_error();
+  for (colibri_model_t* m : part) colibri_free(m);
+  colibri_free(whole);
+
+  // One mask for every layer works too; other lengths are refused.
+  std::vector<uint8_t> every(static_cast<size_t>(E), 1);
+  o.local_experts = every.data();
+  o.local_experts_len = E;
+  o.skip_shared_expert = 0;
+  colibri_model_t* m = nullptr;
+  ASSERT_EQ(colibri_open(dir.path.c_str(), &o, &m), COLIBRI_OK) << colibri_last_error();
+  colibri_free(m);
+  m = nullptr;
+  o.local_experts_len = E - 1;
+  EXPECT_EQ(colibri_open(dir.path.c_str(), &o, &m), COLIBRI_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(m, nullptr);
+  EXPECT_NE(std::string(colibri_last_error()).find("local_experts_len is 15"), std::string::npos)
+      << colibri_last_error();
 }

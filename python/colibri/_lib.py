@@ -117,6 +117,9 @@ class OpenOptions(ctypes.Structure):
         ("tune_kernels", c_int32),
         ("progress", c_void_p),  # a PROGRESS_FN kept alive by the caller
         ("progress_user_data", c_void_p),
+        ("local_experts", c_void_p),  # uint8 flags kept alive by the caller
+        ("local_experts_len", ctypes.c_int64),
+        ("skip_shared_expert", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 

@@ -190,6 +190,25 @@ _CACHE_STAT_FIELDS = ("cache_slots", "resident_bytes", "resident_experts", "expe
                       "prefetch_used", "predicted", "predicted_used", "uring_reads")
 
 
+def _apply_local_experts(opts, local_experts, skip_shared_expert):
+    """colibri_open_options_t's expert share: `local_experts` a mask (bools
+    or 0/1) of [n_experts] or [n_layers, n_experts]; returns the array the
+    options point into (keep it until the open returns)."""
+    opts.skip_shared_expert = 1 if skip_shared_expert else 0
+    if local_experts is None:
+        return None
+    mask = np.asarray(local_experts)
+    if mask.dtype != np.bool_ and not (np.issubdtype(mask.dtype, np.integer) and np.isin(mask, (0, 1)).all()):
+        raise ValueError("local_experts must be a mask of bools or 0/1 ([n_experts] or [n_layers, n_experts]), "
+                         "got dtype %s" % mask.dtype)
+    if mask.ndim not in (1, 2) or mask.size == 0:
+        raise ValueError("local_experts must be [n_experts] or [n_layers, n_experts], got shape %s" % (mask.shape,))
+    mask = np.ascontiguousarray(mask.astype(np.uint8).reshape(-1))
+    opts.local_experts = mask.ctypes.data
+    opts.local_experts_len = mask.size
+    return mask
+
+
 class _OpenProgress:
     """Model's `progress=`: None or False for none; True for a tqdm bar on
     stderr; or a callable taking the fraction done (0 to 1) that returns
@@ -258,7 +277,11 @@ class Model:
     tune_kernels; ``kernels`` says what was chosen); ``progress`` True shows a
     tqdm bar of the open, or a callable gets the fraction done (0 to 1) and
     returns False to cancel it (ColibriError COLIBRI_ERR_CANCELLED; nothing
-    stays open); ``Model.from_arrays(...)`` builds one from
+    stays open); ``local_experts`` (a bool mask, [n_experts] or [n_layers,
+    n_experts]) opens only those experts, for expert parallelism: routing
+    still picks among all, the others add nothing, so processes holding
+    disjoint shares sum to the whole layer (``skip_shared_expert`` leaves the
+    shared expert to another process); ``Model.from_arrays(...)`` builds one from
     in-memory weights (colibri_open_memory). ``close()`` (or ``with``)
     releases it; methods of a closed model raise ValueError.
 
@@ -269,7 +292,7 @@ class Model:
     def __init__(self, path, threads=0, lock=True, huge_pages=True, verify=True, bf16_compute=False,
                  *, pin_threads=None, reserve_tokens=None, exact_prefill=False, max_resident=None,
                  eviction="freq", io_threads=0, direct_io=True, speculate=True, io_engine="pread",
-                 tune_kernels=True, progress=None):
+                 tune_kernels=True, progress=None, local_experts=None, skip_shared_expert=False):
         self._handle = None
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -280,6 +303,7 @@ class Model:
                              exact_prefill)
         _apply_budget(opts, max_resident, eviction, io_threads, direct_io, speculate, io_engine)
         opts.tune_kernels = 1 if tune_kernels else 0
+        local = _apply_local_experts(opts, local_experts, skip_shared_expert)  # noqa: F841 - kept for the call
         p = os.fsencode(os.fspath(path))
         h = ctypes.c_void_p()
         with _OpenProgress(progress, os.fspath(path), opts) as watch:

@@ -481,3 +481,33 @@ def test_open_progress_reports_and_cancels(tmp_path, capsys):
         assert m.info.n_experts == 32
     out, err = capsys.readouterr()
     assert out == "" and "opening m.gguf" in err
+
+
+def test_local_expert_shares_of_a_gguf_sum_to_the_whole(tmp_path):
+    """Model(local_experts=mask) opens only its share of a GGUF's experts;
+    two disjoint shares covering every expert (the shared expert in one)
+    add up to the whole model's built-in-routed output, each holding about
+    half the expert bytes."""
+    path = str(tmp_path / "m.gguf")
+    gf.write_moe_gguf(path, arch="qwen2moe", n_blocks=2, n_experts=16, top_k=4, d_model=256, d_ff=256,
+                      dtype="q4_k", shared_d_ff=256, reference=False, router_scale=25.0)
+    rng = np.random.default_rng(4)
+    share = rng.permutation(16)[:8]
+    mask = np.zeros((2, 16), dtype=bool)
+    mask[0, share] = True
+    mask[1, :8] = True
+    with colibri.Model(path, threads=2, tune_kernels=False) as whole, \
+            colibri.Model(path, threads=2, local_experts=mask) as a, \
+            colibri.Model(path, threads=2, local_experts=~mask, skip_shared_expert=True) as b:
+        assert a.stats.bytes_mapped < 0.65 * whole.stats.bytes_mapped
+        assert b.stats.bytes_mapped < a.stats.bytes_mapped
+        for layer in (0, 1):
+            for T in (1, 5, 64):
+                x = rng.standard_normal((T, 256)).astype(np.float32)
+                want = whole.infer(x, layer=layer)
+                got = a.infer(x, layer=layer) + b.infer(x, layer=layer)
+                assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5, (layer, T)
+    with pytest.raises(ValueError, match="mask"):
+        colibri.Model(path, local_experts=[0, 2, 5])
+    with pytest.raises(colibri.ColibriError, match="local_experts_len is 15"):
+        colibri.Model(path, local_experts=np.ones(15, dtype=bool))

@@ -609,7 +609,9 @@ colibri_status_t colibri_prefetch(colibri_model_t* model, int32_t layer, const i
     colibri::ExpertCache* cache = model->impl.cache();
     int32_t started = 0;
     for (int32_t i = 0; cache != nullptr && i < n; ++i) {
-      if (experts[i] >= 0) started += cache->prefetch(layer, experts + i, 1);
+      if (experts[i] >= 0 && model->impl.store().local(layer, experts[i])) {
+        started += cache->prefetch(layer, experts + i, 1);
+      }
     }
     if (out_started != nullptr) *out_started = started;
     return COLIBRI_OK;

@@ -35,6 +35,13 @@ OpenOptions open_options(const colibri_open_options_t& o) {
   r.io_engine = o.io_engine == COLIBRI_IO_URING ? IoEngine::kIoUring : IoEngine::kPread;
   r.speculate = o.speculate != 0;
   r.tune_kernels = o.tune_kernels != 0;
+  if (o.local_experts_len < 0 || (o.local_experts_len > 0 && o.local_experts == nullptr) ||
+      (o.local_experts != nullptr && o.local_experts_len == 0)) {
+    fail(Status::kInvalidArgument, "options.local_experts and local_experts_len must be both set or both unset "
+                                   "(local_experts_len " + std::to_string(o.local_experts_len) + ")");
+  }
+  if (o.local_experts != nullptr) r.local_experts.assign(o.local_experts, o.local_experts + o.local_experts_len);
+  r.skip_shared = o.skip_shared_expert != 0;
   if (o.progress != nullptr) {
     r.progress = [fn = o.progress, user = o.progress_user_data](float fraction) { return fn(fraction, user) != 0; };
   }

@@ -303,6 +303,8 @@ void Engine::bucket(const InferArgs& a) {
                ", slot " + std::to_string(s % a.top_k) + ") = " + std::to_string(e) +
                " is out of range [0, " + std::to_string(n_experts_) + ") (-1 means no expert)");
     }
+    // Another process's expert (expert parallelism) adds nothing here.
+    if (!store_.local(a.layer, e)) continue;
     ++expert_offsets_[static_cast<size_t>(e) + 1];
   }
   active_experts_.clear();
@@ -319,7 +321,7 @@ void Engine::bucket(const InferArgs& a) {
   // reproducible for a given routing.
   for (size_t s = 0; s < slots; ++s) {
     const int32_t e = a.expert_ids[s];
-    if (e == -1) continue;
+    if (e == -1 || !store_.local(a.layer, e)) continue;
     const int32_t at = expert_offsets_[static_cast<size_t>(e)]++;
     slot_token_[static_cast<size_t>(at)] = static_cast<int32_t>(s / static_cast<size_t>(a.top_k));
     slot_weight_[static_cast<size_t>(at)] = a.expert_weights[s];
@@ -580,7 +582,7 @@ void Engine::speculate_locked(int32_t layer, int32_t n_tokens, const float* inpu
   std::fill(spec_mark_.begin(), spec_mark_.end(), 0);
   for (size_t s = 0; s < slots; ++s) {
     const int32_t e = spec_ids_[s];
-    if (e < 0 || spec_mark_[static_cast<size_t>(e)] != 0) continue;
+    if (e < 0 || spec_mark_[static_cast<size_t>(e)] != 0 || !store_.local(layer + 1, e)) continue;
     spec_mark_[static_cast<size_t>(e)] = 1;
     speculated_[static_cast<size_t>(n_speculated_++)] = e;
   }

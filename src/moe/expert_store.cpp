@@ -145,19 +145,25 @@ void ExpertStore::layout(const Manifest& m, const StoreOptions& options) {
     L.expert_bytes = packed_expert_slot_bytes(L.shape);
     if (m.has_shared()) {
       L.shared_shape = kernels::make_expert_shape(m.d_model, m.shared_d_ff, t.dtype, t.down_dtype);
-      L.shared_bytes = packed_expert_slot_bytes(L.shared_shape);
+      if (!options.skip_shared) L.shared_bytes = packed_expert_slot_bytes(L.shared_shape);
     }
     L.offset = static_cast<size_t>(total);
-    const uint64_t experts = options.defer_experts ? 0 : static_cast<uint64_t>(L.expert_bytes) * m.n_experts;
-    total += experts + router_bytes_ + L.shared_bytes;
+    L.packed_experts = 0;
+    for (int32_t e = 0; e < m.n_experts && !options.defer_experts; ++e) {
+      if (options.local_experts.empty() || options.local_experts[static_cast<size_t>(l) * m.n_experts + e] != 0) {
+        ++L.packed_experts;
+      }
+    }
+    total += static_cast<uint64_t>(L.expert_bytes) * L.packed_experts + router_bytes_ + L.shared_bytes;
   }
   region_ = WeightRegion(static_cast<size_t>(total), options.huge_pages);
   options_ = options;
   slots_.assign(static_cast<size_t>(m.n_layers) * static_cast<size_t>(m.n_experts), nullptr);
   for (int32_t l = 0; l < m.n_layers && !options.defer_experts; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
+    size_t at = 0;  // local experts sit side by side; the others have no slot
     for (int32_t e = 0; e < m.n_experts; ++e) {
-      slots_[slot(l, e)] = region_.data() + L.offset + static_cast<size_t>(e) * L.expert_bytes;
+      if (local(l, e)) slots_[slot(l, e)] = region_.data() + L.offset + at++ * L.expert_bytes;
     }
   }
 }
@@ -215,6 +221,10 @@ ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest
     const LayerBuffers& lw = layers[static_cast<size_t>(l)];
     const kernels::ExpertShape& shape = this->shape(l);
     for (int32_t e = 0; e < m.n_experts && !options.defer_experts; ++e) {
+      if (!local(l, e)) {  // another process computes it: never read
+        expert_packed(m, options, l, e);
+        continue;
+      }
       const ExpertBuffers ew = lw.experts.empty() ? fetch(l, e) : lw.experts[static_cast<size_t>(e)];
       ExpertParts parts{static_cast<const uint8_t*>(ew.gate), static_cast<const uint8_t*>(ew.up),
                         static_cast<const uint8_t*>(ew.down)};
@@ -240,7 +250,7 @@ ExpertStore::ExpertStore(const std::vector<LayerBuffers>& layers, const Manifest
                     static_cast<size_t>(m.n_experts) * sizeof(float));
       }
     }
-    if (m.has_shared()) {
+    if (m.has_shared() && !options.skip_shared) {
       pack_expert_parts({static_cast<const uint8_t*>(lw.shared.gate), static_cast<const uint8_t*>(lw.shared.up),
                          static_cast<const uint8_t*>(lw.shared.down)},
                         shared_shape(l), mutable_at(shared_gate_up(l)));
@@ -322,15 +332,18 @@ ExpertStore::ExpertStore(const std::string& model_dir, const Manifest& m,
       }
     }
     for (int32_t e = 0; e < m.n_experts; ++e) {
-      if (options.defer_experts) {
-        ++next;  // read on demand by the cache, checked there
+      if (options.defer_experts || !local(l, e)) {
+        ++next;  // read on demand by the cache and checked there, or another process's
+        if (!options.defer_experts) expert_packed(m, options, l, e);
         continue;
       }
       const Bytes file = open_checked(m.expert_file(l, e));
       pack_expert(file.data(), shape(l), mutable_at(base(l, e)));
       expert_packed(m, options, l, e);
     }
-    if (m.has_shared()) {
+    if (m.has_shared() && options.skip_shared) {
+      next += m.shared_gate ? 2 : 1;  // another process's
+    } else if (m.has_shared()) {
       const Bytes file = open_checked(m.shared_file(l));
       pack_expert(file.data(), shared_shape(l), mutable_at(shared_gate_up(l)));
       if (m.shared_gate) {

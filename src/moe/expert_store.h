@@ -41,6 +41,11 @@ struct StoreOptions {
   bool defer_experts = false;
   // Told of each packed expert (as 0-0.9 of the open), when set.
   Progress* progress = nullptr;
+  // Expert parallelism: [n_layers * n_experts] (layer-major), nonzero for
+  // the experts this process computes; empty = all. Only those are packed.
+  std::vector<uint8_t> local_experts;
+  // Leave the shared expert (and its gate) out: another process has it.
+  bool skip_shared = false;
 };
 
 struct StoreStats {
@@ -128,6 +133,11 @@ class ExpertStore {
   // With defer_experts, only swapped-in experts are here (nullptr for the
   // rest: the cache has them); otherwise every expert.
   bool experts_deferred() const { return options_.defer_experts; }
+  // Whether this process computes expert `expert` of `layer`
+  // (StoreOptions::local_experts); routing to the others adds nothing.
+  bool local(int32_t layer, int32_t expert) const {
+    return options_.local_experts.empty() || options_.local_experts[slot(layer, expert)] != 0;
+  }
   const uint8_t* packed_expert(int32_t layer, int32_t expert) const { return base(layer, expert); }
 
   const WeightRegion& region() const { return region_; }
@@ -157,7 +167,7 @@ class ExpertStore {
   // Per-layer router and shared expert, after the layer's experts.
   const uint8_t* extras(int32_t layer) const {
     const Layer& L = layers_[static_cast<size_t>(layer)];
-    return region_.data() + L.offset + (options_.defer_experts ? 0 : static_cast<size_t>(n_experts_) * L.expert_bytes);
+    return region_.data() + L.offset + L.packed_experts * L.expert_bytes;
   }
   uint8_t* mutable_at(const uint8_t* p) { return const_cast<uint8_t*>(p); }
 
@@ -169,6 +179,7 @@ class ExpertStore {
     size_t gate_up_bytes = 0;  // of one packed expert
     size_t bias_offset = 0;    // of one packed expert's biases
     size_t expert_bytes = 0;   // of one packed expert, whole cache lines
+    size_t packed_experts = 0;  // experts in the region (local, not deferred)
     size_t shared_bytes = 0;
   };
   std::vector<Layer> layers_;

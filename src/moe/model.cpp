@@ -23,11 +23,27 @@ void check_threads(const OpenOptions& o) {
   }
 }
 
-StoreOptions store_options(const OpenOptions& o, bool verify) {
+// OpenOptions::local_experts as one flag per (layer, expert); empty = all.
+std::vector<uint8_t> local_expert_mask(const OpenOptions& o, const Manifest& m) {
+  if (o.local_experts.empty()) return {};
+  const size_t E = static_cast<size_t>(m.n_experts), L = static_cast<size_t>(m.n_layers);
+  if (o.local_experts.size() != E && o.local_experts.size() != L * E) {
+    fail(Status::kInvalidArgument, "options.local_experts_len is " + std::to_string(o.local_experts.size()) +
+                                       "; expected n_experts (" + std::to_string(E) + ", every layer alike) or " +
+                                       "n_layers * n_experts (" + std::to_string(L * E) + ", layer-major)");
+  }
+  std::vector<uint8_t> mask(L * E);
+  for (size_t i = 0; i < mask.size(); ++i) mask[i] = o.local_experts[o.local_experts.size() == E ? i % E : i] != 0;
+  return mask;
+}
+
+StoreOptions store_options(const OpenOptions& o, bool verify, const Manifest& m) {
   StoreOptions so;
   so.verify_checksums = verify;
   so.huge_pages = o.huge_pages;
   so.lock_memory = o.lock_memory;
+  so.local_experts = local_expert_mask(o, m);
+  so.skip_shared = o.skip_shared;
   return so;
 }
 
@@ -123,9 +139,16 @@ int32_t Model::budget_slots(const OpenOptions& o, const std::string& what) {
   }
   experts_bytes_ = 0;
   slot_bytes_ = 0;
+  // Under expert parallelism the budget is of this process's share.
+  const std::vector<uint8_t> local = local_expert_mask(o, manifest_);
   for (int32_t l = 0; l < manifest_.n_layers; ++l) {
     const size_t b = packed_expert_slot_bytes(layer_expert_shape(manifest_, l));
-    experts_bytes_ += static_cast<uint64_t>(b) * static_cast<uint64_t>(manifest_.n_experts);
+    uint64_t n = static_cast<uint64_t>(manifest_.n_experts);
+    if (!local.empty()) {
+      const auto first = local.begin() + static_cast<std::ptrdiff_t>(l) * manifest_.n_experts;
+      n = static_cast<uint64_t>(std::count(first, first + manifest_.n_experts, uint8_t{1}));
+    }
+    experts_bytes_ += static_cast<uint64_t>(b) * n;
     slot_bytes_ = std::max(slot_bytes_, b);
   }
   const uint64_t from_percent =
@@ -176,7 +199,7 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
     const GgufModel g = load_gguf_model(dir);
     manifest_ = g.manifest;
     const int32_t slots = budget_slots(o, dir);
-    StoreOptions so = store_options(o, false);
+    StoreOptions so = store_options(o, false, manifest_);
     so.defer_experts = slots > 0;
     so.progress = &progress;
     store_ = std::make_unique<ExpertStore>(g.layers, manifest_, so, warnings,
@@ -208,7 +231,7 @@ Model::Model(const std::string& dir, const OpenOptions& o, std::string* warnings
   manifest_ = load_manifest(dir);
   if (o.verify_checksums) verify_manifest_checksum(dir);
   const int32_t slots = budget_slots(o, dir);
-  StoreOptions so = store_options(o, o.verify_checksums);
+  StoreOptions so = store_options(o, o.verify_checksums, manifest_);
   so.defer_experts = slots > 0;
   so.progress = &progress;
   store_ = std::make_unique<ExpertStore>(dir, manifest_, so, warnings);
@@ -230,7 +253,7 @@ Model::Model(const Manifest& manifest, const std::vector<LayerBuffers>& layers, 
   }
   Progress progress(o.progress);
   progress.report(0.0f);
-  StoreOptions so = store_options(o, false);
+  StoreOptions so = store_options(o, false, manifest_);
   so.progress = &progress;
   store_ = std::make_unique<ExpertStore>(layers, manifest_, so, warnings, std::function<void(int32_t)>{},
                                          std::function<void(const void*, size_t)>{}, fetch);
@@ -248,6 +271,10 @@ void Model::swap_expert(int32_t layer, int32_t expert, const uint8_t* bytes, siz
   if (expert < 0 || expert >= manifest_.n_experts) {
     fail(Status::kInvalidArgument, "colibri_swap_expert: expert " + std::to_string(expert) +
                                            " is out of range [0, " + std::to_string(manifest_.n_experts) + ")");
+  }
+  if (!store_->local(layer, expert)) {
+    fail(Status::kInvalidArgument, "colibri_swap_expert: expert " + std::to_string(expert) + " of layer " +
+                                       std::to_string(layer) + " is not computed by this process (options.local_experts)");
   }
   const uint64_t want = manifest_.expert_file_bytes(layer);
   if (size != want) {
@@ -300,7 +327,8 @@ void Model::start(const OpenOptions& o, std::string* warnings) {
   if (cache_ != nullptr) engine_->set_cache(cache_.get(), o.speculate && manifest_.has_router());
   // Under a budget the experts are not all in memory to be timed.
   std::string measured;
-  if (o.tune_kernels && cache_ == nullptr && kernel_choice_allowed_by_environment()) {
+  // Nor are another process's experts (expert parallelism).
+  if (o.tune_kernels && cache_ == nullptr && o.local_experts.empty() && kernel_choice_allowed_by_environment()) {
     KernelChoiceRequest request;
     request.isa = isa;
     request.precision = precision;

@@ -45,6 +45,11 @@ struct OpenOptions {
   bool tune_kernels = true;
   // Called with how far the open has come; false cancels it (util/progress.h).
   std::function<bool(float)> progress;
+  // Expert parallelism: nonzero for the routed experts this process
+  // computes, n_experts bytes (every layer alike) or n_layers * n_experts
+  // (layer-major); empty = all. skip_shared leaves the shared expert out.
+  std::vector<uint8_t> local_experts;
+  bool skip_shared = false;
 };
 
 class Model {
