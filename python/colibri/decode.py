@@ -66,6 +66,7 @@ class _Block:
         self.ffn = getattr(layer, ffn_name)
         routed = self.ffn.__dict__.get("_colibri_routed")
         self.moe = (routed[0], routed[2]) if routed is not None else None
+        self.routed = routed  # the expert-parallel group rides along (all_reduce_share)
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         d = self.norm1.weight.shape[0]
         self.d = d
@@ -477,7 +478,7 @@ class _Step:
         model, layer = b.moe
         out = torch.empty(B, b.d)
         model._infer_pointers(layer, B, 0, h.data_ptr(), None, None, out.data_ptr())
-        return out
+        return all_reduce_share(out, b.routed)
 
     def _feed_forward(self, b, x):
         """The block's norm and feed-forward of x into b.ffn_result."""
@@ -487,7 +488,7 @@ class _Step:
         if b.moe is not None:
             model, layer = b.moe
             model._infer_pointers(layer, 1, 0, h, None, None, b.ffn_out.data_ptr())
-            b.ffn_result = b.ffn_out
+            b.ffn_result = all_reduce_share(b.ffn_out, b.routed)
         else:
             out = b.ffn(b.h.view(1, 1, -1))
             b.ffn_result = (out[0] if isinstance(out, tuple) else out).reshape(1, -1)
@@ -504,6 +505,17 @@ def _rope_q_and_k(rope, rope_q, rope_k, k, k_out, cos_p, sin_p, rotary_dim=None)
         if rotary_dim is not None:
             desc.rotary_dim = rotary_dim
         _ok(rope(desc), "colibri_rope")
+
+
+def all_reduce_share(out, routed):
+    """Adds the other ranks' shares into `out` where the block is expert
+    parallel (its routed tuple, loader._route_in_colibri's, carries the
+    torch.distributed group as a seventh field); returns `out`."""
+    if routed is not None and len(routed) > 6:
+        import torch.distributed as dist
+
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=routed[6])
+    return out
 
 
 def _ok(status, name):

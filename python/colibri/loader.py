@@ -546,7 +546,8 @@ def _routed_block_forward(self, hidden_states):
     PyTorch router cost a Qwen3-MoE decode step about 0.1 ms per block).
     transformers 5's blocks return the hidden states alone. Under
     torch.compile it is the custom operator colibri::moe."""
-    model, key, layer, d_model, fallback, with_scores = self.__dict__["_colibri_routed"]
+    routed = self.__dict__["_colibri_routed"]
+    model, key, layer, d_model, fallback, with_scores = routed[:6]
     if (self.training or hidden_states.device.type != "cpu"
             or (torch.is_grad_enabled() and hidden_states.requires_grad)):
         return fallback(hidden_states)
@@ -558,9 +559,23 @@ def _routed_block_forward(self, hidden_states):
         out = torch.ops.colibri.moe(x, key, layer)
     else:
         out = cnn.run_moe(model, layer, x.contiguous())
+    colibri_decode.all_reduce_share(out, routed)
     out = out.reshape(shape).to(hidden_states.dtype)
     # gpt-oss's block returns (hidden, router scores); its layer drops the scores.
     return (out, None) if with_scores else out
+
+
+def _reduce_over(model, report, group, path):
+    """Expert parallelism: each routed block's output is this rank's share;
+    an all-reduce (SUM) over `group` after it makes the whole block's. Only
+    blocks routed in Colibri (transformers 5) carry it."""
+    for b in report.accelerated:
+        block = model.get_submodule(b.path)
+        routed = block.__dict__.get("_colibri_routed")
+        if routed is None:
+            raise ValueError("%s: expert_parallel needs every MoE block routed in Colibri (transformers 5, "
+                             "no router logits asked for); block %s is not" % (path, b.path))
+        block.__dict__["_colibri_routed"] = routed + (group,)
 
 
 def _route_in_colibri(model, report):
@@ -586,7 +601,7 @@ def _route_in_colibri(model, report):
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
                     bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri",
-                    direct_decode=True, progress=None):
+                    direct_decode=True, progress=None, expert_parallel=None):
     """A transformers model (eval mode) for a GGUF file (or the first file of
     a split set) or a Hugging Face checkpoint directory, its large weights
     computed by Colibri. See colibri.torch.from_pretrained."""
@@ -595,7 +610,10 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     if attention not in ("colibri", "model"):
         raise ValueError("attention must be 'colibri' or 'model', got %r" % (attention,))
     options = dict(threads=threads, exact_prefill=exact_prefill, lock=lock, huge_pages=huge_pages,
-                   bf16_compute=bf16_compute, progress=progress)
+                   bf16_compute=bf16_compute, progress=progress, expert_parallel=_expert_group(expert_parallel))
+    if options["expert_parallel"] is not None and os.path.isdir(path):
+        raise ValueError("%s: expert_parallel takes a GGUF file (each rank opens its share of the file's experts)"
+                         % path)
     if os.path.isdir(path):
         if max_resident is not None:
             raise ValueError("%s: max_resident needs a GGUF file (experts read on demand come from a file Colibri "
@@ -618,6 +636,35 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
 
 
 _FFN_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
+
+
+def _expert_group(expert_parallel):
+    """from_pretrained's expert_parallel: None/False, True (the default
+    process group) or a torch.distributed group; returns the group (None
+    for the default one is spelled WORLD) or None for no parallelism."""
+    if expert_parallel is None or expert_parallel is False:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("expert_parallel needs torch.distributed initialised (torchrun, or "
+                         "torch.distributed.init_process_group(\"gloo\", ...)) first")
+    return dist.group.WORLD if expert_parallel is True else expert_parallel
+
+
+def _expert_share(group, n_experts):
+    """(mask of this rank's experts: a contiguous block of about E / N, the
+    shared expert on rank 0 only) for the expert-parallel group."""
+    import numpy as np
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world > n_experts:
+        raise ValueError("expert_parallel: %d ranks for %d experts (at most one rank per expert)"
+                         % (world, n_experts))
+    mask = np.zeros(n_experts, dtype=bool)
+    mask[rank * n_experts // world:(rank + 1) * n_experts // world] = True
+    return mask, rank != 0
 
 
 def _last_block_computes_kept_positions(model):
@@ -848,14 +895,18 @@ def _from_gguf(path, max_resident, options):
 
     model.load_state_dict(small, strict=False, assign=True)
     _materialise_buffers(model, f.path)
+    group = options.get("expert_parallel")
+    share = _expert_share(group, int(meta.get("expert_count"))) if group is not None else None
     report = ctorch.accelerate(model, gguf=f.path, threads=threads, exact_prefill=exact_prefill,
                                max_resident=max_resident, lock=lock, huge_pages=huge_pages,
-                               bf16_compute=bf16_compute, progress=options.get("progress"))
+                               bf16_compute=bf16_compute, progress=options.get("progress"), _expert_share=share)
     if len(report.accelerated) != config.num_hidden_layers - dense_blocks:
         raise ValueError("%s: Colibri took %d of the %d MoE blocks (skipped: %s)"
                          % (f.path, len(report.accelerated), config.num_hidden_layers - dense_blocks,
                             report.skipped))
     _route_in_colibri(model, report)
+    if group is not None:
+        _reduce_over(model, report, group, f.path)
     _colibri_norms(model)
     _check_complete(model, f.path)
     # Multi-token-prediction blocks follow the model's (GLM-4-MoE's nextn):

@@ -1101,11 +1101,13 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lock, huge_pages, exact_prefill,
-                          keep_pytorch_weights, released_params, max_resident=None, progress=None):
+                          keep_pytorch_weights, released_params, max_resident=None, progress=None, share=None):
     """accelerate(gguf=...): every recognised block runs the GGUF's layer of
     its decoder-layer index, in the file's stored formats."""
     cmodel = Model(gguf, threads=threads, lock=lock, huge_pages=huge_pages, bf16_compute=bf16_compute,
-                   exact_prefill=exact_prefill, max_resident=max_resident, progress=progress)
+                   exact_prefill=exact_prefill, max_resident=max_resident, progress=progress,
+                   local_experts=share[0] if share is not None else None,
+                   skip_shared_expert=share is not None and share[1])
     info, first = cmodel.info, cmodel.first_block
     dtype = info.dtype if info.down_dtype == info.dtype else "%s/%s" % (info.dtype, info.down_dtype)
     members = []
@@ -1150,7 +1152,7 @@ def _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lo
 
 def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False, lock=True, huge_pages=True,
                verbose=False, exact_prefill=False, keep_pytorch_weights=False, gguf=None, max_resident=None,
-               expert_source=None, checkpoint=None, progress=None):
+               expert_source=None, checkpoint=None, progress=None, _expert_share=None):
     """Runs the experts of every recognised sparse-MoE block of `model` in
     Colibri; returns an AccelerateReport.
 
@@ -1264,7 +1266,7 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
             raise ValueError("accelerate(): dtype and gguf exclude each other (the GGUF's experts run in the types "
                              "the file stores)")
         _accelerate_from_gguf(report, found, gguf, threads, shared, bf16_compute, lock, huge_pages, exact_prefill,
-                              keep_pytorch_weights, released_params, max_resident, progress)
+                              keep_pytorch_weights, released_params, max_resident, progress, _expert_share)
         groups = {}
     elif max_resident is not None:
         raise ValueError("accelerate(): max_resident needs gguf= (experts read on demand come from a file; without "
@@ -1302,7 +1304,7 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
                     bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri",
-                    direct_decode=True, progress=None):
+                    direct_decode=True, progress=None, expert_parallel=None):
     """A transformers model whose large weights Colibri computes, from one
     call, built without materialising those weights (docs/PYTORCH.md):
 
@@ -1346,12 +1348,21 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
 
     progress: for a GGUF file, True shows a tqdm bar while its experts are
     opened (most of the file), or a callable gets the fraction done and
-    returns False to cancel (colibri.Model's progress=)."""
+    returns False to cancel (colibri.Model's progress=).
+
+    expert_parallel: True (torch.distributed's default group) or a group,
+    for a GGUF file: each rank opens a contiguous share of about E / N of
+    every layer's experts (the shared expert on rank 0), attention, routers
+    and the dense parts run on every rank, and each MoE block's output is
+    all-reduced (SUM) over the group, so every rank holds the whole model's
+    result (transformers 5; gloo on CPU). Every rank must make the same
+    calls with the same inputs, as under torchrun."""
     from .loader import from_pretrained as load
 
     return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,
                 huge_pages=huge_pages, bf16_compute=bf16_compute, torch_threads=torch_threads, dtype=dtype,
-                dense_dtype=dense_dtype, attention=attention, direct_decode=direct_decode, progress=progress)
+                dense_dtype=dense_dtype, attention=attention, direct_decode=direct_decode, progress=progress,
+                expert_parallel=expert_parallel)
 
 
 def restore(model):
