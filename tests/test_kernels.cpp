@@ -675,11 +675,11 @@ TEST(WeightFormatTest, FloatFormatsRoundTripAndSizes) {
 }  // namespace colibri
 
 // The far prefetch hint: COLIBRI_PREFETCH when it says nta or l2, else
-// non-temporal on AMD only (kernels.h); quant_dot.h's entries hand out that
-// compilation of the integer-dot kernels.
-TEST(CpuFeatures, FarPrefetchHintFollowsTheOverrideElseTheVendor) {
+// non-temporal on AMD Zen 5 (family 26) and later only (kernels.h);
+// quant_dot.h's entries hand out that compilation of the integer-dot kernels.
+TEST(CpuFeatures, FarPrefetchHintFollowsTheOverrideElseTheVendorAndFamily) {
   const char* forced = std::getenv("COLIBRI_PREFETCH");
-  bool expected = colibri::kernels::cpu_is_amd();
+  bool expected = colibri::kernels::cpu_is_amd() && colibri::kernels::cpu_family() >= 26;
   if (forced != nullptr && std::strcmp(forced, "nta") == 0) expected = true;
   if (forced != nullptr && std::strcmp(forced, "l2") == 0) expected = false;
   EXPECT_EQ(colibri::kernels::far_prefetch_nta(), expected);
@@ -693,6 +693,9 @@ TEST(CpuFeatures, FarPrefetchHintFollowsTheOverrideElseTheVendor) {
   std::memcpy(vendor + 8, &ecx, 4);
   const bool amd = std::strcmp(vendor, "AuthenticAMD") == 0 || std::strcmp(vendor, "HygonGenuine") == 0;
   EXPECT_EQ(colibri::kernels::cpu_is_amd(), amd) << vendor;
+  __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1u), "c"(0u));
+  const unsigned base = (eax >> 8) & 0xfu;
+  EXPECT_EQ(colibri::kernels::cpu_family(), base == 0xfu ? base + ((eax >> 20) & 0xffu) : base) << std::hex << eax;
 #endif
 #if defined(COLIBRI_HAVE_X86_KERNELS)
   using colibri::WeightType;

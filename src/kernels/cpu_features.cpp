@@ -24,6 +24,7 @@ namespace {
 struct CpuFeatures {
   Isa level = Isa::kScalar;
   bool amd = false;
+  uint32_t family = 0;  // CPUID's display family (base + extended)
   bool avx512_bf16 = false;
   bool avx512_vnni = false;
   bool avx_vnni = false;  // the VEX form, ymm only
@@ -50,6 +51,8 @@ CpuFeatures probe() {
   // "AuthenticAMD" / "HygonGenuine" in ebx, edx, ecx: the first four bytes tell.
   out.amd = ebx == 0x68747541u /* "Auth" */ || ebx == 0x6f677948u /* "Hygo" */;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return out;
+  const uint32_t base_family = (eax >> 8) & 0xfu;
+  out.family = base_family + (base_family == 0xfu ? (eax >> 20) & 0xffu : 0u);
   const bool osxsave = bit(ecx, 27);
   const bool avx = bit(ecx, 28);
   const bool fma = bit(ecx, 12);
@@ -123,6 +126,8 @@ bool cpu_has_avx_vnni() { return features().avx_vnni; }
 
 bool cpu_is_amd() { return features().amd; }
 
+uint32_t cpu_family() { return features().family; }
+
 std::string cpu_signature() {
   static const std::string signature = [] {
     std::string s;
@@ -154,13 +159,17 @@ std::string cpu_signature() {
   return signature;
 }
 
+// AMD family 26 (0x1A) is Zen 5, where the non-temporal far prefetch won;
+// Zen 3 and Zen 4 are family 25, where it lost (kernels.h).
+constexpr uint32_t kFirstNtaFamily = 26;
+
 bool far_prefetch_nta() {
   // Cached, as default_isa(): every model in the process agrees.
   static const bool nta = [] {
     const char* forced = std::getenv("COLIBRI_PREFETCH");
     if (forced != nullptr && std::strcmp(forced, "nta") == 0) return true;
     if (forced != nullptr && std::strcmp(forced, "l2") == 0) return false;
-    return cpu_is_amd();
+    return cpu_is_amd() && cpu_family() >= kFirstNtaFamily;
   }();
   return nta;
 }

@@ -232,20 +232,25 @@ bool cpu_has_avx512_bf16();
 bool cpu_has_avx512_vnni();
 // The CPU's vendor is AMD (or Hygon): CPUID leaf 0.
 bool cpu_is_amd();
+// CPUID leaf 1's display family (base family, plus the extended family where
+// the base is 15: AMD Zen 3 and Zen 4 are 25, Zen 5 26); 0 when unknown.
+uint32_t cpu_family();
 // The CPU's brand string and CPUID family / model / stepping, e.g. "AMD EPYC
 // 9R14 96-Core Processor (family 25 model 17 stepping 1)": what a kernel
 // choice measured on this CPU is keyed by. Computed once.
 std::string cpu_signature();
 // Whether the integer-dot kernels' far prefetch (8 KiB ahead of the rows
 // they read) is non-temporal (prefetchnta) rather than into L2 (prefetcht1);
-// quant_dot.h hands out the compilation of the kernels with that hint. On
-// AMD Zen, whose L3 is filled by L2 evictions, weights streamed through L2
-// evict the rest of a process's working set (the next call's inputs, the
-// interpreter between calls); non-temporal lines leave it in place (Zen 5:
-// whole-model decode steps 1.04-1.13x faster). Intel's prefetchnta fills
-// L1 only, where 8 KiB ahead of several rows may be evicted before use, so
-// it stays prefetcht1 there. COLIBRI_PREFETCH=nta or =l2 forces either.
-// Computed once.
+// quant_dot.h hands out the compilation of the kernels with that hint. It is
+// non-temporal on AMD Zen 5 (family 26) and later, L2 elsewhere, each by
+// measurement of whole-model decode: on Zen 5, whose L3 is filled by L2
+// evictions, weights streamed through L2 evict the rest of a process's
+// working set (the next call's inputs, the interpreter between calls), and
+// non-temporal lines leave it in place (steps 1.04-1.13x faster); on Zen 4
+// (family 25) the same steps ran 1.05-1.19x faster with the L2 hint (its
+// q8_0 projections from DRAM 1.15-1.3x). Intel's prefetchnta fills L1 only,
+// where 8 KiB ahead of several rows may be evicted before use.
+// COLIBRI_PREFETCH=nta or =l2 forces either. Computed once.
 bool far_prefetch_nta();
 // detect_isa(), lowered by the COLIBRI_ISA environment variable
 // ("scalar", "avx2", "avx512", "amx") when set. Never raised above detect_isa().
