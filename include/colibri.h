@@ -596,10 +596,15 @@ typedef struct colibri_linear_desc_s {
                            in_features one after another (bias G x out_features), x rows are
                            G x in_features and y rows G x out_features: y[g] = x[g] W_g^T + b[g]
                            (DeepSeek's per-head attn_k_b / attn_v_b) */
+  int32_t fixed_kernels; /* 0 (default): where more than one instruction-set level can compute W
+                           (block formats), each level's kernels are timed on W at create and the
+                           fastest kept, remembered per CPU in the kernel choice cache (as the
+                           experts' at open; COLIBRI_ISA or COLIBRI_TUNE=0 turn it off for every
+                           layer); 1: the registry's kernels for this CPU's level, nothing timed */
 } colibri_linear_desc_t;
 
 /* Defaults: dtype F32, sizes 0, pointers NULL, n_threads 0, exact 0,
- * huge_pages 1, lock_memory 0, groups 1. */
+ * huge_pages 1, lock_memory 0, groups 1, fixed_kernels 0. */
 COLIBRI_API void colibri_linear_desc_default(colibri_linear_desc_t* desc);
 /* Copies and packs the rows. On failure *out is NULL and the message names
  * desc->name. Thread-safe. */

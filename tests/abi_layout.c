@@ -109,6 +109,7 @@ int main(void) {
   FIELD(colibri_linear_desc_t, lock_memory);
   FIELD(colibri_linear_desc_t, name);
   FIELD(colibri_linear_desc_t, groups);
+  FIELD(colibri_linear_desc_t, fixed_kernels);
   end();
 
   BEGIN(colibri_rope_desc_t);

@@ -5,9 +5,13 @@
 // kernels' micro-tiles, with and without bias, outputs poisoned with NaN.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -15,6 +19,7 @@
 #include "colibri.h"
 #include "kernels/kernels.h"
 #include "moe/linear.h"
+#include "test_util.h"
 #include "util/error.h"
 #include "util/weight_format.h"
 
@@ -214,6 +219,106 @@ TEST(Linear, RowsPaddedToTheStrideAndThreadCountsAgree) {
       for (int32_t k = 0; k < 100; ++k) acc += static_cast<double>(x[i * 100 + k]) * w.values[r * 100 + k];
       EXPECT_NEAR(y1[i * 37 + r], acc, 1e-4 * (1.0 + std::fabs(acc)));
     }
+  }
+}
+
+// Kernels chosen by measurement (kernel_choice.h): where more than one
+// level computes a block format, create times each level's tables on the
+// layer's own rows and keeps the fastest, remembered in the cache file under
+// a "linear" key; whatever it picks matches float64, and a remembered choice
+// of either level is taken as written and computes right too.
+class LinearChoice : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    env_ = std::make_unique<colibri_test::KernelChoiceEnv>(cache_.path());
+    file_ = cache_.path() + "/kernels.tsv";
+    std::mt19937 rng(21);
+    w_ = random_matrix(WeightType::kQ8_0, kOut, kIn, rng);
+    if (std::getenv("COLIBRI_ISA") != nullptr) {
+      EXPECT_EQ(create(true).find("measure"), std::string::npos);
+      EXPECT_FALSE(std::filesystem::exists(file_));
+      GTEST_SKIP() << "COLIBRI_ISA forces a level";
+    }
+    const std::string isa = colibri_cpu_isa();
+    if (isa != "avx512" && isa != "amx") GTEST_SKIP() << "one instruction-set level (" << isa << "): no choice";
+  }
+  void TearDown() override { env_.reset(); }
+  // Creates the layer through the C ABI, checks it against float64 at 1, 3,
+  // 17 and 130 tokens, and returns colibri_linear_kernels.
+  std::string create(bool fixed = false) {
+    colibri_linear_desc_t d;
+    colibri_linear_desc_default(&d);
+    d.dtype = COLIBRI_DTYPE_Q8_0;
+    d.out_features = kOut;
+    d.in_features = kIn;
+    d.weight = w_.stored.data();
+    d.weight_size = w_.stored.size();
+    d.n_threads = 2;
+    d.fixed_kernels = fixed ? 1 : 0;
+    colibri_linear_t* lin = nullptr;
+    EXPECT_EQ(COLIBRI_OK, colibri_linear_create(&d, &lin)) << colibri_last_error();
+    if (lin == nullptr) return "";
+    const std::string k = colibri_linear_kernels(lin);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int32_t T : {1, 3, 17, 130}) {
+      std::vector<float> x(static_cast<size_t>(T) * kIn);
+      for (float& v : x) v = normal(rng);
+      std::vector<double> ref(static_cast<size_t>(T) * kOut);
+      for (int32_t i = 0; i < T; ++i) {
+        for (int32_t o = 0; o < kOut; ++o) {
+          double acc = 0.0;
+          for (int32_t c = 0; c < kIn; ++c) {
+            acc += static_cast<double>(x[static_cast<size_t>(i) * kIn + c]) *
+                   w_.values[static_cast<size_t>(o) * kIn + c];
+          }
+          ref[static_cast<size_t>(i) * kOut + o] = acc;
+        }
+      }
+      std::vector<float> y(ref.size(), std::numeric_limits<float>::quiet_NaN());
+      EXPECT_EQ(COLIBRI_OK, colibri_linear_forward(lin, T, x.data(), y.data()));
+      EXPECT_LE(relative_l2(y, ref), tolerance(WeightType::kQ8_0, false)) << "T=" << T << " " << k;
+    }
+    colibri_linear_free(lin);
+    return k;
+  }
+
+  static constexpr int32_t kOut = 200, kIn = 512;
+  colibri_test::TempDir cache_{"colibri_linear_choice"};
+  std::string file_;
+  Matrix w_;
+  std::unique_ptr<colibri_test::KernelChoiceEnv> env_;
+};
+
+TEST_F(LinearChoice, MeasuredOnceRememberedAndEitherLevelComputesRight) {
+  const std::string first = create();
+  EXPECT_NE(first.find("(chosen by measurement: measured now, 1 token int8-"), std::string::npos) << first;
+  EXPECT_NE(first.find("16 tokens"), std::string::npos) << first;
+  const std::string text = colibri_test::file_bytes(file_);
+  ASSERT_EQ(text.rfind("# colibri kernel choices v1\n", 0), 0u) << text;
+  EXPECT_NE(text.find("q8_0/q8_0 200x512|linear|tables"), std::string::npos) << text;
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 2) << text;
+  const std::string second = create();
+  EXPECT_NE(second.find("measured earlier (" + file_ + ")"), std::string::npos) << second;
+  EXPECT_EQ(colibri_test::file_bytes(file_), text);
+  // fixed_kernels: the registry's tables, nothing timed or remembered.
+  EXPECT_EQ(create(true).find("measure"), std::string::npos);
+  // A remembered line is taken as written: each level's decode tables, the
+  // other's for many tokens.
+  const size_t key_end = text.find('\t', text.find("|linear|"));
+  ASSERT_NE(key_end, std::string::npos) << text;
+  const size_t timings = text.find('\t', text.find('\t', key_end + 1) + 1);
+  for (const char* decode : {"avx2", "avx512"}) {
+    const std::string many = std::string(decode) == "avx2" ? "avx512" : "avx2";
+    const std::string edited = text.substr(0, key_end) + "\t" + decode + "\t" + many + text.substr(timings);
+    std::FILE* f = std::fopen(file_.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    std::fwrite(edited.data(), 1, edited.size(), f);
+    std::fclose(f);
+    const std::string k = create();
+    EXPECT_EQ(k.rfind(std::string("decode int8-") + decode, 0), 0u) << k;
+    EXPECT_NE(k.find("prefill int8-" + many), std::string::npos) << k;
+    EXPECT_NE(k.find("measured earlier"), std::string::npos) << k;
   }
 }
 

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -323,10 +324,7 @@ class KernelChoice : public ::testing::Test {
 
   void SetUp() override {
     write_model(model_.path(), colibri::WeightType::kQ4_K, colibri::WeightType::kQ6_K, 11);
-    saved_tune_ = std::getenv("COLIBRI_TUNE") != nullptr ? std::getenv("COLIBRI_TUNE") : "";
-    had_tune_ = std::getenv("COLIBRI_TUNE") != nullptr;
-    ::unsetenv("COLIBRI_TUNE");
-    ::setenv("COLIBRI_CACHE_DIR", (cache_.path() + "/sub").c_str(), 1);
+    env_ = std::make_unique<colibri_test::KernelChoiceEnv>(cache_.path() + "/sub");
     file_ = cache_.path() + "/sub/kernels.tsv";
     if (std::getenv("COLIBRI_ISA") != nullptr) {
       // A forced level: nothing is measured (checked here), nothing to choose.
@@ -337,10 +335,7 @@ class KernelChoice : public ::testing::Test {
     const std::string isa = colibri_cpu_isa();
     if (isa != "avx512" && isa != "amx") GTEST_SKIP() << "one instruction-set level (" << isa << "): no choice";
   }
-  void TearDown() override {
-    ::unsetenv("COLIBRI_CACHE_DIR");
-    if (had_tune_) ::setenv("COLIBRI_TUNE", saved_tune_.c_str(), 1);
-  }
+  void TearDown() override { env_.reset(); }
   std::string kernels_of_new_model(colibri_model_t** out = nullptr) {
     colibri_model_t* m = open_test_model(model_.path(), false);
     std::string k = m != nullptr ? colibri_model_kernels(m) : "";
@@ -361,8 +356,7 @@ class KernelChoice : public ::testing::Test {
   colibri_test::TempDir model_{"colibri_choice_model"};
   colibri_test::TempDir cache_{"colibri_choice_cache"};
   std::string file_;
-  std::string saved_tune_;
-  bool had_tune_ = false;
+  std::unique_ptr<colibri_test::KernelChoiceEnv> env_;
 };
 
 TEST_F(KernelChoice, MeasuredOnceThenRemembered) {

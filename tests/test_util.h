@@ -71,6 +71,29 @@ class TempDir {
   std::string path_;
 };
 
+// Kernel choice by measurement switched on while it lives (the suite runs
+// with COLIBRI_TUNE=0), its cache file under `cache_dir`; COLIBRI_TUNE and
+// COLIBRI_CACHE_DIR restored after.
+class KernelChoiceEnv {
+ public:
+  explicit KernelChoiceEnv(const std::string& cache_dir) {
+    had_tune_ = ::getenv("COLIBRI_TUNE") != nullptr;
+    if (had_tune_) saved_tune_ = ::getenv("COLIBRI_TUNE");
+    ::unsetenv("COLIBRI_TUNE");
+    ::setenv("COLIBRI_CACHE_DIR", cache_dir.c_str(), 1);
+  }
+  ~KernelChoiceEnv() {
+    ::unsetenv("COLIBRI_CACHE_DIR");
+    if (had_tune_) ::setenv("COLIBRI_TUNE", saved_tune_.c_str(), 1);
+  }
+  KernelChoiceEnv(const KernelChoiceEnv&) = delete;
+  KernelChoiceEnv& operator=(const KernelChoiceEnv&) = delete;
+
+ private:
+  std::string saved_tune_;
+  bool had_tune_ = false;
+};
+
 // A model handle freed on scope exit.
 struct OpenedModel {
   colibri_model_t* model = nullptr;

@@ -325,6 +325,7 @@ class LinearDesc(ctypes.Structure):
         ("lock_memory", c_int32),
         ("name", ctypes.c_char_p),
         ("groups", c_int32),
+        ("fixed_kernels", c_int32),
         ("_reserved", ctypes.c_uint8 * 256),  # see _TAIL
     ]
 

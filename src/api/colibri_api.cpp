@@ -798,6 +798,7 @@ colibri_status_t colibri_linear_create(const colibri_linear_desc_t* desc, colibr
     o.exact = desc->exact != 0;
     o.huge_pages = desc->huge_pages != 0;
     o.lock_memory = desc->lock_memory != 0;
+    o.tune = desc->fixed_kernels == 0;
     std::string warnings;
     *out = new colibri_linear{colibri::Linear(to_weight_type(desc->dtype), desc->out_features, desc->in_features,
                                               desc->weight, desc->weight_size, desc->bias, o, name, &warnings,

@@ -80,11 +80,34 @@ KernelPlan compose(const KernelPlan& top, const KernelPlan& decode_plan, const K
   return p;
 }
 
-// Median seconds of each candidate's calls, rounds interleaved (the order
-// rotating), each call on experts the previous calls did not touch.
-class Timer {
+// Median seconds of each plan's calls, rounds interleaved (the order
+// rotating), as many rounds as about kRoundsBudgetSeconds allows.
+std::vector<double> median_seconds(const std::vector<const KernelPlan*>& plans, int32_t tokens, const PlanTimer& time) {
+  const size_t n = plans.size();
+  std::vector<std::vector<double>> seconds(n);
+  for (size_t c = 0; c < n; ++c) time(*plans[c], tokens);  // warm-up: scratch sized, code paged in
+  double round = 0.0;
+  for (size_t c = 0; c < n; ++c) round += time(*plans[c], tokens);
+  const int rounds =
+      std::clamp(static_cast<int>(kRoundsBudgetSeconds / std::max(round, 1e-9)), kMinRounds, kMaxRounds);
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t i = 0; i < n; ++i) {
+      const size_t c = (i + static_cast<size_t>(r)) % n;
+      seconds[c].push_back(time(*plans[c], tokens));
+    }
+  }
+  std::vector<double> out(n);
+  for (size_t c = 0; c < n; ++c) {
+    std::sort(seconds[c].begin(), seconds[c].end());
+    out[c] = seconds[c][seconds[c].size() / 2];
+  }
+  return out;
+}
+
+// An MoE layer's calls, each on experts the previous calls did not touch.
+class ExpertTimer {
  public:
-  Timer(Engine& engine, int32_t layer, const kernels::ExpertShape& shape, const KernelChoiceRequest& r)
+  ExpertTimer(Engine& engine, int32_t layer, const kernels::ExpertShape& shape, const KernelChoiceRequest& r)
       : engine_(engine), layer_(layer), E_(r.n_experts), k_(std::min(r.top_k, r.n_experts)) {
     const size_t D = static_cast<size_t>(shape.d_model);
     x_.resize(static_cast<size_t>(kManyTokens) * D);
@@ -98,29 +121,6 @@ class Timer {
     weights_.assign(ids_.size(), 1.0f / static_cast<float>(k_));
   }
 
-  std::vector<double> medians(const std::vector<const KernelPlan*>& plans, int32_t tokens) {
-    const size_t n = plans.size();
-    std::vector<std::vector<double>> seconds(n);
-    for (size_t c = 0; c < n; ++c) call(*plans[c], tokens);  // warm-up: scratch sized, code paged in
-    double round = 0.0;
-    for (size_t c = 0; c < n; ++c) round += call(*plans[c], tokens);
-    const int rounds = std::clamp(static_cast<int>(kRoundsBudgetSeconds / std::max(round, 1e-9)), kMinRounds,
-                                  kMaxRounds);
-    for (int r = 0; r < rounds; ++r) {
-      for (size_t i = 0; i < n; ++i) {
-        const size_t c = (i + static_cast<size_t>(r)) % n;
-        seconds[c].push_back(call(*plans[c], tokens));
-      }
-    }
-    std::vector<double> out(n);
-    for (size_t c = 0; c < n; ++c) {
-      std::sort(seconds[c].begin(), seconds[c].end());
-      out[c] = seconds[c][seconds[c].size() / 2];
-    }
-    return out;
-  }
-
- private:
   double call(const KernelPlan& plan, int32_t tokens) {
     engine_.set_plan(layer_, plan);
     for (int32_t t = 0; t < tokens; ++t) {
@@ -142,6 +142,7 @@ class Timer {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
+ private:
   Engine& engine_;
   int32_t layer_;
   int32_t E_;
@@ -260,14 +261,16 @@ std::vector<Candidate> candidates_for(const KernelChoiceRequest& request, const 
   return candidates;
 }
 
-std::string choice_key(const KernelChoiceRequest& request, const kernels::ExpertShape& shape,
+// `what` tells apart the calls measured on one shape: "top-k 8" for an MoE
+// layer, "linear" (and its groups) for a dense one.
+std::string choice_key(const KernelChoiceRequest& request, const kernels::ExpertShape& shape, const std::string& what,
                        const std::vector<Candidate>& candidates) {
   std::string key = std::string("colibri ") + COLIBRI_VERSION_STRING + "|" + kernels::cpu_signature() +
                     "|threads " + std::to_string(request.threads) + "|level " + kernels::isa_name(request.isa) +
-                    "|precision " + precision_name(request.precision) + "|" + weight_format(shape.weight_type).name +
+                    "|prefetch " + (kernels::far_prefetch_nta() ? "nta" : "l2") + "|precision " +
+                    precision_name(request.precision) + "|" + weight_format(shape.weight_type).name +
                     "/" + weight_format(shape.down_type).name + " " + std::to_string(shape.d_model) + "x" +
-                    std::to_string(shape.d_ff) + (shape.epilogue.plain() ? "" : " epilogue") + "|top-k " +
-                    std::to_string(request.top_k) + "|tables";
+                    std::to_string(shape.d_ff) + (shape.epilogue.plain() ? "" : " epilogue") + "|" + what + "|tables";
   for (const Candidate& c : candidates) key += std::string(" ") + c.plan.decode->name;
   return key;
 }
@@ -293,7 +296,7 @@ std::string remembered_kernel_choice(const KernelChoiceRequest& request, const k
   const std::vector<Candidate> candidates = candidates_for(request, shape, top);
   std::string warning;
   const std::map<std::string, Remembered> cache = read_cache(request.cache_path, &warning);
-  const auto hit = cache.find(choice_key(request, shape, candidates));
+  const auto hit = cache.find(choice_key(request, shape, "top-k " + std::to_string(request.top_k), candidates));
   if (hit == cache.end()) return "";
   return std::string("decode ") + kernels::isa_name(hit->second.decode) + " level, many tokens " +
          kernels::isa_name(hit->second.many) + " level (" + hit->second.timings + ")";
@@ -319,6 +322,95 @@ bool kernel_choice_allowed_by_environment() {
   return tune != "0" && tune != "off" && tune != "false";
 }
 
+PlanChoice choose_plan_by_measurement(const KernelChoiceRequest& request, const kernels::ExpertShape& shape,
+                                      const KernelPlan& top, const std::string& what, const PlanTimer& time) {
+  PlanChoice out;
+  out.plan = top;
+  const std::vector<Candidate> candidates = candidates_for(request, shape, top);
+  const std::vector<size_t> decode_set = distinct_at(candidates, 1);
+  const std::vector<size_t> many_set = distinct_at(candidates, kManyTokens);
+  if (decode_set.size() < 2 && many_set.size() < 2) return out;
+  out.had_choice = true;
+  const std::string key = choice_key(request, shape, what, candidates);
+
+  std::map<std::string, Remembered> cache;
+  if (!request.cache_path.empty()) cache = read_cache(request.cache_path, &out.warning);
+  Remembered choice;
+  bool from_cache = false, from_memo = false;
+  bool use_memo;
+  {
+    std::lock_guard<std::mutex> lock(memo().mutex);
+    use_memo = request.cache_path.empty() || memo().unwritable.count(request.cache_path) != 0;
+    const auto m = use_memo ? memo().choices.find(key) : memo().choices.end();
+    if (m != memo().choices.end()) {
+      choice = m->second;
+      from_memo = true;
+    }
+  }
+  const auto hit = cache.find(key);
+  const auto level_index = [&](Isa level) {
+    for (size_t c = 0; c < candidates.size(); ++c) {
+      if (candidates[c].level == level) return static_cast<int>(c);
+    }
+    return -1;
+  };
+  if (from_memo) {
+    // measured by an earlier open of this process
+  } else if (hit != cache.end() && level_index(hit->second.decode) >= 0 && level_index(hit->second.many) >= 0) {
+    choice = hit->second;
+    from_cache = true;
+  } else {
+    std::string timings;
+    const auto pick = [&](const std::vector<size_t>& set, int32_t tokens, const std::string& label) {
+      if (set.size() < 2) return candidates[set[0]].level;
+      std::vector<const KernelPlan*> plans;
+      plans.reserve(set.size());
+      for (const size_t c : set) plans.push_back(&candidates[c].plan);
+      const std::vector<double> t = median_seconds(plans, tokens, time);
+      size_t best = 0;
+      for (size_t i = 1; i < t.size(); ++i) {
+        if (t[i] < t[best]) best = i;
+      }
+      if (t[0] <= t[best] * kKeepMargin) best = 0;
+      if (!timings.empty()) timings += ", ";
+      timings += label;
+      for (size_t i = 0; i < t.size(); ++i) {
+        timings += std::string(i == 0 ? " " : " / ") + candidates[set[i]].plan.pick(tokens).name + " " + ms(t[i]);
+      }
+      return candidates[set[best]].level;
+    };
+    const std::string per = what.rfind("top-k", 0) == 0 ? "/expert" : "";
+    choice.decode = pick(decode_set, 1, "1 token" + per);
+    choice.many = pick(many_set, kManyTokens, std::to_string(kManyTokens) + " tokens" + per);
+    choice.timings = timings;
+    {
+      std::lock_guard<std::mutex> lock(memo().mutex);
+      memo().choices[key] = choice;
+    }
+    if (!request.cache_path.empty()) {
+      // Re-read just before writing: another layer or process may have added lines since.
+      std::string ignored;
+      cache = read_cache(request.cache_path, &ignored);
+      cache[key] = choice;
+      std::string why;
+      if (!write_cache(request.cache_path, cache, &why)) {
+        if (!out.warning.empty()) out.warning += "; ";
+        out.warning += "kernel choice cache " + request.cache_path + " not written: " + why;
+        std::lock_guard<std::mutex> lock(memo().mutex);
+        memo().unwritable.insert(request.cache_path);
+      }
+    }
+  }
+  out.plan = compose(top, candidates[static_cast<size_t>(level_index(choice.decode))].plan,
+                     candidates[static_cast<size_t>(level_index(choice.many))].plan);
+  out.description = std::string("measured ") +
+                    (from_cache  ? "earlier (" + request.cache_path + ")"
+                     : from_memo ? std::string("earlier in this process")
+                                 : std::string("now")) +
+                    ", " + choice.timings;
+  return out;
+}
+
 std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& store, int32_t n_layers,
                                           const KernelChoiceRequest& request, std::string* warnings) {
   const auto warn = [warnings](const std::string& w) {
@@ -326,8 +418,6 @@ std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& sto
     if (!warnings->empty()) *warnings += "; ";
     *warnings += w;
   };
-  std::map<std::string, Remembered> cache;
-  bool cache_read = false, cache_dirty = false;
   std::vector<bool> done(static_cast<size_t>(n_layers), false);
   std::string description;
   for (int32_t rep = 0; rep < n_layers; ++rep) {
@@ -345,98 +435,20 @@ std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& sto
       }
     }
     if (!weight_format(shape.weight_type).quantized || !weight_format(shape.down_type).quantized) continue;
-    const std::vector<Candidate> candidates = candidates_for(request, shape, top);
-    const std::vector<size_t> decode_set = distinct_at(candidates, 1);
-    const std::vector<size_t> many_set = distinct_at(candidates, kManyTokens);
-    if (decode_set.size() < 2 && many_set.size() < 2) continue;
     bool resident = true;
     for (int32_t e = 0; e < request.n_experts && resident; ++e) resident = store.packed_expert(rep, e) != nullptr;
     if (!resident) continue;
-
-    const std::string key = choice_key(request, shape, candidates);
-    const std::string label = std::string(weight_format(shape.weight_type).name) + "/" +
-                              weight_format(shape.down_type).name + " " + std::to_string(shape.d_model) + "x" +
-                              std::to_string(shape.d_ff);
-
-    if (!cache_read && !request.cache_path.empty()) {
-      std::string warning;
-      cache = read_cache(request.cache_path, &warning);
-      warn(warning);
-      cache_read = true;
-    }
-    Remembered choice;
-    bool from_cache = false, from_memo = false;
-    bool use_memo;
-    {
-      std::lock_guard<std::mutex> lock(memo().mutex);
-      use_memo = request.cache_path.empty() || memo().unwritable.count(request.cache_path) != 0;
-      const auto m = use_memo ? memo().choices.find(key) : memo().choices.end();
-      if (m != memo().choices.end()) {
-        choice = m->second;
-        from_memo = true;
-      }
-    }
-    const auto hit = cache.find(key);
-    const auto level_index = [&](Isa level) {
-      for (size_t c = 0; c < candidates.size(); ++c) {
-        if (candidates[c].level == level) return static_cast<int>(c);
-      }
-      return -1;
-    };
-    if (from_memo) {
-      // measured by an earlier open of this process
-    } else if (hit != cache.end() && level_index(hit->second.decode) >= 0 && level_index(hit->second.many) >= 0) {
-      choice = hit->second;
-      from_cache = true;
-    } else {
-      Timer timer(engine, rep, shape, request);
-      std::string timings;
-      const auto pick = [&](const std::vector<size_t>& set, int32_t tokens, const char* what) {
-        if (set.size() < 2) return candidates[set[0]].level;
-        std::vector<const KernelPlan*> plans;
-        plans.reserve(set.size());
-        for (const size_t c : set) plans.push_back(&candidates[c].plan);
-        const std::vector<double> t = timer.medians(plans, tokens);
-        size_t best = 0;
-        for (size_t i = 1; i < t.size(); ++i) {
-          if (t[i] < t[best]) best = i;
-        }
-        if (t[0] <= t[best] * kKeepMargin) best = 0;
-        if (!timings.empty()) timings += ", ";
-        timings += what;
-        for (size_t i = 0; i < t.size(); ++i) {
-          timings += std::string(i == 0 ? " " : " / ") + candidates[set[i]].plan.pick(tokens).name + " " + ms(t[i]);
-        }
-        return candidates[set[best]].level;
-      };
-      choice.decode = pick(decode_set, 1, "1 token/expert");
-      choice.many = pick(many_set, kManyTokens, "16 tokens/expert");
-      choice.timings = timings;
-      engine.set_plan(rep, top);
-      if (!request.cache_path.empty()) {
-        cache[key] = choice;
-        cache_dirty = true;
-      }
-      std::lock_guard<std::mutex> lock(memo().mutex);
-      memo().choices[key] = choice;
-    }
-    const KernelPlan chosen = compose(top, candidates[static_cast<size_t>(level_index(choice.decode))].plan,
-                                      candidates[static_cast<size_t>(level_index(choice.many))].plan);
-    for (const int32_t l : layers) engine.set_plan(l, chosen);
+    ExpertTimer timer(engine, rep, shape, request);
+    const PlanChoice choice = choose_plan_by_measurement(
+        request, shape, top, "top-k " + std::to_string(request.top_k),
+        [&timer](const KernelPlan& plan, int32_t tokens) { return timer.call(plan, tokens); });
+    engine.set_plan(rep, top);
+    warn(choice.warning);
+    if (!choice.had_choice) continue;
+    for (const int32_t l : layers) engine.set_plan(l, choice.plan);
     if (!description.empty()) description += "; ";
-    description += label + ": measured " +
-                   (from_cache  ? "earlier (" + request.cache_path + ")"
-                    : from_memo ? std::string("earlier in this process")
-                                : std::string("now")) +
-                   ", " + choice.timings;
-  }
-  if (cache_dirty) {
-    std::string why;
-    if (!write_cache(request.cache_path, cache, &why)) {
-      warn("kernel choice cache " + request.cache_path + " not written: " + why);
-      std::lock_guard<std::mutex> lock(memo().mutex);
-      memo().unwritable.insert(request.cache_path);
-    }
+    description += std::string(weight_format(shape.weight_type).name) + "/" + weight_format(shape.down_type).name +
+                   " " + std::to_string(shape.d_model) + "x" + std::to_string(shape.d_ff) + ": " + choice.description;
   }
   return description;
 }

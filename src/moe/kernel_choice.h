@@ -5,11 +5,13 @@
 // a layer's block-format experts, each level's tables are timed on that
 // layer's own experts (one token per expert, new experts every call, and
 // kManyTokens tokens per expert) and the fastest kept, remembered per CPU,
-// library version, thread count and expert shape in a small file so the
-// next open measures nothing.
+// library version, thread count, far-prefetch hint and expert shape in a
+// small file so the next open measures nothing. Dense layers (linear.h) take
+// the same measurement through choose_plan_by_measurement.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "kernels/kernels.h"
@@ -43,6 +45,27 @@ bool kernel_choice_allowed_by_environment();
 // otherwise ignored. The store's experts must all be resident.
 std::string choose_kernels_by_measurement(Engine& engine, const ExpertStore& store, int32_t n_layers,
                                           const KernelChoiceRequest& request, std::string* warnings);
+
+// Seconds of one call of a layer run with `plan` at `tokens` tokens (per
+// expert, for an MoE layer).
+using PlanTimer = std::function<double(const kernels::KernelPlan& plan, int32_t tokens)>;
+
+struct PlanChoice {
+  kernels::KernelPlan plan;  // the chosen one; `top` where nothing had a choice
+  bool had_choice = false;   // more than one level's tables could run the shape
+  std::string description;   // "measured now, 1 token int8-avx512-vnni 0.2 ms / int8-avx2 0.18 ms, ..."
+  std::string warning;       // a cache file that could not be read or written; "" otherwise
+};
+
+// The measured (or remembered) fastest levels for one shape, starting from
+// the registry's plan `top` at request.isa: decode (1 token) and many-token
+// (16) calls timed through `time` for each level's distinct tables, the
+// winner kept only when more than 5% faster than `top`'s, remembered under
+// a key of the request, the shape, `what` ("top-k 8" for an MoE layer,
+// "linear" for a dense one) and the candidate tables.
+PlanChoice choose_plan_by_measurement(const KernelChoiceRequest& request, const kernels::ExpertShape& shape,
+                                      const kernels::KernelPlan& top, const std::string& what,
+                                      const PlanTimer& time);
 
 // What the cache file remembers for layers of `shape` opened as `request`
 // says ("decode avx512 level, many tokens amx level (timings)"), or "".

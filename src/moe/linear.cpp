@@ -1,7 +1,10 @@
 #include "moe/linear.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+
+#include "moe/kernel_choice.h"
 
 #include "util/error.h"
 
@@ -97,6 +100,52 @@ Linear::Linear(WeightType type, int32_t out_features, int32_t in_features, const
   int threads = options.threads == 0 ? cores : std::min(options.threads, cores);
   pool_ = shared_thread_pool(threads, false);
   scratch_ = std::make_unique<kernels::KernelScratch[]>(static_cast<size_t>(pool_->size()));
+  if (options.tune && options.isa < 0 && format.quantized && kernel_choice_allowed_by_environment()) {
+    choose_kernels(isa, options.exact, warnings);
+  }
+}
+
+void Linear::choose_kernels(kernels::Isa isa, bool exact, std::string* warnings) {
+  KernelChoiceRequest request;
+  request.isa = isa;
+  request.precision = exact ? kernels::PrefillPrecision::kExact : kernels::PrefillPrecision::kDefault;
+  request.threads = pool_->size();
+  request.cache_path = kernel_choice_cache_path();
+  // Inputs for up to the measurement's 16 tokens, not zeros: a kernel's time
+  // must not depend on a shortcut for them.
+  constexpr int32_t kTokens = 16;
+  const size_t in = static_cast<size_t>(groups_) * static_cast<size_t>(shape_.d_ff);
+  const size_t out = static_cast<size_t>(groups_) * static_cast<size_t>(shape_.d_model);
+  std::vector<float> x(kTokens * in), y(kTokens * out);
+  uint32_t state = 2463534242u;
+  for (float& v : x) {
+    state ^= state << 13;
+    state ^= state >> 17;
+    state ^= state << 5;
+    v = static_cast<float>(static_cast<int32_t>(state >> 8) - (1 << 23)) / static_cast<float>(1 << 23);
+  }
+  const kernels::KernelPlan top = plan_;
+  const std::string what = groups_ > 1 ? "linear groups " + std::to_string(groups_) : std::string("linear");
+  const PlanChoice choice =
+      choose_plan_by_measurement(request, shape_, top, what, [&](const kernels::KernelPlan& plan, int32_t tokens) {
+        plan_ = plan;
+        // From memory, as in a model whose weights exceed the last-level cache:
+        // a matrix left in L3 by the previous call would time the kernels'
+        // arithmetic alone, which ranks the levels differently (Zen 4: q8_0
+        // decode equal in L3, the AVX2 tables 1.12x faster from DRAM).
+        evict_from_caches(weights_.data(), weight_bytes_);
+        const auto t0 = std::chrono::steady_clock::now();
+        forward(std::min(tokens, kTokens), x.data(), in, y.data(), out);
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      });
+  plan_ = choice.plan;
+  if (choice.had_choice) {
+    kernels_ = kernels::describe_plan(plan_, "tokens") + " (chosen by measurement: " + choice.description + ")";
+  }
+  if (warnings != nullptr && !choice.warning.empty()) {
+    if (!warnings->empty()) *warnings += "; ";
+    *warnings += choice.warning;
+  }
 }
 
 void Linear::forward(int32_t n_tokens, const float* x, size_t ldx, float* y, size_t ldy) {

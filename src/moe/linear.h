@@ -30,6 +30,11 @@ struct LinearOptions {
   // Kernels at this level or the highest supported below it; -1: the
   // process default (COLIBRI_ISA). Tests force each level through it.
   int isa = -1;
+  // Where more than one level can compute W (block formats), time each
+  // level's tables on W itself at create and keep the fastest (kernel_choice.h,
+  // remembered in the same cache file as the experts' choices); not when `isa`
+  // is forced or the environment fixes the kernels (COLIBRI_ISA, COLIBRI_TUNE=0).
+  bool tune = true;
 };
 
 class Linear {
@@ -57,10 +62,13 @@ class Linear {
   WeightType type() const { return shape_.down_type; }
   size_t weight_bytes() const { return weight_bytes_; }
   int threads() const { return pool_->size(); }
-  // "decode int8-avx512, prefill amx-bf16-dequant from 24 tokens".
+  // "decode int8-avx512, prefill amx-bf16-dequant from 24 tokens", and where
+  // the levels were timed " (chosen by measurement: measured now, ...)".
   const std::string& kernels_description() const { return kernels_; }
 
  private:
+  void choose_kernels(kernels::Isa isa, bool exact, std::string* warnings);
+
   kernels::ExpertShape shape_;
   int32_t groups_ = 1;
   size_t group_bytes_ = 0;  // packed bytes of one group's matrix

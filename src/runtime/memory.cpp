@@ -11,6 +11,10 @@
 
 #include "util/error.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>  // _mm_clflush, _mm_mfence: SSE2, in every x86-64
+#endif
+
 namespace colibri {
 
 namespace {
@@ -137,6 +141,18 @@ uint64_t WeightRegion::measure_huge_pages() const {
   }
   const uint64_t bytes = total_kb * 1024;
   return bytes < size_ ? bytes : size_;
+}
+
+void evict_from_caches(const void* data, size_t bytes) {
+#if defined(__x86_64__) || defined(__i386__)
+  const auto* p = static_cast<const char*>(data);
+  for (size_t o = 0; o < bytes; o += 64) _mm_clflush(p + o);
+  if (bytes > 0) _mm_clflush(p + bytes - 1);
+  _mm_mfence();
+#else
+  (void)data;
+  (void)bytes;
+#endif
 }
 
 }  // namespace colibri

@@ -55,4 +55,10 @@ class WeightRegion {
   bool locked_ = false;
 };
 
+// Writes back and evicts [data, data + bytes) from every cache level
+// (clflush per 64-byte line on x86; nothing elsewhere), so that the next read
+// comes from memory as a model's weights do when they exceed the last-level
+// cache: what a decode-time kernel measurement must see.
+void evict_from_caches(const void* data, size_t bytes);
+
 }  // namespace colibri
