@@ -53,7 +53,7 @@ run_ctest() {
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCOLIBRI_BUILD_TESTS=ON -DCOLIBRI_BUILD_TOOLS=ON \
   -DCOLIBRI_BUILD_BENCHMARKS=ON -DCOLIBRI_WERROR=ON -DCOLIBRI_NATIVE=OFF -DCOLIBRI_SANITIZE_ADDRESS=OFF \
   -DCOLIBRI_SANITIZE_THREAD=OFF -DCOLIBRI_BUILD_FUZZERS=OFF -DCOLIBRI_PYTHON="$python" \
-  -DCOLIBRI_PYTHON_TRANSFORMERS4="$PWD/.venv-transformers4/bin/python" >/dev/null
+  -DCOLIBRI_PYTHON_TRANSFORMERS4="$PWD/.venv-transformers4/bin/python" -DCOLIBRI_REQUIRE_MPI=ON >/dev/null
 cmake --build build -j"$jobs"
 # The Release suite must include the stages that only run there.
 for t in python python_transformers4 emulated_cpus kernel_bench_smoke precision_scalar engine_avx2; do

@@ -32,6 +32,8 @@ latent attention (_latent_attention). Adding a family is an entry there
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import hashlib
 import os
 import re
 import types
@@ -312,6 +314,21 @@ class _File:
 
     def has(self, name):
         return name in self.tensors
+
+    def signature(self):
+        """sha256 (hex, 16 digits) of each file's header (its metadata and
+        tensor table: the bytes before its first tensor's data) and size,
+        the files in order: equal for copies of one file wherever they lie,
+        different for another model, quantisation or split."""
+        h = hashlib.sha256()
+        paths = [self.path] + sorted({t[0] for t in self.tensors.values()} - {self.path})
+        for p in paths:
+            starts = [t[1] for t in self.tensors.values() if t[0] == p]
+            size = os.path.getsize(p)
+            with open(p, "rb") as fh:
+                h.update(fh.read(min(starts) if starts else size))
+            h.update(b"size %d;" % size)
+        return h.hexdigest()[:16]
 
     def shape(self, name):
         return self.tensors[name][4]
@@ -601,7 +618,7 @@ def _route_in_colibri(model, report):
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
                     bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri",
-                    direct_decode=True, progress=None, expert_parallel=None):
+                    direct_decode=True, progress=None, expert_parallel=None, expert_parallel_timeout=60.0):
     """A transformers model (eval mode) for a GGUF file (or the first file of
     a split set) or a Hugging Face checkpoint directory, its large weights
     computed by Colibri. See colibri.torch.from_pretrained."""
@@ -610,7 +627,8 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     if attention not in ("colibri", "model"):
         raise ValueError("attention must be 'colibri' or 'model', got %r" % (attention,))
     options = dict(threads=threads, exact_prefill=exact_prefill, lock=lock, huge_pages=huge_pages,
-                   bf16_compute=bf16_compute, progress=progress, expert_parallel=_expert_group(expert_parallel))
+                   bf16_compute=bf16_compute, progress=progress, attention=attention,
+                   expert_parallel=_expert_group(expert_parallel, expert_parallel_timeout))
     if options["expert_parallel"] is not None and os.path.isdir(path):
         raise ValueError("%s: expert_parallel takes a GGUF file (each rank opens its share of the file's experts)"
                          % path)
@@ -638,10 +656,14 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
 _FFN_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
 
 
-def _expert_group(expert_parallel):
-    """from_pretrained's expert_parallel: None/False, True (the default
-    process group) or a torch.distributed group; returns the group (None
-    for the default one is spelled WORLD) or None for no parallelism."""
+def _expert_group(expert_parallel, timeout):
+    """from_pretrained's expert_parallel: None/False, True (every rank of
+    the default process group) or a torch.distributed group; returns the
+    group to reduce over, or None for no parallelism. For True that is a
+    new gloo group of the same ranks whose collectives give up after
+    `timeout` seconds (a peer that stopped answering; a dead peer's closed
+    connection fails sooner), where the default group waits 30 minutes. A
+    group given keeps its own timeout."""
     if expert_parallel is None or expert_parallel is False:
         return None
     import torch.distributed as dist
@@ -649,7 +671,38 @@ def _expert_group(expert_parallel):
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("expert_parallel needs torch.distributed initialised (torchrun, or "
                          "torch.distributed.init_process_group(\"gloo\", ...)) first")
-    return dist.group.WORLD if expert_parallel is True else expert_parallel
+    if expert_parallel is not True:
+        return expert_parallel
+    if not timeout or float(timeout) <= 0:
+        raise ValueError("expert_parallel_timeout must be > 0 seconds, got %r" % (timeout,))
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=float(timeout)))
+
+
+def _colibri_version():
+    from . import __version__
+
+    return __version__
+
+
+def _agree_across_ranks(group, path, mine):
+    """Every rank of an expert-parallel group must open the same file with
+    the options that change its numbers, or their partial sums would add up
+    to nothing meaningful; each rank compares its own with every other's and
+    raises, naming the first difference, before anything is opened."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    rank = dist.get_rank(group)
+    for other, theirs in enumerate(everyone):
+        diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if diff:
+            k = diff[0]
+            field = "file (digest of its header and size)" if k == "file" else k
+            raise ValueError("%s: expert_parallel ranks must open the same file with the same options; rank %d "
+                             "(this one) and rank %d of %d differ in %s: %r here, %r there"
+                             % (path, rank, other, world, field, mine.get(k), theirs.get(k)))
 
 
 def _expert_share(group, n_experts):
@@ -764,6 +817,10 @@ def _from_gguf(path, max_resident, options):
     if family is None:
         raise ValueError("%s: GGUF architecture %r is not one from_pretrained maps (it maps %s)"
                          % (f.path, f.arch, ", ".join(sorted(_FAMILIES))))
+    if options.get("expert_parallel") is not None:
+        _agree_across_ranks(options["expert_parallel"], f.path, {
+            "file": f.signature(), "exact_prefill": bool(exact_prefill), "bf16_compute": bool(bf16_compute),
+            "attention": options.get("attention"), "colibri": _colibri_version()})
     meta = _Meta(f.path, f.reader, f.arch, f.tensors)
     if meta.get("expert_count") in (None, 0):
         raise ValueError("%s: %s file without experts (%s.expert_count missing or 0): not a MoE model"

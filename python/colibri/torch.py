@@ -1304,7 +1304,7 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
                     bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri",
-                    direct_decode=True, progress=None, expert_parallel=None):
+                    direct_decode=True, progress=None, expert_parallel=None, expert_parallel_timeout=60.0):
     """A transformers model whose large weights Colibri computes, from one
     call, built without materialising those weights (docs/PYTORCH.md):
 
@@ -1356,13 +1356,23 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     and the dense parts run on every rank, and each MoE block's output is
     all-reduced (SUM) over the group, so every rank holds the whole model's
     result (transformers 5; gloo on CPU). Every rank must make the same
-    calls with the same inputs, as under torchrun."""
+    calls with the same inputs, as under torchrun. Ranks compare the file
+    (a digest of its header and size) and the options that change the
+    numbers (exact_prefill, bf16_compute, attention, Colibri's version)
+    before opening, and each raises ValueError naming the first difference.
+
+    expert_parallel_timeout: seconds a collective of expert_parallel=True
+    waits for a peer before raising (its own gloo group over the default
+    group's ranks; the default group would wait 30 minutes). A peer that
+    died fails the others' next all-reduce at once (connection closed); one
+    that stopped answering, after this long. A group passed as
+    expert_parallel keeps its own timeout."""
     from .loader import from_pretrained as load
 
     return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,
                 huge_pages=huge_pages, bf16_compute=bf16_compute, torch_threads=torch_threads, dtype=dtype,
                 dense_dtype=dense_dtype, attention=attention, direct_decode=direct_decode, progress=progress,
-                expert_parallel=expert_parallel)
+                expert_parallel=expert_parallel, expert_parallel_timeout=expert_parallel_timeout)
 
 
 def restore(model):

@@ -76,3 +76,88 @@ def test_expert_parallel_needs_a_process_group(tmp_path):
         pytest.skip("a process group is already initialised")
     with pytest.raises(ValueError, match="torch.distributed initialised"):
         ct.from_pretrained(path, expert_parallel=True)
+
+
+def _disagreeing_rank(rank, world, paths, exact, init, out_dir):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        import colibri.torch as ct
+
+        try:
+            ct.from_pretrained(paths[rank], threads=1, expert_parallel=True, exact_prefill=exact[rank])
+            msg = "opened"
+        except ValueError as e:
+            msg = str(e)
+        with open(os.path.join(out_dir, "rank%d.txt" % rank), "w") as f:
+            f.write(msg)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["options", "file"])
+def test_ranks_given_different_files_or_options_refuse_at_open(tmp_path, case):
+    """Ranks compare a digest of the file's header and size and the options
+    that change the numbers before opening: each raises ValueError naming
+    the difference (exact_prefill on one rank only; another file)."""
+    path, _ = write(tmp_path, "qwen2moe")
+    other = path
+    exact = (False, case == "options")
+    if case == "file":
+        (tmp_path / "other").mkdir()
+        other, _ = write(tmp_path / "other", "qwen3moe")
+    init = "file://" + str(tmp_path / "rendezvous")
+    mp.start_processes(_disagreeing_rank, args=(2, (path, other), exact, init, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    field = "exact_prefill" if case == "options" else "file (digest of its header and size)"
+    for rank in (0, 1):
+        msg = (tmp_path / ("rank%d.txt" % rank)).read_text()
+        assert "expert_parallel ranks must open the same file with the same options" in msg, msg
+        assert "rank %d (this one) and rank %d of 2 differ in %s" % (rank, 1 - rank, field) in msg, msg
+
+
+def _faulty_rank(rank, world, path, fault, init, out_dir):
+    import time
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import colibri.torch as ct
+
+    model = ct.from_pretrained(path, threads=1, expert_parallel=True, expert_parallel_timeout=3)
+    done = os.path.join(out_dir, "rank0.txt")
+    if rank == 1:
+        # Dead: gone at once. Silent: alive, answering nothing, until rank 0
+        # has reported (or a minute has passed).
+        if fault == "silent":
+            t0 = time.monotonic()
+            while not os.path.exists(done) and time.monotonic() - t0 < 60:
+                time.sleep(0.1)
+        os._exit(0)
+    ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
+    t0 = time.monotonic()
+    try:
+        with torch.inference_mode():
+            model(ids)
+        msg = "no error"
+    except Exception as e:  # gloo raises RuntimeError (or its DistBackendError subclass)
+        msg = "%s: %s" % (type(e).__name__, e)
+    with open(done + ".tmp", "w") as f:
+        f.write("%.3f\n%s" % (time.monotonic() - t0, msg))
+    os.rename(done + ".tmp", done)
+    os._exit(0)  # the group's teardown would wait on the peer
+
+
+@pytest.mark.parametrize("fault", ["dead", "silent"])
+def test_a_dead_or_silent_peer_makes_the_others_raise(tmp_path, fault):
+    """A peer that exited fails the next all-reduce with an error; one that
+    is alive but answers nothing fails it once expert_parallel_timeout (3 s
+    here) has passed, while that peer still waits (it leaves only once rank
+    0 has reported): no rank hangs."""
+    path, _ = write(tmp_path, "qwen2moe")
+    init = "file://" + str(tmp_path / "rendezvous")
+    mp.start_processes(_faulty_rank, args=(2, path, fault, init, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    seconds, msg = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert msg != "no error"
+    assert "Error" in msg.split(":")[0], msg
+    if fault == "silent":
+        assert float(seconds) >= 2.5, (seconds, msg)  # it waited for the peer, then gave up
+        assert "timed out" in msg.lower() or "timeout" in msg.lower(), msg
