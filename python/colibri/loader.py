@@ -618,7 +618,8 @@ def _route_in_colibri(model, report):
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
                     bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri",
-                    direct_decode=True, progress=None, expert_parallel=None, expert_parallel_timeout=60.0):
+                    direct_decode=True, progress=None, expert_parallel=None, expert_parallel_timeout=60.0,
+                    expert_placement=None):
     """A transformers model (eval mode) for a GGUF file (or the first file of
     a split set) or a Hugging Face checkpoint directory, its large weights
     computed by Colibri. See colibri.torch.from_pretrained."""
@@ -629,6 +630,9 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     options = dict(threads=threads, exact_prefill=exact_prefill, lock=lock, huge_pages=huge_pages,
                    bf16_compute=bf16_compute, progress=progress, attention=attention,
                    expert_parallel=_expert_group(expert_parallel, expert_parallel_timeout))
+    if expert_placement is not None and options["expert_parallel"] is None:
+        raise ValueError("expert_placement places experts on the ranks of expert_parallel, which is not set")
+    options["expert_placement"] = _resolve_placement(expert_placement, options["expert_parallel"])
     if options["expert_parallel"] is not None and os.path.isdir(path):
         raise ValueError("%s: expert_parallel takes a GGUF file (each rank opens its share of the file's experts)"
                          % path)
@@ -705,19 +709,50 @@ def _agree_across_ranks(group, path, mine):
                              % (path, rank, other, world, field, mine.get(k), theirs.get(k)))
 
 
-def _expert_share(group, n_experts):
-    """(mask of this rank's experts: a contiguous block of about E / N, the
-    shared expert on rank 0 only) for the expert-parallel group."""
-    import numpy as np
+def _expert_share(group, n_experts, placement, n_moe_layers, path):
+    """(mask of this rank's experts, whether it leaves the shared expert to
+    rank 0) for the expert-parallel group: `placement`'s rows for this rank
+    ([n_moe_layers, n_experts]), else a contiguous block of about E / N."""
     import torch.distributed as dist
 
+    from . import placement as colibri_placement
+
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world > n_experts:
-        raise ValueError("expert_parallel: %d ranks for %d experts (at most one rank per expert)"
-                         % (world, n_experts))
-    mask = np.zeros(n_experts, dtype=bool)
-    mask[rank * n_experts // world:(rank + 1) * n_experts // world] = True
-    return mask, rank != 0
+    if placement is None:
+        try:
+            placement = colibri_placement.contiguous(1, n_experts, world)
+        except ValueError as e:
+            raise ValueError("expert_parallel: %s" % e) from None
+        return placement.mask(rank)[0], rank != 0
+    if (placement.n_layers, placement.n_experts) != (n_moe_layers, n_experts):
+        raise ValueError("%s: expert_placement is for %d MoE layers of %d experts; the file has %d of %d"
+                         % (path, placement.n_layers, placement.n_experts, n_moe_layers, n_experts))
+    return placement.mask(rank), rank != 0
+
+
+def _resolve_placement(expert_placement, group):
+    """from_pretrained's expert_placement: None, an ExpertPlacement for the
+    group's size, or a RoutingTrace (or the path of a saved one, .ctrace)
+    to balance over the group's ranks (colibri.placement.balanced)."""
+    if expert_placement is None:
+        return None
+    import torch.distributed as dist
+
+    from . import placement as colibri_placement
+    from .routing import RoutingTrace
+
+    world = dist.get_world_size(group)
+    if isinstance(expert_placement, (str, os.PathLike)):
+        expert_placement = RoutingTrace.load(os.fspath(expert_placement))
+    if isinstance(expert_placement, RoutingTrace):
+        return colibri_placement.balanced(expert_placement, world)
+    if isinstance(expert_placement, colibri_placement.ExpertPlacement):
+        if expert_placement.n_ranks != world:
+            raise ValueError("expert_placement is for %d ranks; the expert_parallel group has %d"
+                             % (expert_placement.n_ranks, world))
+        return expert_placement
+    raise TypeError("expert_placement must be a colibri.placement.ExpertPlacement, a RoutingTrace or the path "
+                    "of a .ctrace file, got %s" % type(expert_placement).__name__)
 
 
 def _last_block_computes_kept_positions(model):
@@ -820,7 +855,8 @@ def _from_gguf(path, max_resident, options):
     if options.get("expert_parallel") is not None:
         _agree_across_ranks(options["expert_parallel"], f.path, {
             "file": f.signature(), "exact_prefill": bool(exact_prefill), "bf16_compute": bool(bf16_compute),
-            "attention": options.get("attention"), "colibri": _colibri_version()})
+            "attention": options.get("attention"), "colibri": _colibri_version(),
+            "expert_placement": placement.digest() if (placement := options.get("expert_placement")) else "contiguous"})
     meta = _Meta(f.path, f.reader, f.arch, f.tensors)
     if meta.get("expert_count") in (None, 0):
         raise ValueError("%s: %s file without experts (%s.expert_count missing or 0): not a MoE model"
@@ -953,7 +989,10 @@ def _from_gguf(path, max_resident, options):
     model.load_state_dict(small, strict=False, assign=True)
     _materialise_buffers(model, f.path)
     group = options.get("expert_parallel")
-    share = _expert_share(group, int(meta.get("expert_count"))) if group is not None else None
+    share = None
+    if group is not None:
+        share = _expert_share(group, int(meta.get("expert_count")), options.get("expert_placement"),
+                              config.num_hidden_layers - dense_blocks, f.path)
     report = ctorch.accelerate(model, gguf=f.path, threads=threads, exact_prefill=exact_prefill,
                                max_resident=max_resident, lock=lock, huge_pages=huge_pages,
                                bf16_compute=bf16_compute, progress=options.get("progress"), _expert_share=share)

@@ -976,10 +976,32 @@ def record_trace(model, n_experts=None, top_k=None):
             trace.steps.append((layer, np.ascontiguousarray(a, dtype=np.int32)))
         return hook
 
+    def make_routed_hook(layer, rb, routed):
+        # A block routed in Colibri (colibri.torch.from_pretrained on
+        # transformers 5) never calls its router module: its ids come from
+        # the same built-in router colibri_infer runs (colibri_route). The
+        # hook on the block also keeps colibri.decode's direct step off, so
+        # every decode step passes through it.
+        cmodel, _, colibri_layer, d_model = routed[:4]
+
+        def hook(module, inputs):
+            x = inputs[0].detach().reshape(-1, d_model).float()
+            ids, _ = cmodel.route(x.contiguous(), layer=colibri_layer)
+            a = ids.reshape(-1, ids.shape[-1]).cpu().numpy().astype(np.int64)
+            a[(a < 0) | (a >= rb.n_experts)] = -1
+            if a.shape[1] < K:
+                a = np.concatenate([a, np.full((a.shape[0], K - a.shape[1]), -1, dtype=np.int64)], axis=1)
+            trace.steps.append((layer, np.ascontiguousarray(a, dtype=np.int32)))
+        return hook
+
     handles = []
     try:
         for layer, rb in enumerate(blocks):
-            handles.append(rb.router.register_forward_hook(make_hook(layer, rb)))
+            routed = rb.block.__dict__.get("_colibri_routed")
+            if routed is not None:
+                handles.append(rb.block.register_forward_pre_hook(make_routed_hook(layer, rb, routed)))
+            else:
+                handles.append(rb.router.register_forward_hook(make_hook(layer, rb)))
         yield trace
     finally:
         for h in handles:

@@ -1304,7 +1304,8 @@ def accelerate(model, dtype=None, threads=0, *, shared=True, bf16_compute=False,
 
 def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, lock=True, huge_pages=True,
                     bf16_compute=False, torch_threads="auto", dtype=None, dense_dtype=None, attention="colibri",
-                    direct_decode=True, progress=None, expert_parallel=None, expert_parallel_timeout=60.0):
+                    direct_decode=True, progress=None, expert_parallel=None, expert_parallel_timeout=60.0,
+                    expert_placement=None):
     """A transformers model whose large weights Colibri computes, from one
     call, built without materialising those weights (docs/PYTORCH.md):
 
@@ -1366,13 +1367,21 @@ def from_pretrained(path, *, threads=0, exact_prefill=False, max_resident=None, 
     group's ranks; the default group would wait 30 minutes). A peer that
     died fails the others' next all-reduce at once (connection closed); one
     that stopped answering, after this long. A group passed as
-    expert_parallel keeps its own timeout."""
+    expert_parallel keeps its own timeout.
+
+    expert_placement: which rank holds which experts, per layer, instead of
+    contiguous blocks: a colibri.placement.ExpertPlacement, or a
+    colibri.routing.RoutingTrace (or the path of a saved .ctrace) that
+    colibri.placement.balanced spreads over the group, balancing each
+    layer's routed slots with the contiguous placement's expert count per
+    rank."""
     from .loader import from_pretrained as load
 
     return load(path, threads=threads, exact_prefill=exact_prefill, max_resident=max_resident, lock=lock,
                 huge_pages=huge_pages, bf16_compute=bf16_compute, torch_threads=torch_threads, dtype=dtype,
                 dense_dtype=dense_dtype, attention=attention, direct_decode=direct_decode, progress=progress,
-                expert_parallel=expert_parallel, expert_parallel_timeout=expert_parallel_timeout)
+                expert_parallel=expert_parallel, expert_parallel_timeout=expert_parallel_timeout,
+                expert_placement=expert_placement)
 
 
 def restore(model):

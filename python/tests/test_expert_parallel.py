@@ -19,12 +19,12 @@ from test_from_pretrained import rel_l2, write  # noqa: E402
 NEW = 8
 
 
-def _rank(rank, world, path, init, out_dir):
+def _rank(rank, world, path, init, out_dir, placement=None):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         import colibri.torch as ct
 
-        model = ct.from_pretrained(path, threads=1, expert_parallel=True)
+        model = ct.from_pretrained(path, threads=1, expert_parallel=True, expert_placement=placement)
         ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
         with torch.inference_mode():
             logits = model(ids).logits
@@ -66,6 +66,78 @@ def test_two_ranks_give_the_single_process_model(tmp_path, name):
         assert rel_l2(got["logits"], want) < 1e-4, (name, rank, rel_l2(got["logits"], want))
         assert torch.equal(got["seq"], want_seq), (name, rank)
         assert got["mapped"] < 0.7 * whole_mapped, (name, rank, got["mapped"], whole_mapped)
+
+
+def test_a_placement_from_a_routing_trace_gives_the_single_process_model(tmp_path):
+    """expert_placement: a trace recorded on the whole model, balanced over
+    two ranks (colibri.placement.balanced) instead of contiguous halves:
+    the same logits and tokens as one process, each rank still packing
+    about half the expert bytes."""
+    pytest.importorskip("prometheus_client")
+    from colibri import placement, routing
+
+    path, _ = write(tmp_path, "qwen2moe")
+    import colibri.torch as ct
+
+    whole = ct.from_pretrained(path, threads=1)
+    ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = whole(ids).logits
+        want_seq = whole.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        with routing.record_trace(whole) as trace:
+            whole.generate(torch.randint(0, 318, (1, 12), generator=torch.Generator().manual_seed(9)),
+                           max_new_tokens=16, do_sample=False, pad_token_id=0)
+    # Blocks routed in Colibri are recorded through colibri_route: 12
+    # prompt tokens and 15 decode steps in each of the 2 MoE layers.
+    assert trace.n_tokens() == 2 * (12 + 15), trace
+    whole_mapped = sum(m.stats.bytes_mapped for m in _colibri_models(whole))
+    trace_path = str(tmp_path / "routing.ctrace")
+    trace.save(trace_path)
+    p = placement.balanced(trace, 2)
+    c = placement.contiguous(trace.n_layers, trace.n_experts, 2, counts=p.counts)
+    assert p.imbalance() <= c.imbalance(), (p.describe(), c.describe())
+    assert not (p.masks == c.masks).all()  # this trace moves experts
+    init = "file://" + str(tmp_path / "rendezvous")
+    mp.start_processes(_rank, args=(2, path, init, str(tmp_path), trace_path), nprocs=2, join=True,
+                       start_method="spawn")
+    for rank in (0, 1):
+        got = torch.load(str(tmp_path / ("rank%d.pt" % rank)))
+        assert rel_l2(got["logits"], want) < 1e-4, (rank, rel_l2(got["logits"], want))
+        assert torch.equal(got["seq"], want_seq), rank
+        assert got["mapped"] < 0.7 * whole_mapped, (rank, got["mapped"], whole_mapped)
+
+
+def test_balanced_placement_keeps_the_expert_counts_and_evens_the_slots():
+    from colibri import placement, routing
+
+    # One layer, slots 10, 9, 1, 1: contiguous halves carry 19 and 2; the
+    # balanced placement gives expert 0 to rank 0, 1 to rank 1, 2 to rank 1
+    # (then at 9 against 10), 3 to rank 0: 11 and 10.
+    t = routing.RoutingTrace(1, 4, 1)
+    for e, n in enumerate((10, 9, 1, 1)):
+        for _ in range(n):
+            t.append(0, [e])
+    p = placement.balanced(t, 2)
+    assert p.masks[:, 0].tolist() == [[True, False, False, True], [False, True, True, False]]
+    assert p.rank_slots().tolist() == [[11], [10]]
+    c = placement.contiguous(1, 4, 2, counts=p.counts)
+    assert c.rank_slots().tolist() == [[19], [2]]
+    assert "balanced over 2 ranks: routed slots 52.4% / 47.6%" in p.describe(), p.describe()
+    # A skewed synthetic trace over 4 ranks: 4 experts a rank a layer, every
+    # expert on one rank, the busiest rank nearer the mean than contiguous's.
+    t = routing.synthetic_trace(3, 16, 4, 300, skew=1.2, seed=3)
+    p = placement.balanced(t, 4)
+    assert (p.masks.sum(axis=2) == 4).all() and (p.masks.sum(axis=0) == 1).all()
+    c = placement.contiguous(3, 16, 4, counts=p.counts)
+    assert p.imbalance() < c.imbalance(), (p.describe(), c.describe())
+    assert abs(p.shares().sum() - 1.0) < 1e-12
+    assert placement.balanced(t, 4).digest() == p.digest() != c.digest()
+    with pytest.raises(ValueError, match="17 ranks for 16 experts"):
+        placement.balanced(t, 17)
+    masks = p.masks.copy()
+    masks[1, 0, 0] = not masks[1, 0, 0]
+    with pytest.raises(ValueError, match="expert 0 of layer 0 is held by"):
+        placement.ExpertPlacement(masks)
 
 
 def test_expert_parallel_needs_a_process_group(tmp_path):
