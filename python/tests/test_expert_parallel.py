@@ -19,19 +19,23 @@ from test_from_pretrained import rel_l2, write  # noqa: E402
 NEW = 8
 
 
-def _rank(rank, world, path, init, out_dir, placement=None):
+def _rank(rank, world, path, init, out_dir, placement=None, max_resident=None):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         import colibri.torch as ct
 
-        model = ct.from_pretrained(path, threads=1, expert_parallel=True, expert_placement=placement)
+        model = ct.from_pretrained(path, threads=1, expert_parallel=True, expert_placement=placement,
+                                   max_resident=max_resident)
         ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
         with torch.inference_mode():
             logits = model(ids).logits
             seq = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
         cmodels = {id(m): m for m in _colibri_models(model)}
         mapped = sum(m.stats.bytes_mapped for m in cmodels.values())
-        torch.save({"logits": logits, "seq": seq, "mapped": mapped}, os.path.join(out_dir, "rank%d.pt" % rank))
+        slots = sum(m.stats.cache_slots for m in cmodels.values())
+        misses = sum(m.stats.cache_misses for m in cmodels.values())
+        torch.save({"logits": logits, "seq": seq, "mapped": mapped, "slots": slots, "misses": misses},
+                   os.path.join(out_dir, "rank%d.pt" % rank))
     finally:
         dist.destroy_process_group()
 
@@ -105,6 +109,30 @@ def test_a_placement_from_a_routing_trace_gives_the_single_process_model(tmp_pat
         assert rel_l2(got["logits"], want) < 1e-4, (rank, rel_l2(got["logits"], want))
         assert torch.equal(got["seq"], want_seq), rank
         assert got["mapped"] < 0.7 * whole_mapped, (rank, got["mapped"], whole_mapped)
+
+
+def test_two_ranks_with_a_memory_budget_give_the_single_process_model(tmp_path):
+    """expert_parallel with max_resident: each rank keeps a quarter of its
+    share resident and reads the rest on demand; the sum is still one
+    process's model."""
+    pytest.importorskip("prometheus_client")
+    path, _ = write(tmp_path, "qwen2moe")
+    import colibri.torch as ct
+
+    whole = ct.from_pretrained(path, threads=1)
+    ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = whole(ids).logits
+        want_seq = whole.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    init = "file://" + str(tmp_path / "rendezvous")
+    mp.start_processes(_rank, args=(2, path, init, str(tmp_path), None, "25%"), nprocs=2, join=True,
+                       start_method="spawn")
+    for rank in (0, 1):
+        got = torch.load(str(tmp_path / ("rank%d.pt" % rank)))
+        assert rel_l2(got["logits"], want) < 1e-4, (rank, rel_l2(got["logits"], want))
+        assert torch.equal(got["seq"], want_seq), rank
+        # A quarter of the share (4 of 8 experts x 2 layers) is 2 slots; the rest were read.
+        assert 0 < got["slots"] <= 2 and got["misses"] > 0, (rank, got["slots"], got["misses"])
 
 
 def test_balanced_placement_keeps_the_expert_counts_and_evens_the_slots():
