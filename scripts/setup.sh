@@ -58,7 +58,7 @@ apt_install() {
 }
 
 apt_install cmake g++ make pkg-config nlohmann-json3-dev libxxhash-dev libcli11-dev libgtest-dev \
-  libbenchmark-dev liburing-dev valgrind clang clang-tidy qemu-user python3-venv libopenmpi-dev openmpi-bin
+  libbenchmark-dev liburing-dev valgrind clang clang-tidy qemu-user python3-venv libopenmpi-dev openmpi-bin iproute2
 # libFuzzer's runtime is versioned with clang: no fixed package name.
 clang_major="$(clang -dumpversion | cut -d. -f1)"
 apt_install "libclang-rt-${clang_major}-dev"

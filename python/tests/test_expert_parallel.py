@@ -261,3 +261,76 @@ def test_a_dead_or_silent_peer_makes_the_others_raise(tmp_path, fault):
     if fault == "silent":
         assert float(seconds) >= 2.5, (seconds, msg)  # it waited for the peer, then gave up
         assert "timed out" in msg.lower() or "timeout" in msg.lower(), msg
+
+
+_NETNS_RANK = r"""
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["COLIBRI_TEST_DIR"])
+rank, path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=os.environ["COLIBRI_INIT"], rank=rank, world_size=2)
+import colibri.torch as ct
+model = ct.from_pretrained(path, threads=1, expert_parallel=True)
+ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
+with torch.inference_mode():
+    logits = model(ids).logits
+    seq = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+torch.save({"logits": logits, "seq": seq}, out)
+dist.destroy_process_group()
+"""
+
+
+def test_two_hosts_joined_by_a_veth_pair(tmp_path):
+    """Two "hosts": network namespaces joined by a veth pair (no loopback
+    between them), a rank in each, gloo over the pair's addresses: one
+    process's logits and tokens on both. Needs root and iproute2."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 (ip netns)")
+    path, _ = write(tmp_path, "qwen2moe")
+    import colibri.torch as ct
+
+    whole = ct.from_pretrained(path, threads=1)
+    ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = whole(ids).logits
+        want_seq = whole.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    tag = "%d" % (os.getpid() % 100000)
+    ns = ["cb%sa" % tag, "cb%sb" % tag]
+    veth = ["cbv%sa" % tag, "cbv%sb" % tag]
+    net = "10.%d.%d" % (200 + os.getpid() % 50, os.getpid() % 250)
+
+    def ip(*args):
+        subprocess.run(["ip"] + list(args), check=True, capture_output=True, timeout=30)
+
+    made = []
+    try:
+        for n in ns:
+            ip("netns", "add", n)
+            made.append(n)
+        ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+        for i in (0, 1):
+            ip("link", "set", veth[i], "netns", ns[i])
+            ip("-n", ns[i], "addr", "add", "%s.%d/24" % (net, i + 1), "dev", veth[i])
+            ip("-n", ns[i], "link", "set", veth[i], "up")
+            ip("-n", ns[i], "link", "set", "lo", "up")
+        script = tmp_path / "rank.py"
+        script.write_text(_NETNS_RANK)
+        procs = []
+        for i in (0, 1):
+            env = dict(os.environ, COLIBRI_TEST_DIR=os.path.dirname(__file__), GLOO_SOCKET_IFNAME=veth[i],
+                       COLIBRI_INIT="tcp://%s.1:29517" % net)
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns[i], sys.executable, str(script), str(i), path,
+                                           str(tmp_path / ("rank%d.pt" % i))], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT))
+        outs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:]
+    finally:
+        for n in made:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=30)
+    for rank in (0, 1):
+        got = torch.load(str(tmp_path / ("rank%d.pt" % rank)))
+        assert rel_l2(got["logits"], want) < 1e-4, (rank, rel_l2(got["logits"], want))
+        assert torch.equal(got["seq"], want_seq), rank
