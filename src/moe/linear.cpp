@@ -129,11 +129,14 @@ void Linear::choose_kernels(kernels::Isa isa, bool exact, std::string* warnings)
   const PlanChoice choice =
       choose_plan_by_measurement(request, shape_, top, what, [&](const kernels::KernelPlan& plan, int32_t tokens) {
         plan_ = plan;
-        // From memory, as in a model whose weights exceed the last-level cache:
-        // a matrix left in L3 by the previous call would time the kernels'
-        // arithmetic alone, which ranks the levels differently (Zen 4: q8_0
-        // decode equal in L3, the AVX2 tables 1.12x faster from DRAM).
-        evict_from_caches(weights_.data(), weight_bytes_);
+        // One-token calls from memory, as in a model whose weights exceed the
+        // last-level cache: a matrix left in L3 by the previous call would
+        // time the kernels' arithmetic alone, which can rank the levels
+        // differently. Many-token calls are bound by arithmetic either way,
+        // and a matrix far larger than any L3 streams from memory anyway
+        // (clflush of an LM head's hundreds of MB would cost more than its call).
+        constexpr size_t kEvictMaxBytes = size_t{128} << 20;
+        if (tokens == 1 && weight_bytes_ <= kEvictMaxBytes) evict_from_caches(weights_.data(), weight_bytes_);
         const auto t0 = std::chrono::steady_clock::now();
         forward(std::min(tokens, kTokens), x.data(), in, y.data(), out);
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
