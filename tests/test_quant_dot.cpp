@@ -48,6 +48,11 @@ constexpr WeightType kTypes[] = {WeightType::kQ8_0,  WeightType::kQ4_0,  WeightT
 // kernels (quant_dot_avx512 gives nullptr).
 bool avx2_level_only(WeightType /*t*/) { return false; }
 
+bool ymm_named_apart(WeightType t) {
+  return t == WeightType::kQ8_0 || t == WeightType::kQ4_0 || t == WeightType::kMXFP4 || t == WeightType::kQ4_K ||
+         t == WeightType::kQ5_K || t == WeightType::kQ6_K;
+}
+
 const char* type_name(WeightType t) { return colibri::weight_format(t).name; }
 
 // FP8 takes fp32 activations (quant_dot.h): x and zeros, 4 bytes each.
@@ -477,16 +482,22 @@ TEST(QuantDot, TablesAndSizes) {
       }
       if (q == nullptr && !k.every_format) continue;
       ASSERT_NE(q, nullptr) << k.name;
-      EXPECT_EQ(std::string(q->name),
-                std::string(type_name(t)) + "-" + (k.kernel_suffix.empty() ? k.name : k.kernel_suffix));
+      // The EVEX ymm tables of the formats whose zmm per-row kernels came
+      // first are named apart from those ("-avx512-vnni-ymm").
+      const bool apart = k.name == "avx512-vnni-ymm" && ymm_named_apart(t);
+      EXPECT_EQ(std::string(q->name), std::string(type_name(t)) + "-" +
+                                          (apart ? k.name : k.kernel_suffix.empty() ? k.name : k.kernel_suffix));
     }
 #if defined(COLIBRI_HAVE_X86_KERNELS)
     const Isa isa = colibri::kernels::detect_isa();
     const bool avx512_vnni = isa >= Isa::kAvx512 && colibri::kernels::cpu_has_avx512_vnni();
     const bool avx_vnni = colibri::kernels::cpu_has_avx_vnni();
-    // The AVX2-level table selection hands out: with vpdpbusd where the CPU has it.
-    const QuantDotKernels* avx2_level =
-        avx_vnni ? colibri::kernels::quant_dot_avx_vnni(t) : colibri::kernels::quant_dot_avx2(t);
+    // The AVX2-level table selection hands out: with vpdpbusd where the CPU
+    // has it, VEX (AVX-VNNI) or else EVEX on ymm (AVX512_VNNI).
+    const QuantDotKernels* ymm = avx512_vnni ? colibri::kernels::quant_dot_avx512_ymm(t) : nullptr;
+    const QuantDotKernels* avx2_level = avx_vnni        ? colibri::kernels::quant_dot_avx_vnni(t)
+                                        : ymm != nullptr ? ymm
+                                                         : colibri::kernels::quant_dot_avx2(t);
     EXPECT_NE(colibri::kernels::quant_dot_avx2(t), colibri::kernels::quant_dot_avx_vnni(t));
     const QuantDotKernels* top = colibri::kernels::quant_dot_kernels(t, Isa::kAmx);
     // At the AMX level with AMX-INT8, the tile variants where a format has them.

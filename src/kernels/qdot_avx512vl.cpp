@@ -34,6 +34,12 @@ struct EvexVnniDot {
   }
 };
 
+const QuantDotKernels kQ8_0 = {"q8_0-avx512-vnni-ymm", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ8_0>};
+const QuantDotKernels kQ4_0 = {"q4_0-avx512-vnni-ymm", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ4_0>};
+const QuantDotKernels kMxfp4 = {"mxfp4-avx512-vnni-ymm", quantize_act, dot_rows_32<EvexVnniDot, Block32::kMxfp4>};
+const QuantDotKernels kQ4_K = {"q4_k-avx512-vnni-ymm", quantize_act, dot_rows_k<EvexVnniDot, Kind::kQ4K>};
+const QuantDotKernels kQ5_K = {"q5_k-avx512-vnni-ymm", quantize_act, dot_rows_k<EvexVnniDot, Kind::kQ5K>};
+const QuantDotKernels kQ6_K = {"q6_k-avx512-vnni-ymm", quantize_act, dot_rows_k<EvexVnniDot, Kind::kQ6K>};
 const QuantDotKernels kQ4_1 = {"q4_1-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ4_1>};
 const QuantDotKernels kQ5_0 = {"q5_0-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ5_0>};
 const QuantDotKernels kQ5_1 = {"q5_1-avx512-vnni", quantize_act, dot_rows_32<EvexVnniDot, Block32::kQ5_1>};
@@ -59,6 +65,18 @@ namespace COLIBRI_QDOT_VARIANT {
 
 const QuantDotKernels* quant_dot_avx512_ymm(WeightType t) {
   switch (t) {
+    case WeightType::kQ8_0:
+      return &kQ8_0;
+    case WeightType::kQ4_0:
+      return &kQ4_0;
+    case WeightType::kMXFP4:
+      return &kMxfp4;
+    case WeightType::kQ4_K:
+      return &kQ4_K;
+    case WeightType::kQ5_K:
+      return &kQ5_K;
+    case WeightType::kQ6_K:
+      return &kQ6_K;
     case WeightType::kQ4_1:
       return &kQ4_1;
     case WeightType::kQ5_0:

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "io/mapped_file.h"
+#include "kernels/quant_dot.h"
 #include "util/error.h"
 #include "util/weight_format.h"
 
@@ -271,7 +272,15 @@ std::string choice_key(const KernelChoiceRequest& request, const kernels::Expert
                     precision_name(request.precision) + "|" + weight_format(shape.weight_type).name +
                     "/" + weight_format(shape.down_type).name + " " + std::to_string(shape.d_model) + "x" +
                     std::to_string(shape.d_ff) + (shape.epilogue.plain() ? "" : " epilogue") + "|" + what + "|tables";
-  for (const Candidate& c : candidates) key += std::string(" ") + c.plan.decode->name;
+  // The integer-dot kernels under each level's table too: the same table
+  // name runs other kernels where the library learns new ones (the AVX2
+  // level's EVEX ymm kernels), and an old timing must not decide for them.
+  for (const Candidate& c : candidates) {
+    key += std::string(" ") + c.plan.decode->name;
+    for (const WeightType t : {shape.weight_type, shape.down_type}) {
+      if (const kernels::QuantDotKernels* q = kernels::quant_dot_kernels(t, c.level)) key += std::string(":") + q->name;
+    }
+  }
   return key;
 }
 
