@@ -318,9 +318,15 @@ def test_two_hosts_joined_by_a_veth_pair(tmp_path):
         script = tmp_path / "rank.py"
         script.write_text(_NETNS_RANK)
         procs = []
+        # The ranks import the colibri this process imported (ctest puts it
+        # on sys.path, not on PYTHONPATH).
+        import colibri
+
+        python_path = os.pathsep.join([os.path.dirname(os.path.dirname(colibri.__file__))]
+                                      + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         for i in (0, 1):
             env = dict(os.environ, COLIBRI_TEST_DIR=os.path.dirname(__file__), GLOO_SOCKET_IFNAME=veth[i],
-                       COLIBRI_INIT="tcp://%s.1:29517" % net)
+                       COLIBRI_INIT="tcp://%s.1:29517" % net, PYTHONPATH=python_path)
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns[i], sys.executable, str(script), str(i), path,
                                            str(tmp_path / ("rank%d.pt" % i))], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT))
