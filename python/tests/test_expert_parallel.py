@@ -40,6 +40,17 @@ def _rank(rank, world, path, init, out_dir, placement=None, max_resident=None):
         dist.destroy_process_group()
 
 
+def _single_process(path):
+    """The whole model in one process, its logits for the ranks' 9-token
+    prompt and its NEW greedy tokens: what every rank must reproduce."""
+    import colibri.torch as ct
+
+    whole = ct.from_pretrained(path, threads=1)
+    ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        return whole, whole(ids).logits, whole.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
 def _colibri_models(model):
     from colibri.metrics import colibri_models
 
@@ -55,13 +66,7 @@ def test_two_ranks_give_the_single_process_model(tmp_path, name):
     bytes."""
     pytest.importorskip("prometheus_client")
     path, _ = write(tmp_path, name)
-    import colibri.torch as ct
-
-    whole = ct.from_pretrained(path, threads=1)
-    ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
-    with torch.inference_mode():
-        want = whole(ids).logits
-        want_seq = whole.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    whole, want, want_seq = _single_process(path)
     whole_mapped = sum(m.stats.bytes_mapped for m in _colibri_models(whole))
     init = "file://" + str(tmp_path / "rendezvous")
     mp.start_processes(_rank, args=(2, path, init, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
@@ -81,13 +86,8 @@ def test_a_placement_from_a_routing_trace_gives_the_single_process_model(tmp_pat
     from colibri import placement, routing
 
     path, _ = write(tmp_path, "qwen2moe")
-    import colibri.torch as ct
-
-    whole = ct.from_pretrained(path, threads=1)
-    ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
+    whole, want, want_seq = _single_process(path)
     with torch.inference_mode():
-        want = whole(ids).logits
-        want_seq = whole.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
         with routing.record_trace(whole) as trace:
             whole.generate(torch.randint(0, 318, (1, 12), generator=torch.Generator().manual_seed(9)),
                            max_new_tokens=16, do_sample=False, pad_token_id=0)
@@ -117,13 +117,7 @@ def test_two_ranks_with_a_memory_budget_give_the_single_process_model(tmp_path):
     process's model."""
     pytest.importorskip("prometheus_client")
     path, _ = write(tmp_path, "qwen2moe")
-    import colibri.torch as ct
-
-    whole = ct.from_pretrained(path, threads=1)
-    ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
-    with torch.inference_mode():
-        want = whole(ids).logits
-        want_seq = whole.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    whole, want, want_seq = _single_process(path)
     init = "file://" + str(tmp_path / "rendezvous")
     mp.start_processes(_rank, args=(2, path, init, str(tmp_path), None, "25%"), nprocs=2, join=True,
                        start_method="spawn")
@@ -289,13 +283,7 @@ def test_two_hosts_joined_by_a_veth_pair(tmp_path):
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2 (ip netns)")
     path, _ = write(tmp_path, "qwen2moe")
-    import colibri.torch as ct
-
-    whole = ct.from_pretrained(path, threads=1)
-    ids = torch.randint(0, 318, (1, 9), generator=torch.Generator().manual_seed(5))
-    with torch.inference_mode():
-        want = whole(ids).logits
-        want_seq = whole.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    whole, want, want_seq = _single_process(path)
     tag = "%d" % (os.getpid() % 100000)
     ns = ["cb%sa" % tag, "cb%sb" % tag]
     veth = ["cbv%sa" % tag, "cbv%sb" % tag]
